@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:
-            if err.name == name:
+            if err.name and name.startswith(err.name):
                 continue
             raise
         module.register(sub)

@@ -1,0 +1,36 @@
+# megatron-repro: `make demo` and `make test` are all a new user needs.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+REPRO := $(VENV)/bin/repro
+# The read-only data mirror on this project's machines; unset elsewhere -> public downloads.
+REPRO_DATA_MIRROR ?= $(firstword $(wildcard ../shared/data /work/shared/data))
+export REPRO_DATA_MIRROR
+export REPRO_DATA_DIR ?= $(CURDIR)/data
+export OMP_NUM_THREADS ?= 1
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: setup test demo data clean
+
+setup: $(VENV)/.installed
+
+# Idempotent: the stamp is rebuilt only when pyproject.toml changes. A CUDA torch already in the
+# venv is kept; otherwise the pinned CPU build is installed first, in its own pip call.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+data: setup
+	$(REPRO) data fetch
+
+test: setup data
+	$(PY) -m pytest -q
+
+demo: setup data
+	$(REPRO) selftest --nproc 2
+
+clean:
+	rm -rf $(VENV) mlruns runs checkpoints .pytest_cache

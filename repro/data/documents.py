@@ -1,0 +1,116 @@
+"""Input documents for `repro data prepare`: loose JSON lines or plain text, and a sentence splitter.
+
+What a document is:
+- JSON lines (`.json`/`.jsonl`, or a first line starting with "{"): one document per line, its
+  text under `json_key` ("text").
+- Plain text in WikiText layout (a line " = Title = " with single "=" marks a level-1 heading):
+  each article, from its heading to the next one, is a document (sub-headings " = = ... = = " stay
+  inside). Its text is the article's lines exactly as in the file, heading included. A heading
+  must be followed by a blank line: two formula lines inside "Constant k filter" look like
+  headings but are not (the WikiText test file then has its 60 articles, not 62).
+- Other plain text: paragraphs separated by blank lines are documents.
+Whitespace-only documents are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from repro.data.errors import DataError
+
+_WIKITEXT_TITLE = re.compile(r"^ = (?!=).*(?<!=) = $")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
+FORMATS = ("auto", "jsonl", "text")
+LAYOUTS = ("auto", "wikitext", "paragraph")
+
+
+def is_wikitext_title(line: str) -> bool:
+    """True for a WikiText level-1 heading line such as ' = Valkyria Chronicles III = '."""
+    return bool(_WIKITEXT_TITLE.match(line.rstrip("\n")))
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of a text: lines split after . ! ? followed by space and a capital or digit."""
+    out = []
+    for line in text.splitlines():
+        out.extend(s.strip() for s in _SENTENCE_END.split(line.strip()) if s.strip())
+    return out
+
+
+def _check_readable(path: Path) -> None:
+    if not path.is_file():
+        raise DataError(f"{path}: input file is missing. Fix: give an existing file with --input")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: input file is empty. Fix: give a file with at least one "
+                        "document (JSON lines with a 'text' key, or plain text)")
+
+
+def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[key]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise DataError(f"{path}:{number}: not a JSON object with a {key!r} key ({err}). "
+                                "Fix: one JSON object per line, or set --json-key") from err
+            if text.strip():
+                yield text
+
+
+def _wikitext_documents(lines: Iterator[str]) -> Iterator[str]:
+    current: list[str] = []
+    for line, following in itertools.pairwise(itertools.chain(lines, [None])):
+        starts_article = is_wikitext_title(line) and (following is None or not following.strip())
+        if starts_article and current:
+            yield "".join(current)
+            current = []
+        current.append(line)
+    if current:
+        yield "".join(current)
+
+
+def _paragraph_documents(lines: Iterator[str]) -> Iterator[str]:
+    current: list[str] = []
+    for line in itertools.chain(lines, [""]):
+        if line.strip():
+            current.append(line)
+        elif current:
+            yield "".join(current)
+            current = []
+
+
+def _text_documents(path: Path, layout: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as handle:
+        head = list(itertools.islice(handle, 200))
+        if layout == "auto":
+            layout = "wikitext" if any(is_wikitext_title(x) for x in head) else "paragraph"
+        lines = itertools.chain(head, handle)
+        split = _wikitext_documents if layout == "wikitext" else _paragraph_documents
+        yield from (doc for doc in split(lines) if doc.strip())
+
+
+def _is_jsonl(path: Path) -> bool:
+    if path.suffix in (".json", ".jsonl"):
+        return True
+    with open(path, encoding="utf-8") as handle:
+        first = next((line for line in handle if line.strip()), "")
+    return first.lstrip().startswith("{")
+
+
+def read_documents(path: Path | str, input_format: str = "auto", json_key: str = "text",
+                   layout: str = "auto") -> Iterator[str]:
+    """The documents of an input file, in file order (see the module docstring for the rules)."""
+    path = Path(path)
+    if input_format not in FORMATS or layout not in LAYOUTS:
+        raise DataError(f"{path}: format {input_format!r} / layout {layout!r} unknown. Fix: use "
+                        f"a format from {FORMATS} and a layout from {LAYOUTS}")
+    _check_readable(path)
+    if input_format == "jsonl" or (input_format == "auto" and _is_jsonl(path)):
+        return _jsonl_documents(path, json_key)
+    return _text_documents(path, layout)

@@ -1,0 +1,237 @@
+"""`repro data prepare`: documents -> filtered, tokenized Megatron indexed datasets, split by document.
+
+    repro data prepare --input corpus.jsonl --output-prefix data/corpus --tokenizer gpt2
+    # -> data/corpus_train.{bin,idx}, data/corpus_valid.{bin,idx}, data/corpus_test.{bin,idx}
+
+GPT: one sequence per document, the end-of-document token appended. BERT: one sequence per sentence
+(`split_sentences`), documents marked in the document index. Filters run in this order: length
+(< min_tokens), eval overlap, near-duplicates (first of a cluster kept). The kept documents are split
+in file order into contiguous train/valid/test ranges by the weights of --split (Megatron's rule);
+the per-epoch shuffling happens later, in the datasets. Documents: see repro.data.documents.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from repro.data.documents import read_documents, split_sentences
+from repro.data.errors import DataError
+from repro.data.filters import (FilterOptions, MinHasher, NearDuplicateFilter, count_overlap,
+                                eval_ngram_set, ngram_hashes, words)
+from repro.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, best_dtype,
+                                        copy_documents)
+from repro.data.tokenizers import TextTokenizer, build_tokenizer
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """Everything `prepare` needs; field names match the command-line flags."""
+
+    input: Path
+    output_prefix: str
+    tokenizer: str = "gpt2"  # gpt2 | bert
+    data_dir: Path = Path("data")  # holds vocab/ and the eval sets (see `repro data fetch`)
+    workers: int = 2  # tokenizing processes; 1 runs in this process
+    input_format: str = "auto"  # auto | jsonl | text
+    json_key: str = "text"
+    layout: str = "auto"  # plain text: auto | wikitext | paragraph
+    split: str = "949,50,1"  # train,valid,test weights over documents
+    filters: FilterOptions = field(default_factory=FilterOptions)
+    progress: bool = True
+    chunk_docs: int = 16  # documents per task sent to a worker
+
+
+@dataclass
+class PrepareReport:
+    """Counts and speed of one `prepare` run."""
+
+    documents: int = 0
+    too_short: int = 0
+    eval_overlap: int = 0
+    near_duplicates: int = 0
+    kept: int = 0
+    tokens_read: int = 0  # tokens of every document read (end-of-document tokens excluded)
+    tokens_written: int = 0  # tokens in the outputs (end-of-document tokens included)
+    seconds: float = 0.0
+    outputs: dict[str, int] = field(default_factory=dict)  # output prefix -> documents
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens read per second of wall time (tokenizing, filtering and writing)."""
+        return self.tokens_read / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class DocResult:
+    """One processed document: its status (ok, short, overlap), sequences and MinHash signature."""
+
+    status: str
+    num_tokens: int
+    sequences: list[np.ndarray]
+    signature: np.ndarray | None = None
+
+
+class DocumentProcessor:
+    """Tokenizes one document and applies the per-document filters; picklable for workers."""
+
+    def __init__(self, tokenizer: TextTokenizer, filters: FilterOptions,
+                 eval_set: np.ndarray | None) -> None:
+        self.tokenizer = tokenizer
+        self.filters = filters
+        self.eval_set = eval_set
+        self.minhasher = MinHasher(filters.num_perm, filters.shingle_words) if filters.dedup else None
+
+    def tokenize(self, text: str) -> list[np.ndarray]:
+        """GPT: [ids + eod]; BERT: one id array per non-empty sentence."""
+        if self.tokenizer.kind == "bert":
+            ids = self.tokenizer.encode_batch(split_sentences(text))
+            return [np.asarray(x, dtype=np.int32) for x in ids if x]
+        return [np.asarray(self.tokenizer.encode(text) + [self.tokenizer.eod], dtype=np.int32)]
+
+    def __call__(self, text: str) -> DocResult:
+        sequences = self.tokenize(text)
+        count = sum(len(s) for s in sequences) - (self.tokenizer.kind == "gpt2")
+        if count < self.filters.min_tokens:
+            return DocResult("short", count, [])
+        tokens = words(text)
+        if self.eval_set is not None:
+            overlap = count_overlap(ngram_hashes(tokens, self.filters.ngram), self.eval_set)
+            if overlap >= self.filters.min_matches:
+                return DocResult("overlap", count, [])
+        signature = self.minhasher.signature(tokens) if self.minhasher else None
+        return DocResult("ok", count, sequences, signature)
+
+
+def _init_worker(processor: DocumentProcessor) -> None:
+    # The only module-level state: set once in each pool worker process, never in the parent.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _process_chunk.processor = processor
+
+
+def _process_chunk(texts: list[str]) -> list[DocResult]:
+    return [_process_chunk.processor(text) for text in texts]
+
+
+def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
+
+
+def process_documents(docs: Iterable[str], processor: DocumentProcessor, workers: int,
+                      chunk_docs: int = 16) -> Iterator[DocResult]:
+    """Processed documents in input order; workers > 1 uses a process pool, fed in windows."""
+    if workers <= 1:
+        yield from map(processor, docs)
+        return
+    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(processor,)) as pool:
+        # Pool.imap reads its whole input at once: feed it bounded windows to bound memory.
+        for window in _chunks(_chunks(docs, chunk_docs), workers * 8):
+            for results in pool.imap(_process_chunk, window):
+                yield from results
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """'949,50,1' -> (949.0, 50.0, 1.0): train, valid, test weights."""
+    try:
+        weights = tuple(float(x) for x in split.split(","))
+    except ValueError:
+        weights = ()
+    if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise DataError(f"split {split!r} is not three non-negative weights with a positive sum. "
+                        "Fix: e.g. --split 949,50,1 (train,valid,test)")
+    return weights
+
+
+def split_bounds(weights: tuple[float, ...], num_docs: int) -> list[int]:
+    """Document boundaries [0, end of train, end of valid, num_docs] from cumulative rounding."""
+    total = sum(weights)
+    cumulative = itertools.accumulate(weights)
+    return [0] + [round(c / total * num_docs) for c in cumulative]
+
+
+def _account(result: DocResult, report: PrepareReport, dedup: NearDuplicateFilter | None,
+             writer: IndexedDatasetWriter) -> None:
+    report.documents += 1
+    report.tokens_read += result.num_tokens
+    if result.status == "short":
+        report.too_short += 1
+    elif result.status == "overlap":
+        report.eval_overlap += 1
+    elif dedup is not None and dedup.is_duplicate(report.documents, result.signature):
+        report.near_duplicates += 1
+    else:
+        report.kept += 1
+        writer.add_document(result.sequences)
+        report.tokens_written = writer.num_tokens
+
+
+def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: str) -> PrepareReport:
+    filters = opts.filters
+    eval_set = (eval_ngram_set(opts.data_dir, filters.eval_files, filters.ngram)
+                if filters.eval_overlap else None)
+    processor = DocumentProcessor(tokenizer, filters, eval_set)
+    dedup = NearDuplicateFilter(filters.dedup_threshold, filters.num_perm) if filters.dedup else None
+    docs = read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)
+    report, start = PrepareReport(), time.perf_counter()
+    results = process_documents(docs, processor, opts.workers, opts.chunk_docs)
+    with IndexedDatasetWriter(tmp_prefix, best_dtype(tokenizer.vocab_size)) as writer, \
+            tqdm(results, unit="doc", disable=not opts.progress, desc="prepare") as bar:
+        for result in bar:
+            _account(result, report, dedup, writer)
+            if report.documents % 256 == 0:
+                rate = report.tokens_read / (time.perf_counter() - start)
+                bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _check_kept(opts: PrepareOptions, report: PrepareReport) -> None:
+    if report.kept == 0:
+        raise DataError(f"{opts.input}: none of its {report.documents} documents survived the "
+                        f"filters ({report.too_short} under {opts.filters.min_tokens} tokens, "
+                        f"{report.eval_overlap} overlapping eval sets, {report.near_duplicates} "
+                        "near-duplicates). Fix: lower --min-tokens or disable a filter")
+
+
+def prepare(opts: PrepareOptions) -> PrepareReport:
+    """Tokenize, filter and split opts.input into PREFIX_{train,valid,test}.{bin,idx}."""
+    weights = parse_split(opts.split)
+    tokenizer = build_tokenizer(opts.tokenizer, opts.data_dir)
+    Path(opts.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{os.getpid()}"
+    try:
+        report = _tokenize_all(opts, tokenizer, tmp_prefix)
+        _check_kept(opts, report)
+        unsplit = IndexedDataset(tmp_prefix)
+        bounds = split_bounds(weights, unsplit.num_documents)
+        for name, lo, hi in zip(SPLIT_NAMES, bounds, bounds[1:]):
+            copy_documents(unsplit, lo, hi, f"{opts.output_prefix}_{name}")
+            report.outputs[f"{opts.output_prefix}_{name}"] = hi - lo
+        del unsplit
+    finally:
+        for suffix in (".bin", ".idx"):
+            Path(tmp_prefix + suffix).unlink(missing_ok=True)
+    _write_report(opts, report)
+    return report
+
+
+def _write_report(opts: PrepareOptions, report: PrepareReport) -> None:
+    record = {"options": {k: str(v) for k, v in asdict(opts).items() if k != "filters"},
+              "filters": asdict(opts.filters), "report": asdict(report),
+              "tokens_per_s": report.tokens_per_s}
+    path = Path(f"{opts.output_prefix}_prepare.json")
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,119 @@
+"""Per-epoch shuffled sample order (cached as .npy) and a resumable data-parallel micro-batch loader.
+
+Samples are addressed by a *global position* p = 0, 1, 2, ... over the whole run: epoch p // n,
+sample order(epoch)[p % n], where order(epoch) is a seeded permutation of the n samples. Every step
+consumes a global micro batch of micro_batch_size * dp_size positions; DP rank r takes the r-th
+slice of it. Tensor-parallel ranks of one group pass the same dp_rank, so they read the same
+samples; nothing here reads a global or a process group.
+
+Example: 4 GPUs, TP=2 x DP=2, micro_batch_size=2. Ranks 0,1 (dp_rank 0) read positions 0,1 then
+4,5 ...; ranks 2,3 (dp_rank 1) read 2,3 then 6,7 .... After 3 steps consumed_samples = 12, and a
+loader started with consumed_samples=12 continues with 12,13 / 14,15.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import numpy as np
+
+Sample = TypeVar("Sample")
+Batch = TypeVar("Batch")
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """np.save through a temporary file and os.replace, so readers never see a partial file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        np.save(handle, array)
+    os.replace(tmp, path)
+
+
+def cached_array(path: Path | None, build: Callable[[], np.ndarray],
+                 valid: Callable[[np.ndarray], bool]) -> np.ndarray:
+    """Load path if it holds a valid array, else build it and try to cache it there."""
+    if path is not None and path.is_file():
+        try:
+            array = np.load(path, mmap_mode="r")
+            if valid(array):
+                return array
+        except (OSError, ValueError):
+            pass  # unreadable or partial cache: rebuild it below
+    array = build()
+    if path is not None:
+        try:
+            save_npy_atomic(path, array)
+        except OSError as err:
+            warnings.warn(f"{path}: could not cache the sample index ({err}); using it in memory",
+                          stacklevel=2)
+    return array
+
+
+class EpochShuffle:
+    """A seeded permutation of num_samples per epoch, cached as PREFIX_shuffle_n{n}_seed{s}_e{e}.npy."""
+
+    def __init__(self, num_samples: int, seed: int, cache_prefix: str | None) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.cache_prefix = cache_prefix
+        self._epoch = -1
+        self._order = np.zeros(0, dtype=np.int64)
+
+    def _path(self, epoch: int) -> Path | None:
+        if self.cache_prefix is None:
+            return None
+        return Path(f"{self.cache_prefix}_shuffle_n{self.num_samples}_seed{self.seed}_e{epoch}.npy")
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample order of one epoch (a permutation of range(num_samples))."""
+        if epoch != self._epoch:
+            n = self.num_samples
+            build = lambda: np.random.default_rng([self.seed, epoch]).permutation(n)  # noqa: E731
+            valid = lambda a: a.shape == (n,) and a.dtype.kind in "iu"  # noqa: E731
+            self._order, self._epoch = cached_array(self._path(epoch), build, valid), epoch
+        return self._order
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(epoch, sample index) of a global position."""
+        epoch, offset = divmod(position, self.num_samples)
+        return epoch, int(self.order(epoch)[offset])
+
+
+def rank_positions(step_start: int, micro_batch_size: int, dp_rank: int) -> range:
+    """Global positions of one DP rank's micro batch, given the first position of the step."""
+    first = step_start + dp_rank * micro_batch_size
+    return range(first, first + micro_batch_size)
+
+
+class ResumableLoader(Generic[Sample, Batch]):
+    """Micro batches for one DP rank; `consumed_samples` (all ranks together) is the resume point."""
+
+    def __init__(self, fetch: Callable[[int], Sample], collate: Callable[[list[Sample]], Batch],
+                 micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int = 0,
+                 total_samples: int | None = None) -> None:
+        global_batch = micro_batch_size * dp_size
+        if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need micro_batch_size >= 1 and 0 <= dp_rank < dp_size; got "
+                             f"micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, "
+                             f"dp_size={dp_size}")
+        if consumed_samples < 0 or consumed_samples % global_batch:
+            raise ValueError(f"consumed_samples={consumed_samples} is not a multiple of "
+                             f"micro_batch_size * dp_size = {micro_batch_size} * {dp_size}; "
+                             "resume from the count saved with a checkpoint")
+        self.fetch, self.collate = fetch, collate
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.consumed_samples = consumed_samples
+        self.total_samples = total_samples
+
+    def __iter__(self) -> Iterator[Batch]:
+        global_batch = self.micro_batch_size * self.dp_size
+        while self.total_samples is None or \
+                self.consumed_samples + global_batch <= self.total_samples:
+            positions = rank_positions(self.consumed_samples, self.micro_batch_size, self.dp_rank)
+            batch = self.collate([self.fetch(p) for p in positions])
+            self.consumed_samples += global_batch
+            yield batch

@@ -1,0 +1,69 @@
+"""Typed model configuration shared by GPT and BERT, with the paper's field names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from repro.parallel.layers import pad_vocab_size
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot work; the message names the numbers and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Transformer hyper-parameters (paper Table 1/2/4 names)."""
+
+    num_layers: int = 2
+    """Transformer layers (N in the 1/sqrt(2N) output-projection init)."""
+    hidden_size: int = 64
+    """Model width h; the MLP is 4h wide."""
+    num_attention_heads: int = 4
+    """Attention heads; each TP rank owns num_attention_heads / tp whole heads."""
+    seq_length: int = 128
+    """Maximum sequence length (learned position embeddings)."""
+    vocab_size: int = 50257
+    """Real vocabulary size of the tokenizer, before padding."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of lcm(this, tp); 1024 gives the paper's 51,200 for GPT-2."""
+    hidden_dropout: float = 0.1
+    """Dropout on embeddings and on each sublayer's output (outside TP regions)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (inside TP regions: differs per TP rank)."""
+    init_method_std: float = 0.02
+    """Std of the N(0, std) weight init; output projections use std / sqrt(2 num_layers)."""
+    layernorm_epsilon: float = 1e-5
+    """Layer-norm epsilon (GPT-2 and Hugging Face use 1e-5)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer layer in the backward pass (paper: after every layer)."""
+    num_tokentypes: int = 0
+    """Token-type (segment) embeddings: 0 for GPT, 2 for BERT."""
+
+    def validate(self, tp: int = 1) -> None:
+        """Raise ConfigError for a layout these sizes cannot be split into."""
+        h, nh = self.hidden_size, self.num_attention_heads
+        if h % nh:
+            raise ConfigError(
+                f"hidden_size={h} is not divisible by num_attention_heads={nh}: "
+                f"choose a head count that divides {h}"
+            )
+        if nh % tp:
+            raise ConfigError(
+                f"num_attention_heads={nh} is not divisible by tp={tp}: every TP rank must own whole "
+                f"heads; use a tp that divides {nh}"
+            )
+        for name in ("num_layers", "seq_length", "vocab_size", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """The embedding's row count: vocab_size padded so that it splits evenly across tp."""
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads

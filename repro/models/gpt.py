@@ -1,0 +1,154 @@
+"""GPT-2 built from tensor-parallel layers; at tp=1 it is the ordinary serial model.
+
+Parameter names follow Hugging Face's GPT2LMHeadModel (`transformer.wte`, `transformer.h.N.attn.c_attn`,
+...), so a TP=1 state dict maps onto it by name (HF's Conv1D stores weights transposed).
+
+Per layer and pass the model issues the paper's 2 all-reduces (g after attention and after MLP in
+the forward; f before attention and before MLP in the backward).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from repro.models.config import ModelConfig
+from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
+from repro.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    normal_init,
+    scaled_init,
+)
+from repro.parallel.mappings import copy_to_tensor_parallel_region, group_rank, group_size
+from repro.parallel.random import RNGTracker, checkpoint
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention: QKV column-parallel (whole heads per rank), output row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, rng: RNGTracker | None, generator, device=None, causal=True):
+        super().__init__()
+        h = cfg.hidden_size
+        self.heads_per_rank = cfg.num_attention_heads // group_size(tp_group)
+        self.head_dim = cfg.head_dim
+        self.dropout_p, self.rng, self.causal = cfg.attention_dropout, rng, causal
+        init = normal_init(cfg.init_method_std)
+        self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group=tp_group, stride=3, init=init,
+                                           generator=generator, device=device)
+        self.c_proj = RowParallelLinear(h, h, tp_group=tp_group, generator=generator, device=device,
+                                        init=scaled_init(cfg.init_method_std, cfg.num_layers))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.c_attn(x)  # (b, s, 3 * nh_local * hs): [q_local | k_local | v_local]
+        q, k, v = (t.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2)
+                   for t in qkv.chunk(3, dim=-1))  # (b, nh_local, s, hs)
+        dropout_p = self.dropout_p if self.training else 0.0
+        in_tp_region = self.rng.fork() if (self.rng is not None and dropout_p > 0) else nullcontext()
+        with in_tp_region:  # attention dropout: a different stream on every TP rank
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                               is_causal=self.causal and attn_mask is None)
+        y = y.transpose(1, 2).reshape(b, s, self.heads_per_rank * self.head_dim)  # (b, s, h/tp)
+        return self.c_proj(y)
+
+
+class ParallelMLP(nn.Module):
+    """GeLU(X A) B with A column-parallel (GeLU on each rank's slice) and B row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, generator, device=None):
+        super().__init__()
+        h = cfg.hidden_size
+        self.c_fc = ColumnParallelLinear(h, 4 * h, tp_group=tp_group, generator=generator, device=device,
+                                         init=normal_init(cfg.init_method_std))
+        self.c_proj = RowParallelLinear(4 * h, h, tp_group=tp_group, generator=generator, device=device,
+                                        init=scaled_init(cfg.init_method_std, cfg.num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer layer: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x)))."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, rng, generator, device=None, causal=True):
+        super().__init__()
+        eps = cfg.layernorm_epsilon
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps, device=device)
+        self.attn = ParallelAttention(cfg, tp_group, rng, generator, device, causal)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps, device=device)
+        self.mlp = ParallelMLP(cfg, tp_group, generator, device)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), attn_mask))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model with a vocab-parallel, tied output layer.
+
+    `forward(ids)` returns this rank's vocab slice of the logits, (b, s, V_padded / tp), with the
+    padded vocabulary columns at -inf (never predicted). `loss(ids, labels)` returns the per-token
+    loss (b, s) through the vocab-parallel cross-entropy, without gathering logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, rng: RNGTracker | None = None,
+                 seed: int = 1234, device=None):
+        super().__init__()
+        tp = group_size(tp_group)
+        cfg.validate(tp)
+        self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
+        self.padded_vocab = cfg.padded_vocab_size(tp)
+        generator = torch.Generator().manual_seed(seed)  # shared by all ranks: master-weight init
+        init = normal_init(cfg.init_method_std)
+        self.transformer = nn.ModuleDict(dict(
+            wte=VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group=tp_group,
+                                       init=init, generator=generator, device=device),
+            wpe=nn.Embedding(cfg.seq_length, cfg.hidden_size, device=device),
+            drop=nn.Dropout(cfg.hidden_dropout),
+            h=nn.ModuleList(Block(cfg, tp_group, rng, generator, device) for _ in range(cfg.num_layers)),
+            ln_f=nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device),
+        ))
+        if not self.transformer.wpe.weight.is_meta:
+            with torch.no_grad():
+                self.transformer.wpe.weight.copy_(_drawn((cfg.seq_length, cfg.hidden_size), init, generator))
+        per_rank = self.padded_vocab // tp
+        self.num_real_local = max(0, min(per_rank, cfg.vocab_size - group_rank(tp_group) * per_rank))
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final-layer-norm output (b, s, h), replicated on every TP rank."""
+        b, s = ids.shape
+        if s > self.cfg.seq_length:
+            raise ValueError(f"sequence length {s} exceeds the model's seq_length {self.cfg.seq_length}")
+        pos = torch.arange(s, device=ids.device)
+        x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(pos))  # (b, s, h)
+        for block in self.transformer.h:
+            if self.cfg.activation_checkpointing and self.training:
+                x = checkpoint(block, x, tracker=self.rng)
+            else:
+                x = block(x)
+        return self.transformer.ln_f(x)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel_region(self.hidden_states(ids), self.tp_group)  # f
+        logits = F.linear(x, self.transformer.wte.weight)  # (b, s, V/tp): tied output layer
+        if self.num_real_local < logits.shape[-1]:
+            pad = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            pad[self.num_real_local:] = True
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
+
+    def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy (b, s), computed in float32 without gathering logits."""
+        return vocab_parallel_cross_entropy(self(ids), labels, self.tp_group)
+
+
+def _drawn(shape, init, generator) -> torch.Tensor:
+    t = torch.empty(shape)
+    init(t, generator)
+    return t

@@ -1,0 +1,57 @@
+"""Fused vocab-parallel cross-entropy (paper §3): never gathers the b x s x v logits.
+
+Each rank holds logits for its vocab slice. Three all-reduces of b x s scalars (max, target
+logit, sum of exponentials) give the exact softmax cross-entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from repro.parallel.mappings import group_rank, group_size
+
+
+def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # half-precision logits: the softmax is computed in float32
+        logits_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)  # (b, s)
+        shifted = logits - logits_max.unsqueeze(-1)
+        per_rank = logits.shape[-1]
+        start = group_rank(group) * per_rank
+        outside = (target < start) | (target >= start + per_rank)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0), dist.ReduceOp.SUM, group)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(target), computed in place
+        inside = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Per-token loss (b, s) from vocab-parallel logits (b, s, v/tp) and global target ids (b, s).
+
+    Computed in float32 for half-precision logits (float64 stays float64). Columns set to -inf (padded vocab) get zero
+    probability and zero gradient.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group)

@@ -1,0 +1,181 @@
+"""Tensor-parallel layers: the paper's column- and row-parallel linears and vocab-parallel embedding.
+
+Every layer draws its *full* master weight from a generator shared by all ranks and keeps only
+its own slice, so a model built from the same seed is bit-identical at every TP degree. Sharded
+parameters carry `tensor_model_parallel=True`, `partition_dim` and `partition_stride`, which the
+gradient norm, DeepSpeed ZeRO and checkpoint resharding read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from repro.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
+InitFn = Callable[[torch.Tensor, torch.Generator | None], None]
+
+
+def normal_init(std: float) -> InitFn:
+    """N(0, std) initialiser drawing from an explicit generator."""
+
+    def init(tensor: torch.Tensor, generator: torch.Generator | None) -> None:
+        nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
+
+    return init
+
+
+def scaled_init(std: float, num_layers: int) -> InitFn:
+    """N(0, std / sqrt(2 N)): the paper's init for projections that feed a residual add."""
+    return normal_init(std / math.sqrt(2.0 * num_layers))
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
+    """Tag a sharded parameter (read by grad-norm, ZeRO and resharding)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for parameters sharded across the TP group."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def shard_master(master: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """This rank's slice of a full tensor split along `dim` into `size * stride` chunks.
+
+    With stride 3 (fused QKV) rank r takes chunks r, size + r, 2 * size + r: its own heads'
+    query, key and value rows.
+    """
+    chunks = master.chunk(size * stride, dim=dim)
+    return torch.cat([chunks[i * size + rank] for i in range(stride)], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of `shard_master`: the full tensor from every rank's slice, in rank order."""
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][i] for i in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def _init_sharded(
+    param: nn.Parameter, full_shape: tuple[int, ...], dim: int, group, stride: int,
+    init: InitFn, generator: torch.Generator | None,
+) -> None:
+    """Draw the full master weight on CPU, then copy this rank's slice into `param`."""
+    if param.is_meta:
+        return
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init(master, generator)
+    shard = shard_master(master, dim, group_rank(group), group_size(group), stride)
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {parts}")
+    return total // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: rank i computes X A_i (f at the input).
+
+    Weight is stored as (out_features / tp, in_features), like nn.Linear.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
+        gather_output: bool = False, stride: int = 1, init: InitFn = normal_init(0.02),
+        generator: torch.Generator | None = None, device=None, dtype=None,
+    ) -> None:
+        super().__init__()
+        self.tp_group, self.gather_output = tp_group, gather_output
+        tp = group_size(tp_group)
+        self.out_per_rank = _divide(out_features, tp * stride, "out_features / stride") * stride
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, device=device, dtype=dtype))
+        mark_tensor_parallel(self.weight, partition_dim=0, stride=stride)
+        _init_sharded(self.weight, (out_features, in_features), 0, tp_group, stride, init, generator)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_per_rank, device=device, dtype=dtype))
+            mark_tensor_parallel(self.bias, partition_dim=0, stride=stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows: rank i computes X_i A_i, then g sums; b added once after."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
+        input_is_parallel: bool = True, init: InitFn = normal_init(0.02),
+        generator: torch.Generator | None = None, device=None, dtype=None,
+    ) -> None:
+        super().__init__()
+        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        in_per_rank = _divide(in_features, group_size(tp_group), "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_rank, device=device, dtype=dtype))
+        mark_tensor_parallel(self.weight, partition_dim=1)
+        _init_sharded(self.weight, (out_features, in_features), 1, tp_group, 1, init, generator)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.tp_group)
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split along the vocabulary: rank i owns ids [i*V/tp, (i+1)*V/tp).
+
+    Ids outside this rank's range give zero rows; g sums the partial lookups.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
+        init: InitFn = normal_init(0.02), generator: torch.Generator | None = None,
+        device=None, dtype=None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.num_embeddings = num_embeddings
+        per_rank = _divide(num_embeddings, group_size(tp_group), "padded vocab size")
+        self.vocab_start = group_rank(tp_group) * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
+        mark_tensor_parallel(self.weight, partition_dim=0)
+        _init_sharded(self.weight, (num_embeddings, embedding_dim), 0, tp_group, 1, init, generator)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(rows, self.tp_group)
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocab up to a multiple of lcm(divisible_by, tp), so every rank gets V/tp rows.
+
+    GPT-2's 50,257 with divisible_by=1024 gives the paper's 51,200 at tp = 1, 2, 4 and 8 (each
+    rank's slice then a multiple of 128 at tp=8). With divisible_by=128: 50,304.
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return int(math.ceil(vocab_size / multiple) * multiple)

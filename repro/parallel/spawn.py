@@ -1,0 +1,76 @@
+"""Run a function on N local ranks (gloo on CPU, NCCL on GPU) with a hang timeout.
+
+Used by the tests and by `repro selftest --nproc N`. The function must be importable (defined at
+module level); its return value must be picklable (plain numbers, lists, dicts).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_lib
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """An unused TCP port on localhost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, backend, fn, args, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # one intra-op thread per rank: oversubscribed cores are ~10x slower
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
+              backend: str = "gloo") -> list[Any]:
+    """Spawn `world_size` ranks running fn(*args); return their results in rank order.
+
+    Raises RuntimeError with the failing rank's traceback, or TimeoutError after `timeout`
+    seconds (the ranks are then killed, so a hung collective never hangs the caller).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(collected) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            try:
+                rank, ok, value = results.get(timeout=max(remaining, 0.01))
+            except queue_lib.Empty:
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{value}")
+            collected[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [collected[r] for r in range(world_size)]

@@ -1,0 +1,33 @@
+"""environment.yml (conda, for clusters) and pyproject.toml list the same dependencies."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _normalise(req: str) -> str:
+    name = re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0]
+    return name.lower().replace("_", "-")
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_normalise(r) for r in project["dependencies"]}
+    for extra in project["optional-dependencies"].values():
+        wanted |= {_normalise(r) for r in extra}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_block = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    listed = {_normalise(r) for r in pip_block}
+    assert listed == wanted, f"only in environment.yml: {listed - wanted}; only in pyproject: {wanted - listed}"
+
+
+def test_ci_and_readme_use_the_make_targets():
+    assert "make test" in (ROOT / ".ci/run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme

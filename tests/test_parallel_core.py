@@ -1,0 +1,129 @@
+"""Issue 2: every TP (x DP) layout reproduces the serial model; collectives; RNG; bad configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repro.models.config import ConfigError, ModelConfig
+from repro.parallel import checks
+from repro.parallel.groups import LayoutError, ParallelDims, ProcessGroups, discover_launch_env
+from repro.parallel.layers import pad_vocab_size
+from repro.parallel.spawn import run_ranks
+
+
+def _rank_checks(layouts: list[tuple[int, int]]) -> list[dict]:
+    return checks.run_all(layouts, include_hf=False)
+
+
+def _failures(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not r["passed"]]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """TP=2 (and TP=1 x DP=2) on 2 gloo ranks: every check of every rank."""
+    return [row for rows in run_ranks(_rank_checks, 2, [(1, 2), (2, 1)]) for row in rows]
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """TP=4 and TP=2 x DP=2 on 4 gloo ranks."""
+    return [row for rows in run_ranks(_rank_checks, 4, [(4, 1), (2, 2)]) for row in rows]
+
+
+def _named(rows, fragment):
+    picked = [r for r in rows if fragment in r["name"]]
+    assert picked, f"no check named like {fragment!r}"
+    return picked
+
+
+def test_serial_tp1_matches_itself_exactly():
+    rows = [c.as_dict() for dt in (torch.float32, torch.float64)
+            for c in checks.check_equivalence(ProcessGroups.single(), dt)]
+    assert not _failures(rows), rows
+
+
+@pytest.mark.parametrize("layout", ["tp=2 dp=1", "tp=1 dp=2"])
+def test_two_rank_layouts_reproduce_serial(two_ranks, layout):
+    rows = _named(two_ranks, layout)
+    assert len(rows) == 2 * 8  # 2 ranks x (fp32, fp64) x (logits, padding, loss, grads)
+    assert not _failures(rows), _failures(rows)
+
+
+@pytest.mark.parametrize("layout", ["tp=4 dp=1", "tp=2 dp=2"])
+def test_four_rank_layouts_reproduce_serial(four_ranks, layout):
+    rows = _named(four_ranks, layout)
+    assert not _failures(rows), _failures(rows)
+
+
+def test_float32_and_float64_tolerances_are_the_stated_ones(four_ranks):
+    for row in _named(four_ranks, "float64: every gradient"):
+        assert row["tolerance"] == 1e-10 and row["max_error"] < 1e-10
+    for row in _named(four_ranks, "float32: every gradient"):
+        assert row["tolerance"] == 1e-5 and row["max_error"] < 1e-5
+
+
+def test_collective_counts_match_the_paper(two_ranks):
+    assert not _failures(_named(two_ranks, "collectives"))
+    assert not _failures(_named(two_ranks, "no all-gather"))
+
+
+@pytest.mark.parametrize("fragment", ["parallel cross-entropy loss", "parallel cross-entropy grad"])
+def test_vocab_parallel_cross_entropy(two_ranks, four_ranks, fragment):
+    assert not _failures(_named(two_ranks, fragment) + _named(four_ranks, fragment))
+
+
+@pytest.mark.parametrize("fragment", ["hidden dropout", "replicated activations", "TP-region dropout", "checkpointing"])
+def test_dropout_rng_scheme(two_ranks, four_ranks, fragment):
+    assert not _failures(_named(two_ranks, fragment) + _named(four_ranks, fragment))
+
+
+def test_matches_huggingface_gpt2():
+    rows = [c.as_dict() for c in checks.check_huggingface()]
+    assert not _failures(rows), rows
+
+
+def test_collective_counter_sees_a_mismatch():
+    """The counting check can fail: a model with one layer more is not the expected count."""
+    want = checks.expected_tp_collectives(2, 2, 16, 64)
+    other = checks.expected_tp_collectives(3, 2, 16, 64)
+    assert want["forward"] != other["forward"]
+
+
+def test_rank_grid_is_the_papers():
+    dims = ParallelDims(tp=2, dp=4)
+    assert dims.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.dp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_padded_vocab_reaches_51200_at_every_tp():
+    for tp in (1, 2, 4, 8):
+        assert pad_vocab_size(50257, 1024, tp) == 51200
+    assert pad_vocab_size(1000, 128, 1) == 1024
+    assert pad_vocab_size(1000, 128, 3) == 1152  # lcm(128, 3) = 384
+
+
+@pytest.mark.parametrize("cfg, tp, needle", [
+    (ModelConfig(num_attention_heads=4), 3, "num_attention_heads=4 is not divisible by tp=3"),
+    (ModelConfig(hidden_size=64, num_attention_heads=6), 1, "hidden_size=64 is not divisible by num_attention_heads=6"),
+])
+def test_bad_model_configs_name_the_numbers(cfg, tp, needle):
+    with pytest.raises(ConfigError, match=needle):
+        cfg.validate(tp)
+
+
+def test_bad_layout_names_the_numbers():
+    with pytest.raises(LayoutError, match=r"tp=2 x dp=3 = 6 ranks, but the world size is 4"):
+        ParallelDims(2, 3).validate(4)
+    with pytest.raises(LayoutError, match=r"tp=3 does not divide world size 4"):
+        ParallelDims.from_world(3, 4)
+
+
+def test_rank_discovery_prefers_torchrun_then_slurm():
+    torchrun = discover_launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "SLURM_PROCID": "0",
+                                    "MASTER_ADDR": "h1", "MASTER_PORT": "1234"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.master_port) == (3, 4, 1, 1234)
+    slurm = discover_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                                 "MASTER_ADDR": "node7"})
+    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_addr) == (5, 8, 1, "node7")

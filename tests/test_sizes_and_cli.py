@@ -1,0 +1,46 @@
+"""Named sizes round to the paper's counts; `repro selftest` and `repro sizes` run end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from repro.models.sizes import SIZES, count_parameters
+
+PAPER_COUNTS = {"1.2B": 1.2e9, "2.5B": 2.5e9, "4.2B": 4.2e9, "8.3B": 8.3e9, "355M": 355e6,
+                "336M": 336e6, "1.3B": 1.3e9, "3.9B": 3.9e9}
+
+
+def _rounds_to(n: int, paper: str) -> bool:
+    """True when n rounds to the paper's figure at the paper's precision ("1.2B": +-0.05B)."""
+    unit = 1e9 if paper.endswith("B") else 1e6
+    digits = paper[:-1].split(".")
+    half_step = 0.5 * unit * (10.0 ** -len(digits[1]) if len(digits) == 2 else 1.0)
+    return abs(n - PAPER_COUNTS[paper]) <= half_step
+
+
+@pytest.mark.parametrize("name", [n for n, s in SIZES.items() if s.family == "gpt"])
+def test_gpt_sizes_round_to_the_papers(name):
+    """Counted on the meta device. GPT-2 355M rounds to the paper only with the unpadded vocab
+    (354.8M; the padded 51,200 rows give 355.8M): the paper's figure is GPT-2 medium's usual name."""
+    size = SIZES[name]
+    padded = count_parameters(size)
+    unpadded = padded - (size.model_config().padded_vocab_size() - size.vocab_size) * size.hidden_size
+    assert _rounds_to(padded, size.paper_params) or _rounds_to(unpadded, size.paper_params), (padded, unpadded)
+
+
+def test_selftest_cli_passes_on_two_ranks():
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "selftest", "--nproc", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "25/25 checks passed" in out.stdout
+    assert "FAIL" not in out.stdout
+
+
+def test_sizes_cli_prints_every_size():
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "sizes", "--family", "gpt"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "scaling-8.3b" in out.stdout and "8.3B" in out.stdout

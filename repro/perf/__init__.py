@@ -1,0 +1,1 @@
+"""Performance accounting: FLOPs and MFU, benchmarks, memory, and an analytic scaling model."""

@@ -1,0 +1,326 @@
+"""One-device training-step benchmark of the 1.2B config (Table 1 row 1): tokens/s, TFLOP/s, MFU.
+
+    python -m repro.perf.gpu_bench --out results/bench/gpu            # CUDA: 1.2B, batch 8, seq 1024
+    python -m repro.perf.gpu_bench --out /tmp/b --tiny                 # CPU smoke run, tiny model
+
+Each configuration (dtype x activation checkpointing) times full training steps: forward, backward
+and a fused AdamW step. Precision: autocast to bf16/fp16 over fp32 master weights (fp16 adds a
+dynamic GradScaler); the cross-entropy is computed in fp32. Warm-up steps are excluded; every phase
+is timed between torch.cuda.synchronize() calls. A configuration that fails (OOM or other error) is
+recorded, not raised; after a total time budget the script stops. JSON and Markdown are rewritten
+atomically after every configuration, with provenance (device, versions, date, git SHA, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from repro.models.config import ModelConfig
+from repro.perf.flops import flops_per_iteration
+from repro.perf.peaks import match_device, measure_cpu_peak
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1000)
+
+
+@dataclass
+class RunSpec:
+    """One configuration to time."""
+
+    dtype: str
+    checkpointing: bool
+    batch: int
+    compile: bool = False
+
+
+@dataclass
+class RunResult:
+    """What one configuration measured (or why it could not)."""
+
+    spec: RunSpec
+    status: str = "ok"  # ok | oom | error | skipped (budget)
+    error: str = ""
+    steps_timed: int = 0
+    step_s_median: float = float("nan")
+    phase_s_median: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float = float("nan")
+    model_tflops: float = float("nan")
+    hardware_tflops: float = float("nan")
+    mfu: float = float("nan")
+    hfu: float = float("nan")
+    peak_memory_gib: float | None = None
+    peak_tflops: float | None = None
+    loss_first: float = float("nan")
+    loss_last: float = float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+
+def build_model(cfg: ModelConfig, device: torch.device):
+    """The serial GPT with fp32 master weights built directly on `device`.
+
+    Built on the meta device and initialised in place (N(0, std) weights, unit layer-norm scales,
+    zero biases): the timing does not depend on the values, and a 1.2B CPU init would take ~30 s.
+    """
+    from repro.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, cfg.init_method_std, generator=gen)
+    if any(True for _ in model.buffers()):
+        raise RuntimeError("GPT gained buffers: initialise them in build_model")
+    return model.train()
+
+
+def _timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device) -> tuple[dict[str, float], float]:
+    """One training step; returns seconds per phase and the loss value."""
+    t0 = time.perf_counter()
+    with torch.autocast(device.type, dtype=DTYPES[spec.dtype], enabled=spec.dtype != "fp32"):
+        loss = loss_fn(ids, ids).mean()
+    _sync(device)
+    t1 = time.perf_counter()
+    scaler.scale(loss).backward()
+    _sync(device)
+    t2 = time.perf_counter()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    t3 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}, float(loss.detach())
+
+
+def _fill(result: RunResult, cfg: ModelConfig, phases: list[dict], losses: list[float], peak) -> None:
+    spec = result.spec
+    steps = [sum(p.values()) for p in phases]
+    result.steps_timed = len(steps)
+    result.step_s_median = _median(steps)
+    result.phase_s_median = {k: _median([p[k] for p in phases]) for k in phases[0]}
+    result.tokens_per_s = spec.batch * cfg.seq_length / result.step_s_median
+    model_f = flops_per_iteration(cfg, spec.batch, recompute=False)
+    hw_f = flops_per_iteration(cfg, spec.batch, recompute=spec.checkpointing)
+    result.model_tflops = model_f / result.step_s_median / 1e12
+    result.hardware_tflops = hw_f / result.step_s_median / 1e12
+    if peak:
+        result.mfu, result.hfu = result.model_tflops / peak, result.hardware_tflops / peak
+    result.loss_first, result.loss_last = losses[0], losses[-1]
+
+
+def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmup: int,
+               peak: float | None, deadline: float) -> RunResult:
+    """Time `steps` training steps after `warmup` ones; stops early at the deadline."""
+    result = RunResult(spec, peak_tflops=peak)
+    model.cfg.activation_checkpointing = spec.checkpointing
+    loss_fn = torch.compile(model.loss) if spec.compile else model.loss
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
+    scaler = torch.amp.GradScaler(device.type, enabled=spec.dtype == "fp16")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (spec.batch, cfg.seq_length), generator=gen).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    phases, losses = [], []
+    for i in range(warmup + steps):
+        if time.monotonic() > deadline:
+            result.error = f"time budget reached after {len(phases)} timed steps"
+            break
+        timing, loss = _timed_step(model, loss_fn, opt, scaler, ids, spec, device)
+        losses.append(loss)
+        if i >= warmup:
+            phases.append(timing)
+    if device.type == "cuda":
+        result.peak_memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    if phases:
+        _fill(result, cfg, phases, losses, peak)
+    else:
+        result.status = "skipped"
+    return result
+
+
+def _cleanup(model, device) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def safe_run(model, cfg, spec, device, steps, warmup, peak, deadline) -> RunResult:
+    """run_config, recording OOM and other errors instead of raising."""
+    result = None
+    try:
+        result = run_config(model, cfg, spec, device, steps, warmup, peak, deadline)
+    except torch.OutOfMemoryError as err:
+        result = RunResult(spec, status="oom", error=str(err).splitlines()[0][:300])
+    except Exception as err:  # noqa: BLE001 - a benchmark records every failure and goes on
+        result = RunResult(spec, status="error", error=f"{type(err).__name__}: {str(err)[:300]}")
+    _cleanup(model, device)
+    return result
+
+
+def _git_sha() -> str | None:
+    """HEAD of the checkout, or $REPRO_GIT_SHA where the tree was copied without .git."""
+    if os.environ.get("REPRO_GIT_SHA"):
+        return os.environ["REPRO_GIT_SHA"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(device: torch.device, argv: list[str]) -> dict:
+    """Where and how the numbers were measured."""
+    cuda = device.type == "cuda"
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "python": platform.python_version(), "host": platform.node(), "threads": torch.get_num_threads(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": _git_sha(), "command": " ".join(["python -m repro.perf.gpu_bench", *argv]),
+    }
+
+
+def _finite(obj):
+    """NaN -> None recursively, so the JSON is strict."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def markdown(report: dict) -> str:
+    """The results as a Markdown table with the provenance above it."""
+    p, lines = report["provenance"], []
+    lines.append(f"# Single-device training step: {report['model']}\n")
+    lines.append(f"Device {p['device']}; torch {p['torch']}, CUDA {p['cuda']}; {p['date_utc']}; git {p['git_sha']}.")
+    lines.append(f"Command: `{p['command']}`. Peak TFLOP/s per dtype: {report['peak_source']}.")
+    lines.append(f"{report['precision']} TFLOP/s: {report['flops_formula']}.\n")
+    lines.append("| dtype | ckpt | batch | compile | status | step s | tokens/s | model TFLOP/s | MFU | "
+                 "HFU | peak TFLOP/s | peak GiB | fwd / bwd / opt s |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["results"]:
+        s, ph = r["spec"], r["phase_s_median"]
+        phases = " / ".join(f"{ph[k]:.3f}" for k in ("forward", "backward", "optimizer")) if ph else "-"
+        lines.append(
+            f"| {s['dtype']} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {s['compile']} | "
+            f"{r['status']} {r['error'][:60]} | {_fmt(r['step_s_median'], '.4f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+            f"{_fmt(r['model_tflops'], '.3g')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['hfu'], '.1%')} | "
+            f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | {phases} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m repro.perf.gpu_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for bench.json and bench.md")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    parser.add_argument("--size", default="scaling-1.2b", help="a repro.models.sizes name")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--dtypes", default="bf16,fp16")
+    parser.add_argument("--checkpointing", default="off,on", help="comma list of on/off")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile(model.loss)")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    return parser.parse_args(argv)
+
+
+def plan(args) -> list[RunSpec]:
+    """Configurations in run order: every dtype x checkpointing, then compiled ones if asked."""
+    for d in args.dtypes.split(","):
+        if d not in DTYPES:
+            raise SystemExit(f"unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
+    ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
+    specs = [RunSpec(d, c, args.batch) for d in args.dtypes.split(",") for c in ckpts]
+    if args.compile:
+        specs += [RunSpec(d, c, args.batch, compile=True) for d in args.dtypes.split(",") for c in ckpts]
+    return specs
+
+
+def _model_config(args) -> tuple[str, ModelConfig]:
+    if args.tiny:
+        return "tiny (2 layers, h 64, seq 64)", ModelConfig(**asdict(TINY))
+    from repro.models.sizes import get_size
+
+    return args.size, get_size(args.size).model_config()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name, cfg = _model_config(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    report = {"model": name, "config": asdict(cfg), "provenance": provenance(device, argv),
+              "precision": "autocast over fp32 master weights (fp16: + dynamic GradScaler); fused AdamW on CUDA",
+              "flops_formula": "model = 72 B s l h^2 (1 + s/6h + V/12lh); hardware = 96 B s l h^2 "
+                               "(1 + s/6h + V/16lh) with checkpointing (Narayanan et al. 2021), V = padded vocab",
+              "peak_source": entry.source if entry else "measured fp32 matmul (CPU)",
+              "peak_tflops": None, "results": []}
+    specs = plan(args)
+    model = build_model(cfg, device)
+    cpu_peak = None if entry or device.type == "cuda" else measure_cpu_peak(512)
+    for spec in specs:
+        peak = entry.tflops.get(spec.dtype) if entry else cpu_peak
+        report["peak_tflops"] = peak
+        if time.monotonic() > deadline:
+            result = RunResult(spec, status="skipped", error="time budget reached before start")
+        else:
+            result = safe_run(model, cfg, spec, device, args.steps, args.warmup, peak, deadline)
+        report["results"].append(asdict(result))
+        report["elapsed_s"] = time.monotonic() - start
+        write_atomic(args.out / "bench.json", json.dumps(_finite(report), indent=2, allow_nan=False))
+        write_atomic(args.out / "bench.md", markdown(report))
+        print(markdown(report).splitlines()[-1], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

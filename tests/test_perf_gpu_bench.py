@@ -1,0 +1,70 @@
+"""Issue 9: the one-device GPU benchmark script, exercised on CPU with the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from repro.perf import gpu_bench
+
+
+def _run(tmp_path, *extra: str) -> dict:
+    args = ["--out", str(tmp_path), "--tiny", "--batch", "2", "--steps", "2", "--warmup", "1", *extra]
+    assert gpu_bench.main(args) == 0
+    text = (tmp_path / "bench.json").read_text()
+    return json.loads(text, parse_constant=lambda c: pytest_fail(f"non-strict JSON constant {c}"))
+
+
+def pytest_fail(msg):
+    raise AssertionError(msg)
+
+
+def test_tiny_cpu_run_writes_every_configuration(tmp_path):
+    report = _run(tmp_path)
+    assert [(r["spec"]["dtype"], r["spec"]["checkpointing"]) for r in report["results"]] == [
+        ("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True)]
+    for r in report["results"]:
+        assert r["status"] == "ok", r
+        assert r["steps_timed"] == 2 and r["tokens_per_s"] > 0 and r["model_tflops"] > 0
+        assert set(r["phase_s_median"]) == {"forward", "backward", "optimizer"}
+        assert r["loss_first"] > 0 and r["mfu"] > 0
+    ckpt_on = report["results"][1]
+    assert ckpt_on["hardware_tflops"] > ckpt_on["model_tflops"]  # 96- vs 72-formula
+    prov = report["provenance"]
+    assert {"device", "torch", "cuda", "date_utc", "git_sha", "command"} <= set(prov)
+    assert "--tiny" in prov["command"]
+    md = (tmp_path / "bench.md").read_text()
+    assert md.count("| bf16 |") == 2 and "72 B s l h^2" in md
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_budget_exhausted_records_skips_and_still_writes(tmp_path):
+    report = _run(tmp_path, "--budget-s", "0", "--dtypes", "bf16")
+    assert [r["status"] for r in report["results"]] == ["skipped", "skipped"]
+
+
+def test_failures_are_recorded_not_raised(tmp_path, monkeypatch):
+    def boom(model, cfg, spec, *args):
+        if spec.checkpointing:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(gpu_bench, "run_config", boom)
+    report = _run(tmp_path, "--dtypes", "fp16")
+    assert [r["status"] for r in report["results"]] == ["error", "oom"]
+    assert "kernel failed" in report["results"][0]["error"]
+
+
+def test_build_model_initialises_every_parameter():
+    model = gpu_bench.build_model(gpu_bench.TINY, torch.device("cpu"))
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+    assert float(model.transformer.h[0].ln_1.weight.min()) == 1.0
+    assert 0.015 < float(model.transformer.wte.weight.std()) < 0.025
+
+
+def test_compile_flag_adds_compiled_configurations():
+    args = gpu_bench.parse_args(["--out", "x", "--compile", "--dtypes", "bf16", "--checkpointing", "off"])
+    specs = gpu_bench.plan(args)
+    assert [(s.dtype, s.checkpointing, s.compile) for s in specs] == [("bf16", False, False), ("bf16", False, True)]

@@ -134,7 +134,13 @@ class GPT(nn.Module):
                 x = block(x)
         return self.transformer.ln_f(x)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel logits (b, s, V/tp); with `labels`, the per-token loss (b, s) instead."""
+        logits = self.logits(ids)
+        return logits if labels is None else vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab slice of the logits, padded columns at -inf."""
         x = copy_to_tensor_parallel_region(self.hidden_states(ids), self.tp_group)  # f
         logits = F.linear(x, self.transformer.wte.weight)  # (b, s, V/tp): tied output layer
         if self.num_real_local < logits.shape[-1]:
@@ -145,7 +151,7 @@ class GPT(nn.Module):
 
     def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy (b, s), computed in float32 without gathering logits."""
-        return vocab_parallel_cross_entropy(self(ids), labels, self.tp_group)
+        return self(ids, labels)
 
 
 def _drawn(shape, init, generator) -> torch.Tensor:

@@ -1,0 +1,235 @@
+"""Checkpoints: per-TP-rank model shards, optimizer/ZeRO state, RNG, data position, config.
+
+Layout of `<run_dir>/checkpoints/`::
+
+    iter_0000200/meta.json            iteration, consumed samples, layout, resolved config, git SHA
+    iter_0000200/model_tp00.pt        TP rank 0's model shard (written by DP rank 0)
+    iter_0000200/optim_tp00.pt        optimizer, lr scheduler, loss scaler (plain trainer)
+    iter_0000200/deepspeed/           DeepSpeed's ZeRO state (when zero_stage > 0)
+    iter_0000200/rng_rank00000.pt     CPU/CUDA generator states and the TP-region tracker, per rank
+    latest                            the name of the newest complete checkpoint
+
+Every file is written into `iter_XXXXXXX.tmp/`, which is renamed once all ranks are done; `latest`
+is replaced last. A crash mid-write leaves the previous checkpoint loadable. Files are read with
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from repro.models.config import ModelConfig
+from repro.parallel.groups import ProcessGroups
+from repro.parallel.layers import shard_master, unshard
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded as asked; the message names the file and the fix."""
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write bytes through a temporary file, fsync, and rename over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def begin_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
+    """Create a clean temporary directory for this iteration's checkpoint (all ranks call)."""
+    tmp = root / f"{iter_name(iteration)}.tmp"
+    if pg.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    return tmp
+
+
+def finish_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
+    """Rename the finished temporary directory into place, then point `latest` at it."""
+    _barrier()
+    final = root / iter_name(iteration)
+    if pg.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(root / f"{iter_name(iteration)}.tmp", final)
+        write_atomic(root / "latest", iter_name(iteration).encode())
+    _barrier()
+    return final
+
+
+def rng_state(tracker) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    if tracker is not None:
+        state["tracker"] = tracker.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, torch.Tensor], tracker) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if tracker is not None and "tracker" in state:
+        tracker.set_state(state["tracker"])
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    pointer = Path(root) / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / "meta.json").exists():
+        raise CheckpointError(f"{pointer} names {path.name}, which has no meta.json: remove the "
+                              "broken directory and point `latest` at an earlier one")
+    return path
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory from itself, a checkpoints root, or a run directory."""
+    path = Path(path)
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / "meta.json").exists():
+            return candidate
+        found = latest_checkpoint(candidate) if (candidate / "latest").exists() else None
+        if found:
+            return found
+    raise CheckpointError(f"no checkpoint at {path}: give a run directory, its checkpoints/ folder, "
+                          "or an iter_XXXXXXX directory with meta.json")
+
+
+def read_meta(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / "meta.json").read_text())
+
+
+def load_file(path: Path) -> dict:
+    """torch.load(weights_only=True) with an error naming a missing file."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; "
+                              "use an earlier one or re-save it")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checkpoint_run_id(ckpt: str | Path) -> str | None:
+    """The MLflow run id of the training run that wrote the checkpoint."""
+    return read_meta(resolve(ckpt)).get("mlflow_run_id")
+
+
+# ---- resharding -------------------------------------------------------------------------------
+
+def partition_spec(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, int]]:
+    """name -> (partition_dim, stride) of every TP-sharded parameter (from a meta-device model)."""
+    with torch.device("meta"):
+        model = _build(cfg, family)
+    return {n: (p.partition_dim, p.partition_stride)
+            for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+
+
+def _build(cfg: ModelConfig, family: str, **kwargs):
+    if family == "bert":
+        from repro.models.bert import BERT
+
+        return BERT(cfg, **kwargs)
+    from repro.models.gpt import GPT
+
+    return GPT(cfg, **kwargs)
+
+
+def _is_vocab(name: str) -> bool:
+    return name.endswith("wte.weight") or name.endswith("word_embeddings.weight")
+
+
+def merge_shards(shards: list[dict], spec: dict[str, tuple[int, int]], vocab_size: int) -> dict:
+    """Full (TP=1, unpadded-vocab) tensors from every TP rank's state dict."""
+    full = {}
+    for name, first in shards[0].items():
+        if name in spec:
+            dim, stride = spec[name]
+            first = unshard([s[name] for s in shards], dim, stride)
+        full[name] = first[:vocab_size] if _is_vocab(name) else first
+    return full
+
+
+def split_full(full: dict, spec: dict[str, tuple[int, int]], tp: int, padded_vocab: int) -> list[dict]:
+    """Every TP rank's state dict from full tensors (vocab padded with zero rows)."""
+    shards = [{} for _ in range(tp)]
+    for name, tensor in full.items():
+        if _is_vocab(name):
+            pad = tensor.new_zeros(padded_vocab - tensor.shape[0], *tensor.shape[1:])
+            tensor = torch.cat([tensor, pad])
+        for rank in range(tp):
+            shards[rank][name] = (shard_master(tensor, *_dim_rank(spec[name], rank, tp))
+                                  if name in spec else tensor).clone()
+    return shards
+
+
+def _dim_rank(spec: tuple[int, int], rank: int, tp: int) -> tuple[int, int, int, int]:
+    dim, stride = spec
+    return dim, rank, tp, stride
+
+
+def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
+    """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree."""
+    meta = read_meta(ckpt)
+    cfg = ModelConfig(**meta["model"])
+    shards = [load_file(ckpt / f"model_tp{r:02d}.pt") for r in range(meta["tp"])]
+    return meta, merge_shards(shards, partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size)
+
+
+def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
+    """Write a model-only copy of checkpoint `src` at TP degree `tp` (outputs unchanged)."""
+    src = resolve(src)
+    meta, full = load_full_model_state(src)
+    cfg = ModelConfig(**meta["model"])
+    cfg.validate(tp)
+    dst = Path(dst)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    spec = partition_spec(cfg, meta.get("family", "gpt"))
+    for rank, shard in enumerate(split_full(full, spec, tp, cfg.padded_vocab_size(tp))):
+        torch.save(shard, tmp / f"model_tp{rank:02d}.pt")
+    new_meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "resharded_from": str(src), "model_only": True}
+    (tmp / "meta.json").write_text(json.dumps(new_meta, indent=1))
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+    return dst
+
+
+def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):
+    """The checkpoint's model at this world's TP degree (resharded in memory if it differs)."""
+    ckpt = resolve(ckpt)
+    meta = read_meta(ckpt)
+    cfg = ModelConfig(**meta["model"])
+    cfg.validate(pg.tp_size)
+    if meta["tp"] == pg.tp_size:
+        state = load_file(ckpt / f"model_tp{pg.tp_rank:02d}.pt")
+    else:
+        _, full = load_full_model_state(ckpt)
+        spec = partition_spec(cfg, meta.get("family", "gpt"))
+        state = split_full(full, spec, pg.tp_size, cfg.padded_vocab_size(pg.tp_size))[pg.tp_rank]
+    with torch.device("meta"):
+        model = _build(cfg, meta.get("family", "gpt"), tp_group=pg.tp_group)
+    model = model.to_empty(device=device)
+    model.load_state_dict(state)
+    return model.eval()

@@ -1,0 +1,116 @@
+"""`repro train` and `repro checkpoint reshard | export-hf`."""
+
+from __future__ import annotations
+
+import os
+
+USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError", "DataError")
+
+
+def train_rank(config_path: str | None, overrides: list[str]) -> dict:
+    """Body of one rank: set up groups from the launch environment, then train."""
+    import torch
+
+    from repro.parallel.groups import build_process_groups, discover_launch_env, init_distributed, ParallelDims
+    from repro.train.config import load_config
+    from repro.train.loop import train
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = load_config(config_path, overrides)
+    launch = discover_launch_env()
+    if dist.is_initialized():  # spawned by run_ranks
+        pg = build_process_groups(ParallelDims.from_world(cfg.parallel.tp, dist.get_world_size()))
+    else:
+        pg = init_distributed(cfg.parallel.tp)
+    return train(cfg, pg, launch.local_rank)
+
+
+def _train(args) -> int:
+    from repro.cli import UserError
+
+    try:
+        if args.nproc and "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ:
+            from repro.parallel.spawn import run_ranks
+
+            final = run_ranks(train_rank, args.nproc, args.config, args.set, timeout=args.timeout)[0]
+        else:
+            if "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ:
+                from repro.parallel.spawn import free_port
+
+                os.environ.setdefault("MASTER_PORT", str(free_port()))
+            final = train_rank(args.config, args.set)
+    except Exception as err:
+        if type(err).__name__ in USER_ERRORS:
+            raise UserError(str(err)) from None
+        if isinstance(err, RuntimeError) and any(name in str(err) for name in USER_ERRORS):
+            raise UserError(str(err).strip().splitlines()[-1]) from None
+        raise
+    if final.get("mlflow_run_id"):
+        print(f"MLflow run {final['mlflow_run_id']}")
+    return 0
+
+
+def _reshard(args) -> int:
+    from repro.train.checkpoint import reshard
+
+    out = reshard(args.checkpoint, args.out, args.tp)
+    print(f"wrote {out} at tp={args.tp}")
+    return 0
+
+
+def _export_hf(args) -> int:
+    from repro.models.gpt import GPT
+    from repro.models.config import ModelConfig
+    from repro.models.hf import to_hf_gpt2
+    from repro.train.checkpoint import load_full_model_state, resolve
+
+    meta, full = load_full_model_state(resolve(args.checkpoint))
+    cfg = ModelConfig(**meta["model"])
+    model = GPT(cfg)
+    state = {k: v for k, v in full.items()}
+    state["transformer.wte.weight"] = _pad_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
+    model.load_state_dict(state)
+    to_hf_gpt2(model).save_pretrained(args.out)
+    print(f"wrote a transformers.GPT2LMHeadModel to {args.out}")
+    return 0
+
+
+def _pad_rows(t, rows: int):
+    import torch
+
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _wrap(fn):
+    def run(args) -> int:
+        from repro.cli import UserError
+
+        try:
+            return fn(args)
+        except Exception as err:
+            if type(err).__name__ in USER_ERRORS:
+                raise UserError(str(err)) from None
+            raise
+    return run
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model from a YAML config (under torchrun/srun, or --nproc)")
+    p.add_argument("config", nargs="?", default=None, help="YAML config (experiments/...)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, e.g. --set train.train_iters=10 (repeatable)")
+    p.add_argument("--nproc", type=int, default=0, help="spawn N local ranks (when not under torchrun/srun)")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds before spawned ranks are killed")
+    p.set_defaults(func=_train)
+    c = sub.add_parser("checkpoint", help="checkpoint tools")
+    csub = c.add_subparsers(dest="checkpoint_command", required=True)
+    r = csub.add_parser("reshard", help="convert a checkpoint to another TP degree")
+    r.add_argument("checkpoint")
+    r.add_argument("--tp", type=int, required=True)
+    r.add_argument("--out", required=True)
+    r.set_defaults(func=_wrap(_reshard))
+    e = csub.add_parser("export-hf", help="merge to TP=1 and write a transformers GPT2LMHeadModel")
+    e.add_argument("checkpoint")
+    e.add_argument("--out", required=True)
+    e.set_defaults(func=_wrap(_export_hf))

@@ -1,0 +1,95 @@
+"""The pieces a training step needs: model, optimizer, schedule, scaler, and the DP wrapper.
+
+Plain trainer (zero_stage 0): torch DDP over the DP group (bucketed all-reduce overlapped with
+backward), torch AdamW, TP-aware clipping, our fp16 loss scaler. ZeRO (stage 1/2): DeepSpeed owns
+the optimizer state sharding, gradient averaging, clipping and loss scaling; it learns the TP/DP
+layout from the ProcessGroups object passed as `mpu`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from repro.models.gpt import GPT
+from repro.parallel.groups import ProcessGroups
+from repro.parallel.random import RNGTracker, seed_default_generators
+from repro.train.config import Derived, RunConfig
+from repro.train.optim import DynamicLossScaler, build_optimizer, lr_lambda
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Engine:
+    """Everything stateful about training on one rank."""
+
+    cfg: RunConfig
+    derived: Derived
+    pg: ProcessGroups
+    device: torch.device
+    model: GPT  # the bare model (state dict names never carry a wrapper prefix)
+    wrapped: torch.nn.Module  # DDP / DeepSpeed engine / the model itself
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: DynamicLossScaler | None
+    rng: RNGTracker
+    deepspeed: bool = False
+
+    def autocast(self):
+        """Autocast for bf16/fp16 in the plain trainer (DeepSpeed casts the model itself)."""
+        precision = self.cfg.precision.precision
+        if precision == "fp32" or self.deepspeed:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=HALF[precision])
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
+    """DeepSpeed's JSON config for the run (ZeRO block, precision, batch arithmetic)."""
+    p = cfg.precision
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": derived.grad_accum_steps,
+        "train_batch_size": cfg.train.global_batch_size,
+        "gradient_clipping": cfg.optim.clip_grad,
+        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": p.precision == "bf16"},
+        "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": int(round(torch.log2(torch.tensor(p.initial_loss_scale)).item())),
+                 "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis,
+                 "min_loss_scale": p.min_loss_scale},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank: int = 0) -> Engine:
+    """Seed, build the model at this TP rank, and wrap it for data parallelism."""
+    device = pick_device(cfg.train.device, local_rank)
+    seed_default_generators(cfg.train.seed, device)  # identical on every rank: replicated dropout
+    rng = RNGTracker(cfg.train.seed, pg.tp_rank, device)
+    model = GPT(cfg.model, pg.tp_group, rng=rng, seed=cfg.train.seed).to(device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.train_iters))
+    if cfg.train.zero_stage > 0:
+        import deepspeed
+
+        wrapped, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
+            config=deepspeed_config(cfg, derived), dist_init_required=False)
+        return Engine(cfg, derived, pg, device, model, wrapped, optimizer, scheduler, None, rng, True)
+    wrapped = model
+    if pg.dp_size > 1:
+        wrapped = DistributedDataParallel(model, process_group=pg.dp_group,
+                                          device_ids=[device.index] if device.type == "cuda" else None)
+    scaler = DynamicLossScaler.from_config(cfg.precision) if cfg.precision.precision == "fp16" else None
+    return Engine(cfg, derived, pg, device, model, wrapped, optimizer, scheduler, scaler, rng)

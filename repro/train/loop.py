@@ -1,0 +1,256 @@
+"""The training loop: data -> steps -> logging -> checkpoints, resumable and preemption-safe.
+
+    torchrun --nproc-per-node 2 -m repro.cli train experiments/tiny/gpt_tiny.yaml --set parallel.tp=2
+    srun -n 8 repro train experiments/scaling/scale_8b.yaml        # one task per GPU under Slurm
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from repro.data.gpt_dataset import GPTDataset, gpt_loader
+from repro.parallel.groups import ProcessGroups
+from repro.perf.flops import throughput
+from repro.perf.peaks import peak_tflops
+from repro.tracking.logger import RunLogger
+from repro.tracking.store import project_root
+from repro.train import checkpoint as ck
+from repro.train.config import RunConfig, derive, flat_params, to_yaml
+from repro.train.engine import Engine, build_engine
+from repro.train.step import evaluate, train_step
+
+FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (Slurm preemption, time limit) ask for a checkpoint and a clean exit."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.received = signum
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank once any rank has received a signal (one tiny all-reduce)."""
+        flag = torch.tensor(1.0 if self.received else 0.0, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def git_sha() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project_root(), capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def run_params(cfg: RunConfig, eng: Engine) -> dict[str, str]:
+    """MLflow params: the resolved config plus the layout and provenance."""
+    return {**flat_params(cfg), "tp": str(eng.pg.tp_size), "dp": str(eng.pg.dp_size),
+            "world_size": str(eng.pg.dims.world_size), "device_type": eng.device.type,
+            "device_name": device_name(eng.device), "precision": cfg.precision.precision,
+            "zero_stage": str(cfg.train.zero_stage), "git_sha": git_sha(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "grad_accum_steps": str(eng.derived.grad_accum_steps),
+            "padded_vocab_size": str(eng.derived.padded_vocab_size), "flop_formula": FLOP_FORMULA,
+            "torch_version": torch.__version__}
+
+
+def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
+    """Write a complete checkpoint of every rank (atomic: temp dir, rename, then `latest`)."""
+    root, pg = Path(eng.cfg.run_dir) / "checkpoints", eng.pg
+    tmp = ck.begin_save(root, state.iteration, pg)
+    if pg.dp_rank == 0:
+        torch.save(eng.model.state_dict(), tmp / f"model_tp{pg.tp_rank:02d}.pt")
+        if not eng.deepspeed:
+            extra = {"optimizer": eng.optimizer.state_dict(), "scheduler": eng.scheduler.state_dict(),
+                     "scaler": eng.scaler.state_dict() if eng.scaler else {}}
+            torch.save(extra, tmp / f"optim_tp{pg.tp_rank:02d}.pt")
+    if eng.deepspeed:
+        eng.wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="zero", save_latest=False)
+    torch.save(ck.rng_state(eng.rng), tmp / f"rng_rank{pg.rank:05d}.pt")
+    if pg.rank == 0:
+        meta = {"format": ck.FORMAT_VERSION, "family": "gpt", **state.__dict__, "tp": pg.tp_size,
+                "dp": pg.dp_size, "world_size": pg.dims.world_size, "zero_stage": eng.cfg.train.zero_stage,
+                "model": eng.cfg.model.__dict__, "config_yaml": to_yaml(eng.cfg), "git_sha": git_sha(),
+                "mlflow_run_id": run_id}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    return ck.finish_save(root, state.iteration, pg)
+
+
+def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
+    """Restore model, optimizer, schedule, scaler, RNG and data position from a checkpoint."""
+    meta, pg = ck.read_meta(path), eng.pg
+    if meta["tp"] != pg.tp_size:
+        raise ck.CheckpointError(
+            f"{path} was saved at tp={meta['tp']} but this run has tp={pg.tp_size}: run "
+            f"`repro checkpoint reshard {path} --tp {pg.tp_size} --out DIR` or set parallel.tp={meta['tp']}")
+    eng.model.load_state_dict(ck.load_file(path / f"model_tp{pg.tp_rank:02d}.pt"))
+    if eng.deepspeed:
+        eng.wrapped.load_checkpoint(str(path / "deepspeed"), tag="zero")
+    else:
+        extra = ck.load_file(path / f"optim_tp{pg.tp_rank:02d}.pt")
+        eng.optimizer.load_state_dict(extra["optimizer"])
+        eng.scheduler.load_state_dict(extra["scheduler"])
+        if eng.scaler and extra["scaler"]:
+            eng.scaler.load_state_dict(extra["scaler"])
+    rng_file = path / f"rng_rank{pg.rank:05d}.pt"
+    if not rng_file.exists():  # a different DP size: take the same TP rank's state
+        rng_file = path / f"rng_rank{pg.tp_rank:05d}.pt"
+    ck.restore_rng(ck.load_file(rng_file), eng.rng)
+    return TrainState(meta["iteration"], meta["consumed_samples"]), meta
+
+
+def _micro_batches(loader, n: int) -> list:
+    return [next(loader) for _ in range(n)]
+
+
+def _memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
+    if not cfg.data.valid_prefix:
+        return None
+    data = GPTDataset(cfg.data.valid_prefix, cfg.model.seq_length, cfg.train.seed, cfg.data.cache_dir or None)
+    return lambda: _micro_batches(iter(gpt_loader(data, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size)),
+                                  min(cfg.train.eval_iters, len(data) // (cfg.train.micro_batch_size * pg.dp_size)))
+
+
+def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
+    return (f" iteration {state.iteration:>6}/{cfg.train.train_iters} | consumed samples {state.consumed_samples:>9}"
+            f" | ms/iter {m['ms_per_iter']:8.1f} | tokens/s {m['tokens_per_s']:9.0f}"
+            f" | TFLOP/s/device {m['tflops_per_device']:6.2f} | lr {m['lr']:.3e} | loss {m['loss']:.4f}"
+            f" | loss scale {m['loss_scale']:.1f} | grad norm {m['grad_norm']:.3f}"
+            f" | skipped {int(m['skipped_iters'])}")
+
+
+class _Interval:
+    """Accumulates step results between log lines."""
+
+    def __init__(self) -> None:
+        self.start, self.steps, self.skipped_total = time.perf_counter(), 0, 0
+
+    def metrics(self, result, eng: Engine, peak: float | None) -> dict:
+        seconds = (time.perf_counter() - self.start) / max(self.steps, 1)
+        cfg = eng.cfg
+        tokens = cfg.train.global_batch_size * cfg.model.seq_length
+        tp = throughput(cfg.model, tokens, seconds, eng.pg.dims.world_size, device_name(eng.device),
+                        cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak)
+        self.start, self.steps = time.perf_counter(), 0
+        return {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                "loss_scale": result.loss_scale, "skipped_iters": self.skipped_total,
+                "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],
+                "tflops_per_device": tp["model_tflops_per_device"], "mfu": tp["mfu"],
+                "memory_gb": _memory_gb(eng.device)}
+
+
+def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str, str] | None = None) -> dict:
+    """Train (or resume) a GPT run; returns the final metrics. Every rank calls it."""
+    derived = derive(cfg, pg.dims.world_size)
+    if not cfg.data.train_prefix:
+        raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it")
+    eng = build_engine(cfg, derived, pg, local_rank)
+    state, meta = TrainState(), {}
+    latest = ck.latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+    if latest is not None:
+        state, meta = load(eng, latest)
+    data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cfg.train.seed, cfg.data.cache_dir or None)
+    loader = iter(gpt_loader(data, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, state.consumed_samples))
+    valid = _valid_loader(cfg, pg)
+    logger = _logger(cfg, eng, meta.get("mlflow_run_id"), tags or {}) if pg.rank == 0 else None
+    peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
+    stop, interval, final = StopSignal(), _Interval(), {}
+    try:
+        while state.iteration < cfg.train.train_iters:
+            result = train_step(eng, _micro_batches(loader, derived.grad_accum_steps))
+            state.iteration += 1
+            state.consumed_samples += cfg.train.global_batch_size
+            interval.steps += 1
+            interval.skipped_total += int(result.skipped)
+            final = _after_step(eng, state, result, interval, peak, logger, valid)
+            if stop.agreed(eng.device):
+                save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
+                _log(logger, {"preempted": 1.0}, state.iteration)
+                return {**final, "stopped_by_signal": True, "iteration": state.iteration}
+        return _finish(eng, state, final, logger, valid, meta)
+    except BaseException:
+        if logger:
+            logger.close("FAILED")
+        raise
+
+
+def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags) -> RunLogger:
+    all_tags = {"family": cfg.tracking.experiment, "paper_ref": cfg.tracking.paper_ref,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), **tags}
+    logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name, run_params(cfg, eng), all_tags,
+                       use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id)
+    config_path = Path(cfg.run_dir) / "config.yaml"
+    ck.write_atomic(config_path, to_yaml(cfg).encode())
+    logger.log_artifact(config_path)
+    return logger
+
+
+def _log(logger: RunLogger | None, metrics: dict, step: int) -> None:
+    if logger:
+        logger.log_metrics(metrics, step)
+
+
+def _after_step(eng, state, result, interval, peak, logger, valid) -> dict:
+    cfg, it = eng.cfg, state.iteration
+    metrics = {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+               "loss_scale": result.loss_scale, "skipped_iters": interval.skipped_total}
+    if it % cfg.train.log_interval == 0 or it == cfg.train.train_iters:
+        metrics = interval.metrics(result, eng, peak)
+        if logger:
+            print(_log_line(state, cfg, metrics), flush=True)
+    _log(logger, {**metrics, "consumed_samples": state.consumed_samples}, it)
+    if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0:
+        _log(logger, {"valid_loss": evaluate(eng, valid())}, it)
+    if cfg.train.save_interval and it % cfg.train.save_interval == 0:
+        save(eng, state, logger.run_id if logger else None)
+    return metrics
+
+
+def _finish(eng, state, final, logger, valid, meta) -> dict:
+    cfg = eng.cfg
+    root = Path(cfg.run_dir) / "checkpoints"
+    latest = ck.latest_checkpoint(root)
+    if latest is None or latest.name != ck.iter_name(state.iteration):
+        save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
+    final = {**final, "iteration": state.iteration, "consumed_samples": state.consumed_samples}
+    if valid:
+        final["valid_loss"] = evaluate(eng, valid())
+        _log(logger, {"valid_loss": final["valid_loss"]}, state.iteration)
+    if logger:
+        path = Path(cfg.run_dir) / "final_metrics.json"
+        ck.write_atomic(path, json.dumps(final, indent=1).encode())
+        logger.log_artifact(path)
+        logger.close()
+        final["mlflow_run_id"] = logger.run_id
+    return final

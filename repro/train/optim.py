@@ -1,0 +1,102 @@
+"""AdamW with the paper's parameter groups, the learning-rate schedule, and dynamic loss scaling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from repro.train.config import OptimConfig, PrecisionConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on weight matrices only: none on biases, layer norms (any 1-D parameter)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch AdamW (decoupled weight decay), also handed to DeepSpeed as its client optimizer."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def lr_at(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
+    """Linear warm-up to lr, then cosine/linear decay to min_lr over lr_decay_iters."""
+    if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
+        return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    decay_iters = (cfg.lr_decay_iters or train_iters) - cfg.lr_warmup_iters
+    progress = min(max(iteration - cfg.lr_warmup_iters, 0) / max(decay_iters, 1), 1.0)
+    if cfg.lr_decay_style == "cosine":
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        factor = 1.0 - progress
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+
+
+def lr_lambda(cfg: OptimConfig, train_iters: int):
+    """Multiplier of cfg.lr for torch's LambdaLR (so the schedule is checkpointed with it)."""
+    return lambda it: lr_at(it, cfg, train_iters) / cfg.lr
+
+
+@dataclass
+class DynamicLossScaler:
+    """fp16 dynamic loss scaling (paper recipe: start 2^32, window 1000, hysteresis 2, minimum 1).
+
+    An overflow skips the step; after `hysteresis` overflows the scale halves. `window` clean
+    iterations double it.
+    """
+
+    scale: float = 2.0**32
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    clean_iters: int = 0
+    overflows_left: int = 2
+    skipped: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: PrecisionConfig) -> "DynamicLossScaler":
+        return cls(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale,
+                   overflows_left=cfg.hysteresis)
+
+    def found_overflow(self, params, group=None) -> bool:
+        """True if any gradient on any rank is inf/nan (all ranks then skip the same step)."""
+        flag = torch.zeros(())
+        for p in params:
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                flag = torch.ones(())
+                break
+        if dist.is_initialized():
+            flag = flag.to(next(iter(params)).device) if params else flag
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def update(self, overflow: bool) -> None:
+        """Advance the scale after a step (skipped or not)."""
+        if overflow:
+            self.skipped += 1
+            self.clean_iters = 0
+            self.overflows_left -= 1
+            if self.overflows_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+                self.overflows_left = self.hysteresis
+            return
+        self.clean_iters += 1
+        if self.clean_iters % self.window == 0:
+            self.scale *= 2.0
+            self.overflows_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("scale", "clean_iters", "overflows_left", "skipped")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)

@@ -1,0 +1,94 @@
+"""One training iteration: gradient accumulation over micro batches, then one optimizer step."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from repro.parallel.grads import clip_grad_norm, global_grad_norm
+from repro.train.engine import Engine
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean per-token loss over the global batch (all DP ranks, all micro batches)."""
+    grad_norm: float
+    lr: float
+    loss_scale: float
+    skipped: bool
+
+
+def _dp_mean(value: torch.Tensor, eng: Engine) -> float:
+    if eng.pg.dp_size > 1:
+        dist.all_reduce(value, group=eng.pg.dp_group)
+        value = value / eng.pg.dp_size
+    return value.item()
+
+
+def _plain_step(eng: Engine, micro_batches) -> StepResult:
+    eng.optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=eng.device)
+    scale = eng.scaler.scale if eng.scaler else 1.0
+    last = len(micro_batches) - 1
+    for i, (tokens, labels) in enumerate(micro_batches):
+        accumulate = i < last and hasattr(eng.wrapped, "no_sync")
+        with eng.wrapped.no_sync() if accumulate else nullcontext():  # DP all-reduce only on the last
+            with eng.autocast():
+                loss = eng.wrapped(tokens.to(eng.device), labels.to(eng.device)).mean() / len(micro_batches)
+            (loss * scale).backward()
+        total += loss.detach()
+    params = [p for p in eng.model.parameters() if p.grad is not None]
+    overflow = False
+    if eng.scaler:
+        for p in params:
+            p.grad.div_(scale)
+        overflow = eng.scaler.found_overflow(params)
+    clip = eng.cfg.optim.clip_grad
+    norm = float("nan") if overflow else (
+        clip_grad_norm(params, clip, eng.pg.tp_group) if clip > 0 else global_grad_norm(params, eng.pg.tp_group)).item()
+    lr = eng.optimizer.param_groups[0]["lr"]
+    if not overflow:
+        eng.optimizer.step()
+    if eng.scaler:
+        eng.scaler.update(overflow)
+    eng.scheduler.step()
+    return StepResult(_dp_mean(total, eng), norm, lr, scale, overflow)
+
+
+def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
+    total = torch.zeros((), device=eng.device)
+    lr = eng.optimizer.param_groups[0]["lr"]
+    skipped_before = getattr(eng.wrapped, "skipped_steps", 0)
+    for tokens, labels in micro_batches:
+        loss = eng.wrapped(tokens.to(eng.device), labels.to(eng.device)).float().mean()
+        eng.wrapped.backward(loss)
+        eng.wrapped.step()
+        total += loss.detach() / len(micro_batches)
+    norm = eng.wrapped.get_global_grad_norm()
+    norm = float(norm) if norm is not None else float("nan")
+    scale = float(getattr(eng.optimizer, "cur_scale", getattr(eng.optimizer, "loss_scale", 1.0)) or 1.0)
+    skipped = getattr(eng.wrapped, "skipped_steps", 0) > skipped_before
+    return StepResult(_dp_mean(total, eng), norm, lr, scale, skipped)
+
+
+def train_step(eng: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    """Forward/backward every micro batch of this DP rank, then step (skipped on fp16 overflow)."""
+    eng.wrapped.train()
+    return _deepspeed_step(eng, micro_batches) if eng.deepspeed else _plain_step(eng, micro_batches)
+
+
+@torch.no_grad()
+def evaluate(eng: Engine, micro_batches) -> float:
+    """Mean per-token held-out loss over the given micro batches and all DP ranks."""
+    eng.model.eval()
+    total, count = torch.zeros((), device=eng.device), 0
+    for tokens, labels in micro_batches:
+        with eng.autocast():
+            total += eng.model(tokens.to(eng.device), labels.to(eng.device)).float().mean()
+        count += 1
+    eng.model.train()
+    return _dp_mean(total / max(count, 1), eng)

@@ -1,0 +1,31 @@
+"""Fixtures of the trainer tests: a small real corpus (WikiText-2 valid) prepared once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, data_dir: Path) -> dict[str, str]:  # noqa: F811
+    """Train/valid prefixes of the WikiText-2 validation text, GPT-2 BPE, filters off."""
+    from repro.data.filters import FilterOptions
+    from repro.data.preprocess import PrepareOptions, prepare
+
+    out = tmp_path_factory.mktemp("corpus")
+    prefix = str(out / "wiki")
+    prepare(PrepareOptions(input=data_dir / "wikitext" / "wikitext-2.valid.tokens", output_prefix=prefix,
+                           data_dir=data_dir, workers=1, split="90,10,0", progress=False,
+                           filters=FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)))
+    return {"train": f"{prefix}_train", "valid": f"{prefix}_valid", "data_dir": str(data_dir)}
+
+
+def tiny_overrides(corpus: dict, run_dir: Path, **extra) -> list[str]:
+    """Dotted overrides for experiments/tiny/gpt_tiny.yaml pointing at the corpus and run_dir."""
+    base = {"data.train_prefix": corpus["train"], "data.valid_prefix": corpus["valid"],
+            "data.cache_dir": str(run_dir / "cache"), "run_dir": str(run_dir), "tracking.enabled": "false"}
+    base.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]

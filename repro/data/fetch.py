@@ -72,14 +72,15 @@ class FetchOptions:
     mirror: Path | None = None  # copy from here; None: download from the public sources
     only: tuple[str, ...] = ()  # relative paths to fetch; empty: the whole manifest
     timeout_s: float = 60.0  # per download
+    manifest: tuple[DataFile, ...] = MANIFEST  # the files to know about (tests give their own)
 
 
-def manifest_entry(rel_path: str) -> DataFile:
+def manifest_entry(rel_path: str, manifest: tuple[DataFile, ...] = MANIFEST) -> DataFile:
     """The manifest entry of one relative path, or a DataError listing the known ones."""
-    for entry in MANIFEST:
+    for entry in manifest:
         if entry.path == rel_path:
             return entry
-    known = ", ".join(e.path for e in MANIFEST)
+    known = ", ".join(e.path for e in manifest)
     raise DataError(f"{rel_path}: not a file this project knows; known files: {known}")
 
 
@@ -119,8 +120,8 @@ def data_path(data_dir: Path | str, rel_path: str, verify: bool = True) -> Path:
     """The path of a manifest file in the data dir, checked to exist and (if verify) by sha256."""
     entry = manifest_entry(rel_path)
     path = Path(data_dir) / rel_path
-    fix = (f"delete it and run `repro data fetch --data-dir {data_dir}` "
-           "(with REPRO_DATA_MIRROR set to a mirror directory when offline)")
+    fix = (f"run `repro data fetch --data-dir {data_dir}` (it replaces a bad copy; set "
+           "REPRO_DATA_MIRROR to a mirror directory when offline)")
     if verify:
         _check(path, entry, fix)
     elif not path.is_file():
@@ -190,5 +191,5 @@ def fetch(opts: FetchOptions) -> dict[str, str]:
         raise DataError(f"{opts.mirror}: the mirror directory does not exist. Fix: set "
                         "REPRO_DATA_MIRROR (or --mirror) to the folder holding wikitext/, "
                         "lambada/ and vocab/, or unset it to download")
-    entries = [manifest_entry(p) for p in opts.only] if opts.only else list(MANIFEST)
+    entries = [manifest_entry(p, opts.manifest) for p in opts.only] or list(opts.manifest)
     return {entry.path: _fetch_one(entry, opts) for entry in entries}

@@ -210,6 +210,7 @@ def _check_kept(opts: PrepareOptions, report: PrepareReport) -> None:
 def prepare(opts: PrepareOptions) -> PrepareReport:
     """Tokenize, filter and split opts.input into PREFIX_{train,valid,test}.{bin,idx}."""
     weights = parse_split(opts.split)
+    read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)  # input errors first
     tokenizer = build_tokenizer(opts.tokenizer, opts.data_dir)
     Path(opts.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{os.getpid()}"

@@ -75,7 +75,7 @@ class TextTokenizer:
         return self.backend.token_to_id(token)
 
     def continuation_mask(self) -> np.ndarray:
-        """Bool per id: True where the token continues a word (WordPiece '##'); for whole-word masking."""
+        """Bool per id: True where the token continues a word (WordPiece '##')."""
         if self.kind != "bert":
             raise ValueError(f"continuation_mask needs a WordPiece tokenizer, not {self.kind!r}")
         mask = np.zeros(self.vocab_size, dtype=bool)

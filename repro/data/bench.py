@@ -1,0 +1,154 @@
+"""Benchmark: `repro data prepare` throughput with 2 workers vs the tokenizer library's raw rate.
+
+    python -m repro.data.bench [--data-dir DIR] [--workers 2] [--repeat 2] [--out results/bench]
+
+The corpus is every text of the data dir (WikiText valid/test, LAMBADA passages) as JSON lines,
+repeated --repeat times. "raw" is `tokenizers.Tokenizer.encode_batch` over all documents at once
+(Rust threads over every core); "pipeline" is `prepare` with GPT-2 BPE and the given workers,
+once with no filters (tokenize + write) and once with the paper's filters. Writes
+data_preprocess.json and data_preprocess.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from repro.data.documents import read_documents
+from repro.data.fetch import data_dir_from_env
+from repro.data.filters import EVAL_FILES, FilterOptions, eval_texts
+from repro.data.preprocess import PrepareOptions, prepare
+from repro.data.tokenizers import build_tokenizer
+
+
+def corpus_documents(data_dir: Path) -> list[str]:
+    """Every document of the data dir's texts: WikiText articles and LAMBADA passages."""
+    wikitext = ("wikitext/wikitext-2.valid.tokens", "wikitext/wikitext-2.test.tokens",
+                "wikitext/wiki.test.raw")
+    docs = [d for rel in wikitext for d in read_documents(data_dir / rel)]
+    return docs + eval_texts(data_dir, EVAL_FILES[1])
+
+
+def raw_rate(data_dir: Path, docs: list[str], runs: int = 2) -> dict:
+    """Best-of-runs tokens/s of the library's batch encode on the documents."""
+    tokenizer = build_tokenizer("gpt2", data_dir)
+    best, tokens = float("inf"), 0
+    for _ in range(runs):
+        start = time.perf_counter()
+        tokens = sum(len(ids) for ids in tokenizer.encode_batch(docs))
+        best = min(best, time.perf_counter() - start)
+    return {"tokens": tokens, "seconds": best, "tokens_per_s": tokens / best}
+
+
+def pipeline_rate(data_dir: Path, corpus: Path, workers: int, filters: FilterOptions) -> dict:
+    """tokens/s of `prepare` on the corpus, with its filter counts."""
+    with tempfile.TemporaryDirectory() as out:
+        report = prepare(PrepareOptions(input=corpus, output_prefix=f"{out}/bench", workers=workers,
+                                        data_dir=data_dir, split="1,0,0", filters=filters,
+                                        progress=False))
+    return {"tokens": report.tokens_read, "seconds": report.seconds,
+            "tokens_per_s": report.tokens_per_s, "documents": report.documents,
+            "kept": report.kept, "too_short": report.too_short,
+            "eval_overlap": report.eval_overlap, "near_duplicates": report.near_duplicates}
+
+
+def machine() -> dict:
+    """CPU model, core counts, OS, Python and library versions."""
+    import tokenizers
+
+    model = platform.processor()
+    if Path("/proc/cpuinfo").is_file():
+        names = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                 if x.startswith("model name")]
+        model = names[0] if names else model
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "cores": os.cpu_count(), "usable_cores": usable,
+            "os": platform.platform(), "python": platform.python_version(),
+            "tokenizers": tokenizers.__version__}
+
+
+def git_sha() -> str:
+    """HEAD's sha, with '-dirty' when the work tree has changes."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def write_markdown(record: dict, path: Path) -> None:
+    """A short table of the benchmark for results/."""
+    raw, plain, full = record["raw"], record["pipeline_no_filters"], record["pipeline_filters"]
+    m = record["machine"]
+    lines = [
+        "# Data preprocessing throughput (GPT-2 BPE)", "",
+        f"{record['date']}, git {record['git_sha']}, `{record['command']}`  ",
+        f"{m['cpu']}, {m['usable_cores']} usable of {m['cores']} cores; tokenizers "
+        f"{m['tokenizers']}, Python {m['python']}", "",
+        f"Corpus: WikiText-2 valid + test, wiki.test.raw, LAMBADA test as JSON lines, x"
+        f"{record['repeat']} ({raw['tokens']:,} tokens, {plain['documents']:,} documents).", "",
+        "| what | tokens/s | ratio to raw |", "|---|---:|---:|",
+        f"| raw `encode_batch` (library threads, all cores) | {raw['tokens_per_s']:,.0f} | 1.00 |",
+        f"| `repro data prepare`, {record['workers']} workers, no filters | "
+        f"{plain['tokens_per_s']:,.0f} | {record['ratio_no_filters']:.2f} |",
+        f"| `repro data prepare`, {record['workers']} workers, paper's filters | "
+        f"{full['tokens_per_s']:,.0f} | {record['ratio_filters']:.2f} |", "",
+        f"With filters: {full['too_short']} documents under 128 tokens, {full['eval_overlap']} "
+        f"overlapping the eval sets (the corpus contains them), {full['near_duplicates']} "
+        f"near-duplicates (the repeats), {full['kept']} kept.", "",
+        "Pipeline time covers reading, tokenizing, filtering and writing, worker start-up included;"
+        " it excludes building the eval-set n-grams and the final split copy.",
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build the corpus, time raw and pipeline rates, write JSON and Markdown."""
+    docs = corpus_documents(args.data_dir) * args.repeat
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+        plain = pipeline_rate(args.data_dir, corpus, args.workers,
+                              FilterOptions(min_tokens=0, dedup=False, eval_overlap=False))
+        full = pipeline_rate(args.data_dir, corpus, args.workers, FilterOptions())
+    raw = raw_rate(args.data_dir, docs)  # last: its threads are not forked into the workers
+    record = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, "-m", "repro.data.bench", *sys.argv[1:]]),
+        "git_sha": git_sha(), "machine": machine(), "workers": args.workers,
+        "repeat": args.repeat, "raw": raw, "pipeline_no_filters": plain, "pipeline_filters": full,
+        "ratio_no_filters": plain["tokens_per_s"] / raw["tokens_per_s"],
+        "ratio_filters": full["tokens_per_s"] / raw["tokens_per_s"],
+    }
+    (out / "data_preprocess.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_markdown(record, out / "data_preprocess.md")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=Path, default=data_dir_from_env())
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--out", default="results/bench")
+    record = run(parser.parse_args(argv))
+    print(Path(parser.parse_args(argv).out, "data_preprocess.md").read_text(encoding="utf-8"))
+    return 0 if record["raw"]["tokens"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

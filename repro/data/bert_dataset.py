@@ -1,0 +1,192 @@
+"""BERT samples: sentence pairs with sentence-order prediction and whole-word n-gram masking.
+
+A sample is a run of >= 2 consecutive sentences of one document, grown until it reaches its target
+length (max_seq_length - 3, or w.p. short_seq_prob a random shorter one); the sample map is
+built once and cached beside the data. Drawing sample i at epoch e (its own seeded RNG, so the
+masks change each epoch): split the run at a random sentence into A and B, swap them w.p. 0.5
+(sop_label 1 = swapped), trim the longer segment until both fit, and lay out
+`[CLS] A [SEP] B [SEP]` with token types 0 / 1. Then mask 15% of the non-special tokens in whole
+words (WordPiece '##' pieces stay with their word), in spans of 1-3 words (probability
+proportional to 1/n, as the paper's whole-word n-gram masking); each chosen token becomes [MASK]
+w.p. 0.8, a random token w.p. 0.1, and stays unchanged w.p. 0.1.
+
+Output (after `collate_bert`), all LongTensors: tokens [b, s], token_types [b, s], padding_mask
+[b, s] (1 = real token, 0 = padding), mlm_labels [b, s] (the original id where a token is to be
+predicted, -100 elsewhere: `F.cross_entropy(..., ignore_index=-100)`; the loss mask is
+`mlm_labels != -100`), sop_label [b].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from repro.data.errors import DataError
+from repro.data.gpt_dataset import _cache_prefix
+from repro.data.indexed_dataset import IndexedDataset
+from repro.data.sampler import EpochShuffle, ResumableLoader, cached_array
+from repro.data.tokenizers import TextTokenizer
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class BertOptions:
+    """Sample layout and masking; defaults follow the paper and the 2020 Megatron-LM code."""
+
+    max_seq_length: int = 512
+    mask_prob: float = 0.15  # share of non-special tokens to predict
+    mask_token_prob: float = 0.8  # of those, replaced by [MASK]
+    random_token_prob: float = 0.1  # ... by a random token (the rest stay unchanged)
+    max_ngram: int = 3  # whole-word spans of 1..max_ngram words
+    short_seq_prob: float = 0.1  # a sample targets a random shorter length
+    seed: int = 1234
+
+
+def build_sample_map(data: IndexedDataset, opts: BertOptions) -> np.ndarray:
+    """int64 [n, 3]: first sentence, end sentence (exclusive), target length of each sample."""
+    rng = np.random.default_rng([opts.seed, 7])
+    max_tokens, lengths = opts.max_seq_length - 3, data.sequence_lengths
+    rows: list[tuple[int, int, int]] = []
+    for d in range(data.num_documents):
+        lo, hi = int(data.document_indices[d]), int(data.document_indices[d + 1])
+        start, size, target = lo, 0, max_tokens
+        for j in range(lo, hi):
+            size += int(lengths[j])
+            if (size >= target and j > start) or (j == hi - 1 and j > start):
+                rows.append((start, j + 1, target))
+                start, size = j + 1, 0
+                target = (int(rng.integers(2, max_tokens + 1))
+                          if rng.random() < opts.short_seq_prob else max_tokens)
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _truncate(a: np.ndarray, b: np.ndarray, limit: int, rng: np.random.Generator):
+    while len(a) + len(b) > limit:
+        if len(a) >= len(b):
+            a = a[1:] if rng.random() < 0.5 else a[:-1]
+        else:
+            b = b[1:] if rng.random() < 0.5 else b[:-1]
+    return a, b
+
+
+def _word_spans(tokens: np.ndarray, continuation: np.ndarray, real: np.ndarray) -> list[range]:
+    """Position ranges of whole words among the real (non-special) positions."""
+    spans: list[range] = []
+    for p in np.flatnonzero(real):
+        if spans and spans[-1].stop == p and continuation[tokens[p]]:
+            spans[-1] = range(spans[-1].start, p + 1)
+        else:
+            spans.append(range(p, p + 1))
+    return spans
+
+
+class BertDataset:
+    """Map from a global position (epoch-aware) to one BERT sample (a dict of numpy arrays)."""
+
+    def __init__(self, prefix: str | Path, tokenizer: TextTokenizer,
+                 opts: BertOptions = BertOptions(), cache_dir: Path | str | None = None) -> None:
+        if opts.max_seq_length < 8:
+            raise ValueError(f"max_seq_length={opts.max_seq_length} is too short; use >= 8")
+        self.data, self.tokenizer, self.opts = IndexedDataset(prefix), tokenizer, opts
+        self.continuation = tokenizer.continuation_mask()
+        special = [tokenizer.special.pad, tokenizer.special.unk, tokenizer.cls, tokenizer.sep,
+                   tokenizer.mask]
+        self.random_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), special)
+        cache = _cache_prefix(str(prefix), cache_dir)
+        key = (f"L{opts.max_seq_length}_p{opts.short_seq_prob}_seed{opts.seed}"
+               f"_t{self.data.num_tokens}")
+        path = Path(f"{cache}_bert_map_{key}.npy")
+        self.samples = cached_array(path, lambda: build_sample_map(self.data, opts),
+                                    lambda a: a.ndim == 2 and a.shape[1] == 3)
+        if len(self.samples) == 0:
+            raise DataError(f"{prefix}: no document has two sentences, so there is no sentence "
+                            "pair. Fix: prepare the data with --tokenizer bert (one sentence a "
+                            "sequence) from documents of several sentences")
+        self.shuffle = EpochShuffle(len(self.samples), opts.seed, f"{cache}_bert_{key}")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def at(self, position: int) -> dict[str, np.ndarray]:
+        """The sample at a global position (epoch = position // len(self))."""
+        epoch, index = self.shuffle.locate(position)
+        return self.sample(index, epoch)
+
+    def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
+        """Sample `index` as drawn in `epoch` (a dict of numpy arrays, see the module docstring)."""
+        rng = np.random.default_rng([self.opts.seed, epoch, index])
+        first, end, target = (int(x) for x in self.samples[index])
+        cut = int(rng.integers(first + 1, end))
+        a = np.concatenate([self.data[j] for j in range(first, cut)])
+        b = np.concatenate([self.data[j] for j in range(cut, end)])
+        swapped = bool(rng.random() < 0.5)
+        if swapped:
+            a, b = b, a
+        a, b = _truncate(a, b, target, rng)
+        tok = self.tokenizer
+        tokens = np.concatenate([[tok.cls], a, [tok.sep], b, [tok.sep]]).astype(np.int64)
+        types = np.concatenate([np.zeros(len(a) + 2), np.ones(len(b) + 1)]).astype(np.int64)
+        real = np.ones(len(tokens), dtype=bool)
+        real[[0, len(a) + 1, len(tokens) - 1]] = False
+        tokens, labels = self._mask(tokens, real, rng)
+        return self._pad(tokens, types, labels, int(swapped))
+
+    def _choose(self, spans: list[range], budget: int, rng: np.random.Generator) -> list[int]:
+        weights = 1.0 / np.arange(1, self.opts.max_ngram + 1)
+        ngram = rng.choice(len(weights), size=len(spans), p=weights / weights.sum()) + 1
+        chosen: list[int] = []
+        taken = np.zeros(len(spans), dtype=bool)
+        for w in rng.permutation(len(spans)):
+            n = int(ngram[w])
+            while n > 0:
+                words = range(w, min(w + n, len(spans)))
+                size = sum(len(spans[k]) for k in words)
+                if not taken[words.start:words.stop].any() and len(chosen) + size <= budget:
+                    taken[words.start:words.stop] = True
+                    chosen.extend(p for k in words for p in spans[k])
+                    break
+                n -= 1
+            if len(chosen) >= budget:
+                break
+        return chosen
+
+    def _mask(self, tokens: np.ndarray, real: np.ndarray, rng: np.random.Generator):
+        spans = _word_spans(tokens, self.continuation, real)
+        budget = max(1, int(round(real.sum() * self.opts.mask_prob)))
+        chosen = np.array(sorted(self._choose(spans, budget, rng)), dtype=np.int64)
+        labels = np.full(len(tokens), IGNORE_INDEX, dtype=np.int64)
+        labels[chosen] = tokens[chosen]
+        draw = rng.random(len(chosen))
+        to_mask = chosen[draw < self.opts.mask_token_prob]
+        high = self.opts.mask_token_prob + self.opts.random_token_prob
+        to_random = chosen[(draw >= self.opts.mask_token_prob) & (draw < high)]
+        tokens = tokens.copy()
+        tokens[to_mask] = self.tokenizer.mask
+        tokens[to_random] = rng.choice(self.random_ids, size=len(to_random))
+        return tokens, labels
+
+    def _pad(self, tokens, types, labels, sop_label: int) -> dict[str, np.ndarray]:
+        pad = self.opts.max_seq_length - len(tokens)
+        return {
+            "tokens": np.pad(tokens, (0, pad), constant_values=self.tokenizer.pad),
+            "token_types": np.pad(types, (0, pad)),
+            "padding_mask": np.pad(np.ones(len(tokens), dtype=np.int64), (0, pad)),
+            "mlm_labels": np.pad(labels, (0, pad), constant_values=IGNORE_INDEX),
+            "sop_label": np.array(sop_label, dtype=np.int64),
+        }
+
+
+def collate_bert(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Stack sample dicts into LongTensors ([b, s], sop_label [b])."""
+    return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
+
+
+def bert_loader(dataset: BertDataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                consumed_samples: int = 0, total_samples: int | None = None) -> ResumableLoader:
+    """Micro batches of BERT sample dicts for one DP rank, resuming after consumed_samples."""
+    return ResumableLoader(dataset.at, collate_bert, micro_batch_size, dp_rank, dp_size,
+                           consumed_samples, total_samples)

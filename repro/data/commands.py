@@ -1,0 +1,79 @@
+"""`repro data fetch` and `repro data prepare`: argparse wiring only; the work is in fetch/preprocess."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from repro.data.fetch import DEFAULT_DATA_DIR
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from repro.data.fetch import FetchOptions, data_dir_from_env, fetch, mirror_from_env
+
+    data_dir = Path(args.data_dir) if args.data_dir else data_dir_from_env()
+    mirror = Path(args.mirror) if args.mirror else mirror_from_env()
+    done = fetch(FetchOptions(data_dir=data_dir, mirror=mirror, only=tuple(args.only or ())))
+    for path, action in done.items():
+        print(f"{action:>20}  {data_dir / path}")
+    print(f"{len(done)} files in {data_dir}, sha256 verified")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from repro.data.fetch import data_dir_from_env
+    from repro.data.filters import FilterOptions
+    from repro.data.preprocess import PrepareOptions, prepare
+
+    filters = FilterOptions(min_tokens=args.min_tokens, dedup=not args.no_dedup,
+                            dedup_threshold=args.dedup_threshold,
+                            eval_overlap=not args.no_eval_filter, min_matches=args.eval_min_matches)
+    opts = PrepareOptions(
+        input=Path(args.input), output_prefix=args.output_prefix, tokenizer=args.tokenizer,
+        data_dir=Path(args.data_dir) if args.data_dir else data_dir_from_env(),
+        workers=args.workers, input_format=args.format, json_key=args.json_key,
+        layout=args.layout, split=args.split, filters=filters, progress=not args.no_progress)
+    report = prepare(opts)
+    print(f"documents {report.documents}: kept {report.kept}, under {filters.min_tokens} tokens "
+          f"{report.too_short}, eval overlap {report.eval_overlap}, near-duplicates "
+          f"{report.near_duplicates}")
+    print(f"tokens read {report.tokens_read:,} in {report.seconds:.1f} s = "
+          f"{report.tokens_per_s:,.0f} tokens/s; written {report.tokens_written:,}")
+    for prefix, docs in report.outputs.items():
+        print(f"  {prefix}.bin/.idx  {docs} documents")
+    return 0
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="tokenize, filter and split text into indexed datasets")
+    p.add_argument("--input", required=True, help="JSON lines with a 'text' key, or plain text")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_{train,valid,test}")
+    p.add_argument("--tokenizer", choices=("gpt2", "bert"), default="gpt2")
+    p.add_argument("--data-dir", help=f"vocab and eval sets (REPRO_DATA_DIR, {DEFAULT_DATA_DIR})")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto")
+    p.add_argument("--json-key", default="text")
+    p.add_argument("--layout", choices=("auto", "wikitext", "paragraph"), default="auto",
+                   help="plain text: WikiText articles or blank-line paragraphs as documents")
+    p.add_argument("--split", default="949,50,1", help="train,valid,test weights over documents")
+    p.add_argument("--min-tokens", type=int, default=128)
+    p.add_argument("--no-dedup", action="store_true", help="skip MinHash LSH near-dup removal")
+    p.add_argument("--dedup-threshold", type=float, default=0.7)
+    p.add_argument("--no-eval-filter", action="store_true", help="keep eval-set overlaps")
+    p.add_argument("--eval-min-matches", type=int, default=10,
+                   help="shared 8-grams that make a document overlap an eval set")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_prepare)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `repro data fetch` and `repro data prepare`."""
+    data = subparsers.add_parser("data", help="evaluation data, vocabularies, indexed datasets")
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    f = sub.add_parser("fetch", help="copy (REPRO_DATA_MIRROR) or download the eval sets and "
+                                     "vocabularies, verified by sha256")
+    f.add_argument("--data-dir", help=f"destination (REPRO_DATA_DIR, default {DEFAULT_DATA_DIR})")
+    f.add_argument("--mirror", help="copy from this directory (REPRO_DATA_MIRROR)")
+    f.add_argument("--only", nargs="*", help="relative paths to fetch (default: all)")
+    f.set_defaults(func=_fetch)
+    _add_prepare(sub)

@@ -1,0 +1,81 @@
+"""GPT samples: seq_length + 1 contiguous tokens over the concatenated documents.
+
+The token stream is the .bin in file order (one sequence per document, each ending in the
+end-of-document token), so samples cross document boundaries. Sample i holds tokens
+[i*s, i*s + s + 1): inputs are its first s tokens, labels its last s. Each token is an input of
+exactly one sample per epoch except the tail (fewer than s + 1 tokens at the end). The order of
+samples is a new seeded permutation each epoch, cached beside the data (see repro.data.sampler).
+
+    data = GPTDataset("data/corpus_train", seq_length=1024, seed=1234)
+    loader = gpt_loader(data, micro_batch_size=8, dp_rank=dp_rank, dp_size=dp_size,
+                        consumed_samples=state.consumed_samples)
+    for tokens, labels in loader: ...          # LongTensor [8, 1024] each
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from repro.data.errors import DataError
+from repro.data.indexed_dataset import IndexedDataset
+from repro.data.sampler import EpochShuffle, ResumableLoader
+
+
+class GPTBatch(NamedTuple):
+    """One micro batch: inputs and next-token labels, LongTensor [micro_batch_size, seq_length]."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+
+
+def _cache_prefix(prefix: str, cache_dir: Path | str | None) -> str:
+    if cache_dir is None:
+        return prefix
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(cache_dir) / Path(prefix).name)
+
+
+class GPTDataset:
+    """Map from a global position (epoch-aware) to a sample of seq_length + 1 token ids."""
+
+    def __init__(self, prefix: str | Path, seq_length: int, seed: int = 1234,
+                 cache_dir: Path | str | None = None) -> None:
+        self.data = IndexedDataset(prefix)
+        self.seq_length = seq_length
+        tokens = self.data.num_tokens
+        self.samples_per_epoch = (tokens - 1) // seq_length if seq_length > 0 else 0
+        if self.samples_per_epoch < 1:
+            raise DataError(f"{prefix}.bin: {tokens} tokens cannot fill one sample of "
+                            f"seq_length + 1 = {seq_length + 1}. Fix: use a shorter seq_length "
+                            "or prepare more data")
+        cache = f"{_cache_prefix(str(prefix), cache_dir)}_gpt_s{seq_length}"
+        self.shuffle = EpochShuffle(self.samples_per_epoch, seed, cache)
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    def sample(self, index: int) -> np.ndarray:
+        """Sample `index` in file order: int64 [seq_length + 1]."""
+        start = index * self.seq_length
+        return np.asarray(self.data.tokens[start:start + self.seq_length + 1], dtype=np.int64)
+
+    def at(self, position: int) -> np.ndarray:
+        """The sample at a global position (epoch = position // len(self))."""
+        return self.sample(self.shuffle.locate(position)[1])
+
+
+def collate_gpt(samples: list[np.ndarray]) -> GPTBatch:
+    """Stack samples [b, s + 1] and shift: tokens = [:, :-1], labels = [:, 1:]."""
+    stacked = torch.from_numpy(np.stack(samples))
+    return GPTBatch(stacked[:, :-1].contiguous(), stacked[:, 1:].contiguous())
+
+
+def gpt_loader(dataset: GPTDataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+               consumed_samples: int = 0, total_samples: int | None = None) -> ResumableLoader:
+    """Micro batches of GPTBatch for one DP rank, resuming after consumed_samples (all ranks)."""
+    return ResumableLoader(dataset.at, collate_gpt, micro_batch_size, dp_rank, dp_size,
+                           consumed_samples, total_samples)

@@ -1,0 +1,161 @@
+"""Must-show 2 (prepare = direct tokenization) and 3 (filters), plus input errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_fixtures import bert_tokenizer, data_dir, data_mirror, gpt2_tokenizer  # noqa: F401
+
+from repro.cli import main
+from repro.data.documents import read_documents, split_sentences
+from repro.data.errors import DataError
+from repro.data.filters import FilterOptions
+from repro.data.indexed_dataset import IndexedDataset
+from repro.data.preprocess import PrepareOptions, parse_split, prepare, split_bounds
+
+NO_FILTERS = FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)
+
+
+def _prepare(data_dir, input_path, prefix, **kw) -> tuple:
+    opts = PrepareOptions(input=Path(input_path), output_prefix=str(prefix), data_dir=data_dir,
+                          progress=False, **{"workers": 1, **kw})
+    return opts, prepare(opts)
+
+
+def test_wikitext_documents_partition_the_file(data_dir):
+    path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
+    docs = list(read_documents(path))
+    text = path.read_text(encoding="utf-8")
+    assert len(docs) == 60  # WikiText-2 validation has 60 articles
+    assert all(d.startswith(" = ") and not d.startswith(" = = ") for d in docs)
+    assert "".join(docs) == text[text.index(" = "):]  # all but the leading blank line
+
+
+def test_gpt_prepare_equals_direct_tokenization(data_dir, gpt2_tokenizer, tmp_path):
+    path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
+    _, report = _prepare(data_dir, path, tmp_path / "wt", workers=2, split="1,0,0",
+                         filters=NO_FILTERS)
+    direct = [gpt2_tokenizer.encode(d) + [gpt2_tokenizer.eod] for d in read_documents(path)]
+    ds = IndexedDataset(tmp_path / "wt_train")
+    assert ds.dtype == np.uint16
+    assert ds.num_tokens == sum(len(d) for d in direct) == report.tokens_written
+    assert ds.num_documents == len(direct) == report.kept == 60
+    for d, ids in enumerate(direct):
+        assert ds.document_tokens(d).tolist() == ids
+    assert IndexedDataset(tmp_path / "wt_valid").num_documents == 0
+    assert report.tokens_per_s > 0
+    assert json.loads((tmp_path / "wt_prepare.json").read_text())["report"]["kept"] == 60
+
+
+def test_bert_prepare_one_sequence_per_sentence(data_dir, bert_tokenizer, tmp_path):
+    path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
+    _prepare(data_dir, path, tmp_path / "b", tokenizer="bert", split="1,0,0", filters=NO_FILTERS)
+    ds = IndexedDataset(tmp_path / "b_train")
+    docs = list(read_documents(path))
+    for d in (0, 17, 59):
+        sentences = [s for s in split_sentences(docs[d]) if bert_tokenizer.encode(s)]
+        assert [x.tolist() for x in ds.document(d)] == [bert_tokenizer.encode(s) for s in sentences]
+    assert ds.num_documents == 60 and len(ds) > 5 * ds.num_documents
+
+
+def test_split_sentences():
+    text = "It is big . It was built in 1990 ! Was it ? yes, e.g. here.\nNew line. \"Quoted.\""
+    assert split_sentences(text) == ["It is big .", "It was built in 1990 !", "Was it ? yes, e.g. here.",
+                                     "New line.", "\"Quoted.\""]
+
+
+def test_split_by_documents(data_dir, tmp_path):
+    path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
+    _, report = _prepare(data_dir, path, tmp_path / "s", split="80,15,5", filters=NO_FILTERS)
+    counts = [IndexedDataset(tmp_path / f"s_{n}").num_documents for n in ("train", "valid", "test")]
+    assert counts == [48, 9, 3] and list(report.outputs.values()) == counts
+    assert split_bounds((949, 50, 1), 1000) == [0, 949, 999, 1000]
+    assert parse_split("949,50,1") == (949, 50, 1)
+    for bad in ("949,50", "a,b,c", "0,0,0", "1,-1,1"):
+        with pytest.raises(DataError, match="Fix: e.g. --split 949,50,1"):
+            parse_split(bad)
+
+
+def _paragraphs(path: Path, min_words: int) -> list[str]:
+    docs = read_documents(path, layout="paragraph")
+    return [d.strip() for d in docs if len(d.split()) >= min_words and not d.startswith(" = ")]
+
+
+def _perturb(text: str, rng: random.Random) -> str:
+    words = text.split(" ")
+    for i in rng.sample(range(len(words)), max(1, len(words) // 100)):
+        words[i] = f"changed{rng.randrange(10**6)}"
+    return " ".join(words)
+
+
+def test_filters_dedup_length_and_eval_overlap(data_dir, gpt2_tokenizer, tmp_path):
+    rng = random.Random(0)
+    distinct = _paragraphs(data_dir / "wikitext" / "wikitext-2.valid.tokens", 150)[:150]
+    dups = [_perturb(rng.choice(distinct), rng) for _ in range(60)]
+    short = ["A short note of a few words ." for _ in range(7)]
+    lambada = [json.loads(x) for x in
+               (data_dir / "lambada" / "lambada_openai.test.jsonl").read_text().splitlines()]
+    eval_docs = [f"{r['context']} {r['continuation']}" * 3 for r in lambada[:5]]
+    eval_docs += _paragraphs(data_dir / "wikitext" / "wiki.test.raw", 150)[:5]
+    corpus = distinct + dups + short + eval_docs
+    order = list(range(len(distinct), len(corpus)))
+    rng.shuffle(order)
+    corpus = distinct + [corpus[i] for i in order]  # originals first, the rest mixed
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
+    filters = FilterOptions(min_tokens=64)
+    _, report = _prepare(data_dir, tmp_path / "c.jsonl", tmp_path / "c", split="1,0,0",
+                         filters=filters)
+    assert report.documents == len(corpus)
+    assert report.too_short == 7 and report.eval_overlap == 10
+    assert report.near_duplicates >= 0.95 * 60 and report.kept >= len(distinct)
+    assert report.kept + report.near_duplicates == len(distinct) + 60
+    ds = IndexedDataset(tmp_path / "c_train")
+    assert ds.num_documents == report.kept
+    for i in range(len(distinct)):  # no distinct document removed: they lead the output
+        assert ds.document_tokens(i).tolist() == gpt2_tokenizer.encode(distinct[i]) + [50256]
+
+
+def test_length_filter_counts_tokens(data_dir, gpt2_tokenizer, tmp_path):
+    texts = [" ".join(["word"] * n) for n in (5, 127, 128, 129, 400)]
+    lengths = [len(gpt2_tokenizer.encode(t)) for t in texts]
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    _, report = _prepare(data_dir, tmp_path / "l.jsonl", tmp_path / "l", split="1,0,0",
+                         filters=FilterOptions(min_tokens=128, dedup=False, eval_overlap=False))
+    assert report.too_short == sum(n < 128 for n in lengths) and report.kept == 5 - report.too_short
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "input file is missing"),
+    ("", "input file is empty"),
+    ('{"text": "fine"}\n{"body": "no text key"}\n', r"x\.jsonl:2: not a JSON object with a 'text' key"),
+    ('{"text": "fine"}\n{broken\n', r"x\.jsonl:2: not a JSON object"),
+])
+def test_bad_input(data_dir, tmp_path, content, message):
+    path = tmp_path / "x.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        _prepare(data_dir, path, tmp_path / "out", filters=NO_FILTERS)
+
+
+def test_everything_filtered_is_an_error(data_dir, tmp_path):
+    (tmp_path / "t.txt").write_text("tiny document\n\nanother one\n")
+    with pytest.raises(DataError, match="none of its 2 documents survived.*Fix: lower --min-tokens"):
+        _prepare(data_dir, tmp_path / "t.txt", tmp_path / "out",
+                 filters=FilterOptions(eval_overlap=False))
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_cli_prepare(data_dir, tmp_path, capsys):
+    src = data_dir / "wikitext" / "wikitext-2.valid.tokens"
+    args = ["data", "prepare", "--input", str(src), "--output-prefix", str(tmp_path / "cli"),
+            "--data-dir", str(data_dir), "--workers", "1", "--no-progress", "--tokenizer", "gpt2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "documents 60: kept 60" in out
+    assert main(args[:3] + [str(tmp_path / "missing.txt")] + args[4:]) == 2
+    assert "missing.txt: input file is missing" in capsys.readouterr().err

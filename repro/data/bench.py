@@ -76,11 +76,11 @@ def machine() -> dict:
 
 
 def git_sha() -> str:
-    """HEAD's sha, with '-dirty' when the work tree has changes."""
+    """HEAD's sha, with '-dirty' when repro/data differs from it."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "repro/data"],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> dict:
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, "-m", "repro.data.bench", *sys.argv[1:]]),
-        "git_sha": git_sha(), "machine": machine(), "workers": args.workers,
+        "git_sha": git_sha(), "machine": machine(), "data_dir": str(args.data_dir),
+        "workers": args.workers,
         "repeat": args.repeat, "raw": raw, "pipeline_no_filters": plain, "pipeline_filters": full,
         "ratio_no_filters": plain["tokens_per_s"] / raw["tokens_per_s"],
         "ratio_filters": full["tokens_per_s"] / raw["tokens_per_s"],

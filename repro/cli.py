@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "repro.data.commands",
     "repro.train.commands",
     "repro.eval.commands",
+    "repro.eval.race",
     "repro.tracking.commands",
     "repro.analysis.commands",
     "repro.perf.commands",
@@ -52,4 +53,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from repro.cli import main as package_main  # under `python -m`, handlers raise repro.cli.UserError
+
+    sys.exit(package_main())

@@ -1,0 +1,135 @@
+"""`repro finetune race` wiring: inputs, model, seeds, MLflow (experiment "bert") and JSONL logging."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from repro.cli import UserError
+from repro.eval.race import RaceFormatError, encode_race, load_race, race_dir_from_env
+from repro.models.bert import BertConfig
+
+EXPERIMENT = "bert"
+
+
+class RunLog:
+    """Metrics to runs/.../metrics.jsonl always, and to MLflow when enabled (global rank 0 only)."""
+
+    def __init__(self, run_dir: Path, use_mlflow: bool, run_name: str, is_main: bool) -> None:
+        self.is_main, self.mlflow = is_main, None
+        if not is_main:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if use_mlflow:
+            import mlflow
+
+            from repro.tracking.store import default_artifact_location, default_tracking_uri
+
+            mlflow.set_tracking_uri(default_tracking_uri())
+            if mlflow.get_experiment_by_name(EXPERIMENT) is None:
+                mlflow.create_experiment(EXPERIMENT, artifact_location=default_artifact_location(EXPERIMENT))
+            mlflow.set_experiment(EXPERIMENT)
+            self.mlflow = mlflow
+            self.run = mlflow.start_run(run_name=run_name)
+
+    def params(self, params: dict) -> None:
+        if self.is_main:
+            self.jsonl.write(json.dumps({"params": params}) + "\n")
+            if self.mlflow:
+                self.mlflow.log_params(params)
+
+    def metrics(self, metrics: dict, step: int | None = None) -> None:
+        if self.is_main:
+            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            self.jsonl.flush()
+            if self.mlflow:
+                self.mlflow.log_metrics(metrics, step=step)
+
+    def close(self) -> None:
+        if self.is_main:
+            self.jsonl.close()
+            if self.mlflow:
+                self.mlflow.end_run()
+
+
+def _tokenizer(args):
+    from repro.data.tokenizers import bert_tokenizer, build_tokenizer
+
+    if args.vocab:
+        return bert_tokenizer(Path(args.vocab))
+    from repro.data.fetch import data_dir_from_env
+
+    return build_tokenizer("bert", Path(args.data_dir) if args.data_dir else data_dir_from_env())
+
+
+def model_config(args, vocab_size: int) -> tuple[BertConfig, dict | None]:
+    """From the checkpoint (its config), else a YAML model: block, else the named size (random init)."""
+    if args.checkpoint:
+        from repro.models.bert_checkpoint import read_bert
+
+        cfg, state = read_bert(args.checkpoint)
+        if cfg.vocab_size != vocab_size:
+            raise UserError(f"checkpoint vocab_size={cfg.vocab_size} but the tokenizer has {vocab_size} "
+                            "ids: use the vocab the model was pretrained with (--vocab)")
+        return cfg, state
+    if args.model_config:
+        from omegaconf import OmegaConf
+
+        block = OmegaConf.to_container(OmegaConf.load(args.model_config).get("model", {}))
+        known = {f.name for f in fields(BertConfig)}
+        cfg = BertConfig(**{k: v for k, v in block.items() if k in known})
+    else:
+        from repro.models.sizes import get_size
+
+        cfg = BertConfig(**get_size(args.size).model_config().__dict__)
+    cfg.vocab_size = vocab_size
+    print(f"warning: no --checkpoint: fine-tuning a randomly initialised BERT ({cfg.num_layers} layers, "
+          f"hidden {cfg.hidden_size})")
+    return cfg, None
+
+
+def _groups(tp: int):
+    from repro.parallel.groups import ProcessGroups, init_distributed
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return init_distributed(tp)
+    if tp != 1:
+        raise UserError(f"--tp {tp} needs {tp} ranks: launch with torchrun --nproc-per-node {tp}")
+    return ProcessGroups.single()
+
+
+def run(args) -> int:
+    """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; print medians."""
+    from repro.eval.race_finetune import options_for, print_report, run_seed, write_results
+
+    try:
+        root = race_dir_from_env(args.race_dir)
+        raw = {s: load_race(root, s) for s in ("train", "dev", "test")}
+        tok = _tokenizer(args)
+        cfg, state = model_config(args, tok.vocab_size)
+        cfg.seq_length = min(cfg.seq_length, args.seq_length)
+    except (RaceFormatError, FileNotFoundError, ValueError) as err:
+        raise UserError(str(err)) from None
+    splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
+    pg = _groups(args.tp)
+    log = RunLog(Path(args.run_dir), not args.no_mlflow, f"race-{args.size}", pg.rank == 0)
+    log.params({"task": "race", "size": args.size, "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
+                "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
+                "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
+                "train_questions": len(splits["train"])})
+    results = []
+    for seed in args.seeds:
+        opts = options_for(args.size, args.batch_size, args.lr, args.epochs, seed)
+        res = run_seed(cfg, state, splits, opts, pg, lambda m, i, s=seed: log.metrics({f"seed{s}/{k}": v for k, v in m.items()}, i))
+        log.metrics({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
+        results.append(res)
+    med = print_report(results) if pg.rank == 0 else None
+    if pg.rank == 0:
+        log.metrics({f"{sp}/acc_{lv}": v for sp, acc in med.items() for lv, v in acc.items()})
+        print(f"results: {write_results(Path(args.run_dir), results, med)}")
+    log.close()
+    return 0

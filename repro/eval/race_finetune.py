@@ -1,0 +1,182 @@
+"""RACE fine-tuning: the paper's multiple-choice head on BERT, the training loop, and the CLI run.
+
+Head (paper §5): pooled [CLS] -> dropout -> Linear(h, 1): one score per option, cross-entropy over
+the 4. Schedule: 3 epochs, batch/lr 32/2e-5 (336M, 3.9B) or 16/1e-5 (1.3B); warm-up over 6% of
+the steps then linear decay, weight decay 0.1, clipping 1.0 (the 2020 Megatron RACE example).
+
+    repro finetune race --race-dir RACE --checkpoint bert.pt --seeds 1 2 3 4 5
+    torchrun --nproc-per-node 2 -m repro.cli finetune race --race-dir RACE --checkpoint bert.pt --tp 2
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from repro.eval.race import RaceTensors, accuracy_by_level, format_accuracy
+from repro.models.bert import BERT, BertConfig
+from repro.parallel.grads import all_reduce_gradients, clip_grad_norm
+from repro.parallel.groups import ProcessGroups
+from repro.parallel.random import RNGTracker, seed_default_generators
+
+PAPER_BATCH_LR = {"bert-336m": (32, 2e-5), "bert-1.3b": (16, 1e-5), "bert-3.9b": (32, 2e-5)}
+
+
+class MultipleChoiceBert(nn.Module):
+    """BERT encoder + pooler, then dropout -> Linear(h, 1) per option (replicated on TP ranks)."""
+
+    def __init__(self, cfg: BertConfig, tp_group=None, rng: RNGTracker | None = None, seed: int = 1234):
+        super().__init__()
+        self.bert = BERT(cfg, tp_group, rng, seed=seed, pretraining_heads=False)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.classifier = nn.Linear(cfg.hidden_size, 1)
+        gen = torch.Generator().manual_seed(seed + 1)  # same head on every rank
+        with torch.no_grad():
+            self.classifier.weight.normal_(0.0, cfg.init_method_std, generator=gen)
+            self.classifier.bias.zero_()
+
+    def forward(self, tokens, token_types, padding_mask) -> torch.Tensor:
+        b, c, s = tokens.shape  # (b, 4, s): one row per option
+        hidden = self.bert.encode(tokens.view(b * c, s), token_types.view(b * c, s), padding_mask.view(b * c, s))
+        scores = self.classifier(self.dropout(self.bert.pooled(hidden)))  # (b*4, 1)
+        return scores.view(b, c)
+
+
+@dataclass
+class FinetuneOptions:
+    """One fine-tuning run (one seed)."""
+
+    epochs: int = 3
+    batch_size: int = 32  # questions per global batch (each question is 4 sequences)
+    lr: float = 2e-5
+    warmup_fraction: float = 0.06
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    seed: int = 1234
+    log_every: int = 10
+
+
+@dataclass
+class FinetuneResult:
+    """Accuracies (%) per split and level, and the training losses per step."""
+
+    seed: int
+    accuracy: dict[str, dict[str, float]] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+
+
+def _optimizer(model: nn.Module, opts: FinetuneOptions, steps: int):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr)
+    warmup = max(1, int(opts.warmup_fraction * steps))
+    lam = lambda i: min((i + 1) / warmup, max(0.0, (steps - i) / max(1, steps - warmup)))  # noqa: E731
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lam)
+
+
+def _rows(data: RaceTensors, index: torch.Tensor):
+    return data.tokens[index], data.token_types[index], data.padding_mask[index], data.labels[index]
+
+
+@torch.no_grad()
+def evaluate(model: MultipleChoiceBert, data: RaceTensors, batch_size: int = 16) -> dict[str, float]:
+    """Accuracy on middle, high and total (every rank scores the whole split)."""
+    model.eval()
+    preds = []
+    for start in range(0, len(data), batch_size):
+        tokens, types, mask, _ = _rows(data, torch.arange(start, min(start + batch_size, len(data))))
+        preds.append(model(tokens, types, mask).argmax(-1))
+    return accuracy_by_level(torch.cat(preds), data.labels, data.levels)
+
+
+def _train_step(model, opt, sched, batch, pg: ProcessGroups, clip: float) -> float:
+    tokens, types, mask, labels = batch
+    loss = F.cross_entropy(model(tokens, types, mask).float(), labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    all_reduce_gradients(model.parameters(), pg.dp_group)
+    clip_grad_norm(model.parameters(), clip, pg.tp_group)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOptions,
+             pg: ProcessGroups | None = None, log=None) -> list[float]:
+    """Train for opts.epochs; each DP rank takes its slice of every (seeded, shuffled) batch."""
+    pg = pg or ProcessGroups.single()
+    if opts.batch_size % pg.dp_size:
+        raise ValueError(f"batch_size={opts.batch_size} is not divisible by dp={pg.dp_size}: "
+                         f"use a multiple of {pg.dp_size}")
+    per_rank = opts.batch_size // pg.dp_size
+    steps_per_epoch = -(-len(train) // opts.batch_size)
+    opt, sched = _optimizer(model, opts, steps_per_epoch * opts.epochs)
+    losses: list[float] = []
+    for epoch in range(opts.epochs):
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(opts.seed + epoch))
+        for step in range(steps_per_epoch):
+            batch = order[step * opts.batch_size:(step + 1) * opts.batch_size]
+            mine = batch[pg.dp_rank * per_rank:(pg.dp_rank + 1) * per_rank]
+            if len(mine) == 0:  # a short last batch: keep every DP rank in step
+                mine = batch[:1]
+            model.train()
+            losses.append(_train_step(model, opt, sched, _rows(train, mine), pg, opts.clip_grad))
+            if log is not None and len(losses) % opts.log_every == 0:
+                log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0]}, len(losses))
+    return losses
+
+
+def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: FinetuneOptions,
+             pg: ProcessGroups, log=None) -> FinetuneResult:
+    """Build the model (from a full checkpoint state if given), fine-tune, evaluate every split."""
+    from repro.models.bert_checkpoint import load_full_state_dict
+
+    seed_default_generators(opts.seed, torch.device("cpu"))
+    model = MultipleChoiceBert(cfg, pg.tp_group, RNGTracker(opts.seed, pg.tp_rank), seed=opts.seed)
+    if state is not None:
+        load_full_state_dict(model.bert, {k: v for k, v in state.items()
+                                          if not k.startswith(("lm_head.", "sop_head."))})
+    result = FinetuneResult(opts.seed)
+    result.losses = finetune(model, splits["train"], opts, pg, log)
+    for name, data in splits.items():
+        result.accuracy[name] = evaluate(model, data)
+    return result
+
+
+def median_accuracy(results: list[FinetuneResult]) -> dict[str, dict[str, float]]:
+    """Per split and level, the median over seeds (the paper reports the median of 5)."""
+    splits = results[0].accuracy
+    return {s: {k: statistics.median(r.accuracy[s][k] for r in results) for k in splits[s]} for s in splits}
+
+
+def print_report(results: list[FinetuneResult]) -> dict[str, dict[str, float]]:
+    """Print middle/high/total per split (median over seeds when several) and return it."""
+    med = median_accuracy(results)
+    label = f"median over {len(results)} seeds" if len(results) > 1 else f"seed {results[0].seed}"
+    print(f"RACE accuracy (%), {label}:")
+    for split, acc in med.items():
+        print("  " + format_accuracy(split, acc))
+    return med
+
+
+def options_for(size: str, batch_size: int | None, lr: float | None, epochs: int, seed: int) -> FinetuneOptions:
+    """The paper's batch/lr for a named size, overridden where given."""
+    batch, rate = PAPER_BATCH_LR.get(size, (32, 2e-5))
+    return replace(FinetuneOptions(), batch_size=batch_size or batch, lr=lr or rate, epochs=epochs, seed=seed)
+
+
+def write_results(run_dir: Path, results: list[FinetuneResult], med: dict) -> Path:
+    """results.json beside the run's metrics.jsonl."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "results.json"
+    path.write_text(json.dumps({"median": med, "seeds": [{"seed": r.seed, "accuracy": r.accuracy,
+                                                           "final_loss": r.losses[-1]} for r in results]},
+                               indent=2))
+    return path

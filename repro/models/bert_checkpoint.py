@@ -1,0 +1,72 @@
+"""TP-agnostic BERT checkpoints: save full (unsharded, unpadded) tensors, load at any TP degree.
+
+A model saved at tp=k (every rank calls `save_bert`, rank 0 writes) loads at tp=m: each rank
+slices the full master tensor exactly as the layers do at init (`shard_master`), and the
+vocabulary rows are re-padded for m. This is how `repro finetune race` starts from a pretrained
+checkpoint of any TP degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from repro.models.bert import BERT, BertConfig
+from repro.parallel.checks import gather_full
+from repro.parallel.layers import is_tensor_parallel, shard_master
+from repro.parallel.mappings import group_rank, group_size
+
+VOCAB_ROWS = ("embeddings.word.weight", "lm_head.bias")  # padded along dim 0
+
+
+def full_state_dict(model: BERT) -> dict[str, torch.Tensor]:
+    """Every tensor whole (TP shards gathered) with the padded vocabulary rows dropped."""
+    out = {}
+    params = dict(model.named_parameters())
+    for name, tensor in model.state_dict().items():
+        p = params.get(name)
+        if p is not None and is_tensor_parallel(p) and group_size(model.tp_group) > 1:
+            t = tensor.detach()
+            t.partition_dim, t.partition_stride = p.partition_dim, getattr(p, "partition_stride", 1)
+            tensor = gather_full(t, model.tp_group)
+        if name in VOCAB_ROWS:
+            tensor = tensor[: model.cfg.vocab_size]
+        out[name] = tensor.detach().cpu().clone()
+    return out
+
+
+def load_full_state_dict(model: BERT, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy full tensors into a model of any TP degree (this rank's slice of each)."""
+    tp, rank = group_size(model.tp_group), group_rank(model.tp_group)
+    params, local = dict(model.named_parameters()), {}
+    for name, full in state.items():
+        if name in VOCAB_ROWS:
+            full = F.pad(full, [0, 0] * (full.dim() - 1) + [0, model.padded_vocab - full.shape[0]])
+        p = params.get(name)
+        if p is not None and is_tensor_parallel(p):
+            full = shard_master(full, p.partition_dim, rank, tp, getattr(p, "partition_stride", 1))
+        local[name] = full
+    missing, unexpected = model.load_state_dict(local, strict=False)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+def save_bert(model: BERT, path: Path | str) -> None:
+    """Every rank calls this (the TP gather is collective); global rank 0 writes the file."""
+    state = full_state_dict(model)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"config": asdict(model.cfg), "model": state}, path)
+
+
+def read_bert(path: Path | str) -> tuple[BertConfig, dict[str, torch.Tensor]]:
+    """The config and full state dict of a checkpoint written by `save_bert`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    return BertConfig(**blob["config"]), blob["model"]

@@ -1,0 +1,190 @@
+"""Issue 6, RACE: the official layout, the paper's 4 samples per question, clear errors on bad files,
+fine-tuning a tiny BERT to 100% train accuracy, middle/high/total, MLflow; checkpoints at any TP."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import pre_tokenizers
+
+from conftest import require
+from repro.data.tokenizers import bert_tokenizer
+from repro.eval.race import (RaceFormatError, accuracy_by_level, build_choice_inputs, encode_race,
+                             load_race, parse_race_file, question_with_option)
+from repro.models.bert import BERT, BertConfig
+from repro.parallel.spawn import run_ranks
+
+FIXTURE = Path(__file__).parent / "fixtures" / "race"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory) -> Path:
+    """A WordPiece vocab of the fixture's words (small, so a tiny BERT is fast)."""
+    words = set()
+    pre = pre_tokenizers.BertPreTokenizer()
+    for path in FIXTURE.rglob("*.txt"):
+        doc = json.loads(path.read_text())
+        texts = [doc["article"], *doc["questions"], *(o for opts in doc["options"] for o in opts)]
+        words |= {w.lower() for t in texts for w, _ in pre.pre_tokenize_str(t)}
+    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(words)]) + "\n")
+    return vocab
+
+
+@pytest.fixture(scope="module")
+def tok(vocab_file):
+    return bert_tokenizer(vocab_file)
+
+
+def test_fixture_loads_in_the_official_layout():
+    counts = {s: len(load_race(FIXTURE, s)) for s in ("train", "dev", "test")}
+    assert counts == {"train": 10, "dev": 4, "test": 3}
+    train = load_race(FIXTURE, "train")
+    assert [q.level for q in train].count("middle") == 5 and train[0].label == 1  # "B"
+    assert all(len(q.options) == 4 for q in train)
+
+
+def test_four_samples_per_question_as_the_paper_builds_them(tok):
+    q = load_race(FIXTURE, "train")[1]  # "Max found _ in the sand."
+    assert question_with_option(q.question, q.options[2]) == "Max found an old bottle in the sand."
+    assert question_with_option("Where does Tom live?", "In Spain.") == "Where does Tom live? In Spain."
+    rows = build_choice_inputs(q, tok, seq_length=40)
+    assert rows["tokens"].shape == (4, 40)
+    for j, option in enumerate(q.options):
+        qa = tok.encode(question_with_option(q.question, option))
+        article = tok.encode(q.article)[: 40 - len(qa) - 3]  # article truncated to fill seq_length
+        ids = [tok.cls, *qa, tok.sep, *article, tok.sep]
+        assert rows["tokens"][j].tolist() == ids + [tok.pad] * (40 - len(ids))
+        assert rows["token_types"][j].tolist() == [0] * (len(qa) + 2) + [1] * (len(ids) - len(qa) - 2) + [0] * (40 - len(ids))
+        assert rows["padding_mask"][j].sum() == len(ids)
+    short = build_choice_inputs(q, tok, seq_length=64, max_qa_tokens=3)  # qa capped (paper: 128)
+    assert short["tokens"][0, 4] == tok.sep and short["token_types"][0, :5].tolist() == [0] * 5
+    data = encode_race(load_race(FIXTURE, "dev"), tok, 64)
+    assert data.tokens.shape == (4, 4, 64) and data.labels.tolist() == [2, 1, 1, 0]
+
+
+def test_accuracy_by_level():
+    acc = accuracy_by_level(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 0, 0]), ["middle", "middle", "high", "high"])
+    assert acc == {"middle": 100.0, "high": 0.0, "total": 50.0}
+
+
+def _broken_copy(tmp_path: Path, mutate) -> Path:
+    root = tmp_path / "RACE"
+    shutil.copytree(FIXTURE, root)
+    path = root / "train" / "high" / "2.txt"
+    doc = json.loads(path.read_text())
+    mutate(doc)
+    path.write_text(json.dumps(doc))
+    return root
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("answers"), r"missing key\(s\) 'answers'"),
+    (lambda d: d["answers"].__setitem__(1, "E"), r"question 1 has answer 'E', not one of A, B, C, D"),
+    (lambda d: d["options"][0].pop(), r"question 0 has 3 options, not 4"),
+    (lambda d: d["questions"].pop(), r"1 questions, 2 option lists and 2 answers"),
+])
+def test_bad_race_files_name_the_file(tmp_path, mutate, message):
+    root = _broken_copy(tmp_path, mutate)
+    with pytest.raises(RaceFormatError, match=message) as err:
+        load_race(root, "train")
+    assert str(root / "train" / "high" / "2.txt") in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_missing_folder_and_bad_json_are_clear(tmp_path):
+    with pytest.raises(RaceFormatError, match=r"train/middle: missing .*cmu.edu"):
+        load_race(tmp_path, "train")
+    bad = tmp_path / "x.txt"
+    bad.write_text("{not json")
+    with pytest.raises(RaceFormatError, match=r"x.txt: not valid JSON"):
+        parse_race_file(bad, "high")
+
+
+def test_cli_bad_file_exits_2_naming_it(tmp_path, vocab_file):
+    root = _broken_copy(tmp_path, lambda d: d["answers"].__setitem__(0, "Z"))
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "finetune", "race", "--race-dir", str(root),
+                          "--vocab", str(vocab_file), "--no-mlflow"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert re.search(r"error: .*train/high/2.txt: question 0 has answer 'Z'", out.stderr), out.stderr
+
+
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=96, hidden_dropout=0.0,
+            attention_dropout=0.0)
+
+
+def _save_tp2(path: str, vocab_size: int) -> float:
+    """At TP=2: save the model; return a logit sum for the caller to compare after loading at TP=1."""
+    import torch.distributed as dist
+
+    from repro.models.bert_checkpoint import save_bert
+    from repro.parallel.groups import ParallelDims, build_process_groups
+
+    pg = build_process_groups(ParallelDims(2, 1))
+    model = BERT(BertConfig(vocab_size=vocab_size, **TINY), pg.tp_group, seed=77)
+    save_bert(model, path)
+    dist.barrier()
+    return 0.0
+
+
+def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
+    from repro.models.bert_checkpoint import VOCAB_ROWS, load_full_state_dict, read_bert
+
+    path = tmp_path / "bert_tp2.pt"
+    run_ranks(_save_tp2, 2, str(path), 300)
+    cfg, state = read_bert(path)
+    loaded = BERT(cfg)  # another seed: every tensor must come from the file
+    load_full_state_dict(loaded, state)
+    serial = BERT(BertConfig(vocab_size=300, **TINY), seed=77)  # master-weight init: same at any TP
+    for (name, a), b in zip(loaded.state_dict().items(), serial.state_dict().values()):
+        if name in VOCAB_ROWS:  # padded rows are never used: the file drops them, loading zeroes them
+            assert not a[300:].any(), name
+            a, b = a[:300], b[:300]
+        assert torch.equal(a, b), name
+
+
+def test_finetune_cli_fits_the_fixture_and_logs_to_mlflow(tmp_path, tok, vocab_file):
+    """Tiny BERT (2 layers, h=64) saved as a checkpoint, fine-tuned by `repro finetune race`:
+    train accuracy must reach 100% (10 questions, lr 1e-3, 25 epochs: memorisation)."""
+    from repro.models.bert_checkpoint import save_bert
+
+    ckpt = tmp_path / "tiny.pt"
+    save_bert(BERT(BertConfig(vocab_size=tok.vocab_size, **TINY), seed=3), ckpt)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    cmd = [sys.executable, "-m", "repro.cli", "finetune", "race", "--race-dir", str(FIXTURE), "--vocab", str(vocab_file),
+           "--checkpoint", str(ckpt), "--epochs", "25", "--batch-size", "5", "--lr", "1e-3", "--seq-length", "96",
+           "--seeds", "1", "2", "--run-dir", str(tmp_path / "run"), "--size", "tiny"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "median over 2 seeds" in out.stdout
+    lines = {ln.split()[0]: ln for ln in out.stdout.splitlines() if re.match(r"\s+(train|dev|test)\s", ln)}
+    assert set(lines) == {"train", "dev", "test"}
+    assert re.search(r"middle\s+100.0\s+high\s+100.0\s+total\s+100.0", lines["train"]), out.stdout
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert all(s["accuracy"]["train"]["total"] == 100.0 for s in results["seeds"])
+    import mlflow
+
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    runs = mlflow.search_runs(experiment_names=["bert"])
+    assert len(runs) == 1 and runs["metrics.train/acc_total"].iloc[0] == 100.0
+    assert {"metrics.dev/acc_middle", "metrics.dev/acc_high", "metrics.test/acc_total"} <= set(runs.columns)
+
+
+def test_real_bert_vocab_builds_the_inputs():
+    """With the real uncased WordPiece vocab (from `repro data fetch`): [CLS]=101, [SEP]=102."""
+    from repro.data.tokenizers import build_tokenizer
+
+    data_dir = Path(os.environ.get("REPRO_DATA_DIR") or os.environ.get("REPRO_DATA_MIRROR") or "data")
+    require((data_dir / "vocab" / "bert-large-uncased-vocab.txt").is_file(), "the BERT vocab (repro data fetch)")
+    tok = build_tokenizer("bert", data_dir)
+    data = encode_race(load_race(FIXTURE, "test"), tok, 128)
+    assert data.tokens[:, :, 0].eq(101).all() and (data.tokens == 102).sum(-1).eq(2).all()

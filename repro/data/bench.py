@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join([Path(sys.executable).name, "-m", "repro.data.bench", *sys.argv[1:]]),
         "git_sha": git_sha(), "machine": machine(), "data_dir": str(args.data_dir),
         "workers": args.workers, "rounds": args.rounds,
-        "load_average_1min_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_average_1min_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "repeat": args.repeat, "raw": raw, "pipeline_no_filters": plain, "pipeline_filters": full,
         "ratio_no_filters": plain["tokens_per_s"] / raw["tokens_per_s"],
         "ratio_filters": full["tokens_per_s"] / raw["tokens_per_s"],

@@ -100,7 +100,7 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
 
 
 def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
-    """Restore model, optimizer, schedule, scaler, RNG and data position from a checkpoint."""
+    """Restore model, optimizer, schedule, scaler and data position; RNG states go in meta["rng"]."""
     meta, pg = ck.read_meta(path), eng.pg
     if meta["tp"] != pg.tp_size:
         raise ck.CheckpointError(
@@ -118,8 +118,15 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     rng_file = path / f"rng_rank{pg.rank:05d}.pt"
     if not rng_file.exists():  # a different DP size: take the same TP rank's state
         rng_file = path / f"rng_rank{pg.tp_rank:05d}.pt"
-    ck.restore_rng(ck.load_file(rng_file), eng.rng)
+    meta["rng"] = ck.load_file(rng_file)  # restored just before the first step (setup draws too)
     return TrainState(meta["iteration"], meta["consumed_samples"]), meta
+
+
+def optimizer_state_bytes(eng: Engine) -> int:
+    """Bytes of optimizer state (Adam moments) held by this rank; ZeRO's partition only."""
+    opt = eng.optimizer.optimizer if eng.deepspeed else eng.optimizer
+    return sum(t.numel() * t.element_size() for st in opt.state.values()
+               for t in st.values() if torch.is_tensor(t) and t.ndim > 0)
 
 
 def _micro_batches(loader, n: int) -> list:
@@ -186,6 +193,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     logger = _logger(cfg, eng, meta.get("mlflow_run_id"), tags or {}) if pg.rank == 0 else None
     peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
     stop, interval, final = StopSignal(), _Interval(), {}
+    if "rng" in meta:
+        ck.restore_rng(meta.pop("rng"), eng.rng)
     try:
         while state.iteration < cfg.train.train_iters:
             result = train_step(eng, _micro_batches(loader, derived.grad_accum_steps))
@@ -243,7 +252,9 @@ def _finish(eng, state, final, logger, valid, meta) -> dict:
     latest = ck.latest_checkpoint(root)
     if latest is None or latest.name != ck.iter_name(state.iteration):
         save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
-    final = {**final, "iteration": state.iteration, "consumed_samples": state.consumed_samples}
+    final = {**final, "iteration": state.iteration, "consumed_samples": state.consumed_samples,
+             "optimizer_state_bytes": optimizer_state_bytes(eng),
+             "local_parameters": sum(p.numel() for p in eng.model.parameters())}
     if valid:
         final["valid_loss"] = evaluate(eng, valid())
         _log(logger, {"valid_loss": final["valid_loss"]}, state.iteration)

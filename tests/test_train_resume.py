@@ -1,0 +1,131 @@
+"""Issue 4: exact resume, SIGTERM, kill -9 during a checkpoint write, reshard and HF export."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from repro.parallel.spawn import run_ranks
+from repro.train import checkpoint as ck
+from repro.train.commands import train_rank
+from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
+WITH_DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1, "optim.lr_decay_iters": 40}
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    from repro.tracking.logger import read_metrics
+
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = ck.latest_checkpoint(run_dir / "checkpoints")
+    return ck.load_full_model_state(latest)[1]
+
+
+def _cli(*args, env_extra=None, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "repro.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("full")
+    run_ranks(train_rank, 2, TINY, tiny_overrides(corpus, run_dir, **{"parallel.tp": 2, **WITH_DROPOUT,
+                                                                     "train.train_iters": 40}))
+    return run_dir
+
+
+def test_stop_and_resume_is_bit_identical(uninterrupted, corpus, tmp_path):
+    """TP=2 with dropout: 15 iterations, a new launch to 40 == one launch of 40, bit for bit."""
+    over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT})
+    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=15"])
+    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=40"])
+    assert _losses(tmp_path) == _losses(uninterrupted)
+    want, got = _final_weights(uninterrupted), _final_weights(tmp_path)
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):
+    """SIGTERM mid-run: checkpoint, clean exit (0); the next launch finishes identically."""
+    over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40})
+    proc = _cli("train", TINY, "--nproc", "2", *sum((["--set", o] for o in over), []))
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.05)
+    for child in _children(proc.pid):
+        os.kill(child, signal.SIGTERM)  # as Slurm does: every task gets the signal
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    stopped_at = int(ck.latest_checkpoint(tmp_path / "checkpoints").name.split("_")[1])
+    assert 3 <= stopped_at < 40, out
+    run_ranks(train_rank, 2, TINY, over)
+    assert _losses(tmp_path) == _losses(uninterrupted)
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def test_kill_9_during_checkpoint_write_leaves_previous_loadable(corpus, tmp_path):
+    over = tiny_overrides(corpus, tmp_path, **{"train.save_interval": 1, "train.train_iters": 400})
+    proc = _cli("train", TINY, *sum((["--set", o] for o in over), []))
+    deadline = time.time() + 120
+    ckpts = tmp_path / "checkpoints"
+    while not ((ckpts / "latest").exists() and list(ckpts.glob("iter_*.tmp"))) and time.time() < deadline:
+        time.sleep(0.001)
+    proc.kill()  # SIGKILL while a later checkpoint is being written
+    proc.wait(timeout=30)
+    latest = ck.latest_checkpoint(ckpts)
+    assert latest is not None and list(ckpts.glob("iter_*.tmp")), "the kill did not land mid-write"
+    from repro.parallel.groups import ProcessGroups
+
+    model = ck.load_model_for_eval(latest, ProcessGroups.single())
+    assert model(torch.zeros(1, 8, dtype=torch.long)).isfinite().any()
+
+
+def _logits_worker(ckpt: str, tp: int) -> list:
+    import torch.distributed as dist
+
+    from repro.parallel.groups import ParallelDims, build_process_groups
+    from repro.parallel.mappings import gather_from_tensor_parallel_region
+
+    pg = build_process_groups(ParallelDims(tp, dist.get_world_size() // tp))
+    model = ck.load_model_for_eval(ckpt, pg)
+    ids = torch.arange(32).view(2, 16) * 97 % 50257
+    with torch.no_grad():
+        return gather_from_tensor_parallel_region(model(ids), pg.tp_group)[..., :50257].tolist()
+
+
+def test_reshard_and_hf_export_keep_outputs(uninterrupted, tmp_path):
+    """TP=2 -> TP=1 -> TP=2 and the Hugging Face export: logits equal within 1e-5 (fp32 sums)."""
+    src = ck.resolve(uninterrupted)
+    ref = torch.tensor(run_ranks(_logits_worker, 2, str(src), 2)[0])
+    one = ck.reshard(src, tmp_path / "tp1", 1)
+    two = ck.reshard(one, tmp_path / "tp2", 2)
+    tp1 = torch.tensor(run_ranks(_logits_worker, 1, str(one), 1)[0])
+    tp2 = torch.tensor(run_ranks(_logits_worker, 2, str(two), 2)[0])
+    scale = ref.abs().max()
+    assert (tp1 - ref).abs().max() / scale < 1e-5 and (tp2 - ref).abs().max() / scale < 1e-5
+    proc = _cli("checkpoint", "export-hf", str(src), "--out", str(tmp_path / "hf"))
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = hf(torch.arange(32).view(2, 16) * 97 % 50257).logits
+    assert (theirs - ref).abs().max() / scale < 1e-5

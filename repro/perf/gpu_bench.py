@@ -198,7 +198,7 @@ def _git_sha() -> str | None:
         return None
 
 
-def provenance(device: torch.device, argv: list[str]) -> dict:
+def provenance(device: torch.device, argv: list[str], prog: str = "python -m repro.perf.gpu_bench") -> dict:
     """Where and how the numbers were measured."""
     cuda = device.type == "cuda"
     return {
@@ -206,7 +206,7 @@ def provenance(device: torch.device, argv: list[str]) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
         "python": platform.python_version(), "host": platform.node(), "threads": torch.get_num_threads(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": _git_sha(), "command": " ".join(["python -m repro.perf.gpu_bench", *argv]),
+        "git_sha": _git_sha(), "command": " ".join([prog, *argv]),
     }
 
 

@@ -1,0 +1,57 @@
+"""Analytic memory per rank: parameters, gradients and optimizer state at a TP degree and ZeRO stage.
+
+Parameter count per TP rank (GPT, tied output layer): the sharded matrices (wte V_p h, per layer
+QKV 3h^2 + 3h, attention output h^2, MLP 4h^2 + 4h and 4h^2) divided by tp, plus the replicated
+rest (wpe s h, per layer two layer norms 4h and two row-parallel biases 2h, the final norm 2h).
+
+Bytes per parameter (Rajbhandari et al. 2020, ZeRO §3): mixed-precision Adam keeps 2 (half
+weights) + 2 (half grads) + 12 (fp32 master, m, v); fp32 Adam keeps 4 + 4 + 8 (m, v), and
+DeepSpeed's ZeRO-1/2 also keeps an fp32 partition of the weights (+4). ZeRO-1 divides the optimizer
+state by dp; ZeRO-2 also the gradients; ZeRO-3 also the parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from repro.models.config import ModelConfig
+
+
+def params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
+    """Number of parameters one TP rank holds (its shards plus the replicated tensors)."""
+    h, l, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
+    sharded = cfg.padded_vocab_size(tp) * h + l * (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h)
+    replicated = s * h + l * (4 * h + 2 * h) + 2 * h
+    return sharded // tp + replicated
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank by category."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def bytes_per_param(precision: str, zero_stage: int) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per parameter before any ZeRO division."""
+    if precision == "fp32":
+        return 4, 4, 8 + (4 if zero_stage > 0 else 0)  # DeepSpeed ZeRO keeps an fp32 partition
+    return 2, 2, 12
+
+
+def memory_per_rank(cfg: ModelConfig, tp: int = 1, dp: int = 1, zero_stage: int = 0,
+                    precision: str = "fp32") -> MemoryEstimate:
+    """Analytic bytes of parameters, gradients and Adam state on one rank."""
+    n = params_per_rank(cfg, tp)
+    w, g, o = bytes_per_param(precision, zero_stage)
+    return MemoryEstimate(
+        params=n * w // (dp if zero_stage >= 3 else 1),
+        grads=n * g // (dp if zero_stage >= 2 else 1),
+        optimizer=n * o // (dp if zero_stage >= 1 else 1),
+    )

@@ -1,0 +1,105 @@
+"""Issue 9: FLOP formulas vs a direct count, peaks and MFU, analytic memory, the scaling model's ring arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from repro.models.config import ModelConfig
+from repro.models.gpt import GPT
+from repro.perf import flops, memory, peaks, scaling_model
+
+SMALL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
+                    hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _count(recompute: bool, math_attention: bool = True) -> dict:
+    cfg = ModelConfig(**{**SMALL.__dict__, "activation_checkpointing": recompute})
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    return flops.count_flops(GPT(cfg).train(), ids, ids, math_attention=math_attention)
+
+
+def test_72_formula_equals_flop_counter_without_recompute():
+    # Both count only matmuls, with the full s x s attention: exact (float tolerance 1e-12).
+    got = _count(False)
+    assert got["forward"] == pytest.approx(flops.forward_flops(SMALL, 2), rel=1e-12)
+    assert got["total"] == pytest.approx(flops.flops_per_iteration(SMALL, 2, recompute=False), rel=1e-12)
+
+
+def test_96_formula_overcounts_torch_checkpoint_by_the_last_mlp_gemm():
+    # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back, so the
+    # MLP output projection (8 B s h^2 per layer) is never recomputed; the 96-form counts it.
+    got = _count(True)["total"]
+    want = flops.flops_per_iteration(SMALL, 2, recompute=True)
+    s, h, l = SMALL.seq_length, SMALL.hidden_size, SMALL.num_layers
+    assert got == pytest.approx(want - 8 * 2 * s * l * h * h, rel=1e-12)
+
+
+def test_cpu_flash_attention_is_invisible_to_flop_counter():
+    # FlopCounterMode registers the CUDA SDPA kernels only: on CPU the default kernel's 4 B s^2 h per
+    # layer forward (x3 with backward) goes uncounted; the math path counts it.
+    gap = _count(False, math_attention=True)["total"] - _count(False, math_attention=False)["total"]
+    assert gap == 3 * 4 * 2 * SMALL.seq_length**2 * SMALL.hidden_size * SMALL.num_layers
+
+
+def test_elementwise_work_the_formula_ignores_is_small_at_paper_sizes():
+    from repro.models.sizes import get_size
+
+    cfg = get_size("scaling-1.2b").model_config()
+    assert flops.elementwise_flops_estimate(cfg, 8) / flops.forward_flops(cfg, 8) < 0.05
+
+
+def test_throughput_and_mfu_against_the_table():
+    cfg = ModelConfig(num_layers=40, hidden_size=1536, num_attention_heads=16, seq_length=1024, vocab_size=50257,
+                      make_vocab_size_divisible_by=1024)
+    per_iter = flops.flops_per_iteration(cfg, 8, recompute=True)
+    out = flops.throughput(cfg, 8 * 1024, per_iter / 39e12, 1, "Tesla V100-SXM3-32GB", "fp16", recompute=True)
+    assert out["hardware_tflops_per_device"] == pytest.approx(39.0)
+    assert out["hfu"] == pytest.approx(39.0 / 125.0)
+    assert out["mfu"] == pytest.approx(out["hfu"] * 72 / 96 * (1 + 1024 / 9216 + 51200 / (12 * 40 * 1536))
+                                       / (1 + 1024 / 9216 + 51200 / (16 * 40 * 1536)))
+
+
+@pytest.mark.parametrize("name,entry,bf16", [
+    ("NVIDIA H200", "H200 SXM", 989.0), ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.0),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
+    ("Tesla V100-SXM2-32GB", "V100 SXM", 15.7)])
+def test_device_name_matching(name, entry, bf16):
+    assert peaks.match_device(name).name == entry
+    assert peaks.peak_tflops(name, torch.bfloat16) == bf16
+    assert peaks.match_device("Some Other GPU") is None and peaks.mfu(1.0, "Some Other GPU") is None
+
+
+def test_cpu_peak_is_measured():
+    assert 0 < peaks.measure_cpu_peak(size=128, repeats=2) < 50
+
+
+def test_params_per_rank_matches_the_model():
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(SMALL).parameters())
+    assert memory.params_per_rank(SMALL, 1) == n  # TP=2 is checked against real ranks in repro bench
+    full, half = memory.params_per_rank(SMALL, 1), memory.params_per_rank(SMALL, 2)
+    assert full / 2 < half < full
+    z2 = memory.memory_per_rank(SMALL, 1, 2, 2, "bf16")
+    assert (z2.params, z2.grads, z2.optimizer) == (2 * full, full, 6 * full)
+
+
+def test_ring_allreduce_arithmetic():
+    # 2 (p-1)/p * M / bw + 2 (p-1) alpha: 8 ranks, 1 GB at 100 GB/s, 10 us -> 17.5 ms + 140 us
+    assert scaling_model.ring_allreduce_s(1e9, 8, 100.0, 10e-6) == pytest.approx(0.0175 + 14 * 10e-6)
+    assert scaling_model.ring_allreduce_s(1e9, 1, 100.0, 10e-6) == 0.0
+    # a DP group inside one node uses NVLink; across nodes it gets the node's NICs / tp groups
+    cl = scaling_model.DGX2H
+    assert scaling_model.dp_bandwidth_gbps(cl, 8, 2) == (cl.intra_gbps, cl.alpha_intra_s)
+    assert scaling_model.dp_bandwidth_gbps(cl, 8, 64)[0] == pytest.approx(100.0 / 8)
+
+
+def test_scaling_model_baseline_and_eight_points():
+    rows = scaling_model.weak_scaling(scaling_model.DGX2H)
+    assert len(rows) == 8 and rows[0]["predicted"] == pytest.approx(1.0)
+    assert all(0 < r["predicted"] <= 1.0 + 1e-9 and math.isfinite(r["error_points"]) for r in rows)
+    cfg = scaling_model.get_size("scaling-1.2b").model_config()
+    t = scaling_model.iteration_time(cfg, 8, 1, 1, scaling_model.DGX2H, rows[0]["gemm_efficiency"])
+    assert flops.flops_per_iteration(cfg, 8, True) / t["total"] / 1e12 == pytest.approx(39.0)

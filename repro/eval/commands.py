@@ -1,0 +1,140 @@
+"""`repro eval wikitext|lambada --checkpoint DIR`: the paper's zero-shot numbers, printed and tracked.
+
+    repro eval wikitext --checkpoint runs/demo/checkpoint --window 256 --stride 128   # CPU demo
+    torchrun --nproc-per-node 4 .venv/bin/repro eval lambada --checkpoint CKPT --tp 2    # TP2 x DP2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.cli import UserError
+from repro.eval.report import EvalRecord, format_table, log_to_mlflow, write_json
+
+WIKITEXT_FILES = {"tokens": "wikitext/wikitext-2.test.tokens", "raw": "wikitext/wiki.test.raw"}
+LAMBADA_FILE = "lambada/lambada_openai.test.jsonl"
+PAPER_WIKITEXT = {"num_original_tokens": 245566, "num_bpe_tokens": 270329, "token_ratio": 1.1008}
+PAPER_LAMBADA = {"num_examples": 5153}
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """Settings of one evaluation (also the MLflow params)."""
+
+    data_dir: Path
+    window: int = 1024
+    stride: int = 32
+    batch_size: int = 8
+    wikitext_file: str = "tokens"
+    strict: bool = True
+    megatron_split: bool = False
+    max_lines: int | None = None
+
+
+def run_wikitext(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
+    """WikiText perplexity of `model` on the chosen test file (all ranks call it)."""
+    from repro.data.fetch import data_path
+    from repro.eval.wikitext import evaluate_perplexity, load_wikitext
+
+    data = load_wikitext(data_path(opts.data_dir, WIKITEXT_FILES[opts.wikitext_file]), tokenizer, opts.max_lines)
+    start = time.perf_counter()
+    result = evaluate_perplexity(model, pg, data, opts.window, opts.stride, opts.batch_size, tokenizer.eod)
+    metrics = {**result.metrics(), "eval_seconds": time.perf_counter() - start}
+    params = dict(window=opts.window, stride=opts.stride, file=Path(data.path).name, data_sha256=data.sha256,
+                  max_lines=opts.max_lines or "all", tp=pg.tp_size, dp=pg.dp_size)
+    return EvalRecord("wikitext", metrics, params, paper=PAPER_WIKITEXT)
+
+
+def run_lambada(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
+    """LAMBADA accuracy of `model` on the full test set (all ranks call it)."""
+    from repro.data.fetch import data_path, sha256_file
+    from repro.eval.lambada import build_examples, evaluate_lambada, read_passages
+
+    path = data_path(opts.data_dir, LAMBADA_FILE)
+    examples = build_examples(read_passages(path), tokenizer, opts.strict, opts.megatron_split)
+    start = time.perf_counter()
+    result = evaluate_lambada(model, pg, examples, opts.batch_size, tokenizer.eod)
+    metrics = {**result.metrics(), "eval_seconds": time.perf_counter() - start}
+    params = dict(strict=opts.strict, megatron_split=opts.megatron_split, data_sha256=sha256_file(path),
+                  tp=pg.tp_size, dp=pg.dp_size)
+    return EvalRecord("lambada", metrics, params, paper=PAPER_LAMBADA)
+
+
+def _process_groups(tp: int):
+    from repro.parallel.groups import ProcessGroups, init_distributed
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return init_distributed(tp)
+    if tp > 1:
+        raise UserError(f"--tp {tp} needs {tp} ranks: launch with `torchrun --nproc-per-node {tp} "
+                        "$(which repro) eval ...`")
+    return ProcessGroups.single()
+
+
+def _load(checkpoint: Path, pg):
+    """The model and its training run id, through the trainer's checkpoint module."""
+    import torch
+
+    from repro.train.checkpoint import CheckpointError, checkpoint_run_id, load_model_for_eval
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        return load_model_for_eval(checkpoint, pg, device).eval(), checkpoint_run_id(checkpoint)
+    except CheckpointError as err:
+        raise UserError(str(err)) from err
+
+
+def _options(args) -> EvalOptions:
+    from repro.data.fetch import data_dir_from_env
+
+    if args.stride < 1 or args.window < args.stride:
+        raise UserError(f"--stride {args.stride} must be between 1 and --window {args.window}")
+    return EvalOptions(Path(args.data_dir) if args.data_dir else data_dir_from_env(), args.window,
+                       args.stride, args.batch_size, args.file, not args.non_strict, args.megatron_split,
+                       args.max_lines)
+
+
+def _handle(args) -> int:
+    from repro.data.tokenizers import build_tokenizer
+
+    opts, pg = _options(args), _process_groups(args.tp)
+    model, run_id = _load(Path(args.checkpoint), pg)
+    runner = run_wikitext if args.task == "wikitext" else run_lambada
+    try:
+        record = runner(model, pg, build_tokenizer("gpt2", opts.data_dir), opts)
+    except ValueError as err:
+        raise UserError(str(err)) from err
+    record.training_run_id = run_id
+    record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
+    if pg.rank == 0:
+        print(format_table(record))
+        write_json(record, Path(args.out) if args.out else Path(args.checkpoint) / "zero_shot.jsonl")
+        if not args.no_mlflow:
+            print(f"mlflow run {log_to_mlflow(record)} (experiment zero-shot)")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `repro eval wikitext|lambada`."""
+    parser = subparsers.add_parser("eval", help="zero-shot WikiText-103 perplexity and LAMBADA accuracy")
+    parser.add_argument("task", choices=("wikitext", "lambada"))
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory of a training run")
+    parser.add_argument("--data-dir", default=None, help="data directory (default: $REPRO_DATA_DIR or ./data)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest of the world is DP)")
+    parser.add_argument("--window", type=int, default=1024, help="wikitext window (paper: 1024)")
+    parser.add_argument("--stride", type=int, default=32, help="wikitext stride (paper: 32; = window: no overlap)")
+    parser.add_argument("--file", choices=sorted(WIKITEXT_FILES), default="tokens",
+                        help="wikitext: word-level tokens file (paper's T_o) or the raw text")
+    parser.add_argument("--max-lines", type=int, default=None,
+                        help="wikitext: only the file's first N lines (T_o and T counted on them; quick checks)")
+    parser.add_argument("--non-strict", action="store_true", help="lambada: score the last BPE token only")
+    parser.add_argument("--megatron-split", action="store_true",
+                        help="lambada: last word = text.split()[-1] (Megatron code) instead of the jsonl's")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", default=None, help="JSON-lines file (default: CHECKPOINT/zero_shot.jsonl)")
+    parser.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    parser.set_defaults(func=_handle)

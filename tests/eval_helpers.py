@@ -1,0 +1,50 @@
+"""Shared pieces of the tests/test_eval_*.py files: the data mirror and tiny models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from conftest import require
+
+MIRROR = Path(os.environ.get("REPRO_DATA_MIRROR") or "/work/shared/data")
+
+
+def mirror() -> Path:
+    """The read-only data mirror (skips locally, fails in CI when missing)."""
+    require((MIRROR / "vocab" / "gpt2-vocab.json").is_file(), f"the data mirror {MIRROR}")
+    return MIRROR
+
+
+class PositionalModel(nn.Module):
+    """Logits that depend only on the position in the window: row p of `table` (s, V)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        return self.table[:s].unsqueeze(0).expand(b, s, -1).clone()  # (b, s, V)
+
+
+class TrigramOracle(nn.Module):
+    """Predicts the token that followed the same three tokens in `known` sequences (else id 0)."""
+
+    def __init__(self, table: dict[tuple[int, int, int], int], vocab: int) -> None:
+        super().__init__()
+        self.next_of, self.vocab = table, vocab
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        logits = torch.zeros(b, s, self.vocab)
+        rows = ids.tolist()
+        for i in range(b):
+            for p in range(2, s):
+                token = self.next_of.get(tuple(rows[i][p - 2:p + 1]))
+                if token is not None:
+                    logits[i, p, token] = 10.0
+        return logits

@@ -29,8 +29,8 @@ data: setup
 test: setup data
 	$(PY) -m pytest -q
 
-demo: setup data
-	$(REPRO) selftest --nproc 2
+demo: setup
+	$(REPRO) demo
 
 clean:
 	rm -rf $(VENV) mlruns runs checkpoints .pytest_cache

@@ -22,6 +22,8 @@ COMMAND_MODULES = (
     "repro.tracking.commands",
     "repro.analysis.commands",
     "repro.perf.commands",
+    "repro.demo",
+    "repro.launch.commands",
 )
 
 

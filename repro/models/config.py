@@ -39,6 +39,8 @@ class ModelConfig:
     """Recompute each transformer layer in the backward pass (paper: after every layer)."""
     num_tokentypes: int = 0
     """Token-type (segment) embeddings: 0 for GPT, 2 for BERT."""
+    layernorm_order: str = "pre"
+    """BERT only: "pre" (the paper's rearranged order, GPT-2 style) or "post" (original BERT)."""
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError for a layout these sizes cannot be split into."""

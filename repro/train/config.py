@@ -95,6 +95,8 @@ class DataConfig:
     """Held-out split prefix; empty disables evaluation."""
     cache_dir: str = ""
     """Where sample indices are cached (default: beside the data)."""
+    vocab_dir: str = ""
+    """Data directory holding vocab/ (BERT samples need the WordPiece vocab); default REPRO_DATA_DIR or ./data."""
 
 
 @dataclass
@@ -109,6 +111,8 @@ class TrackingConfig:
 @dataclass
 class RunConfig:
     name: str = "run"
+    family: str = "gpt"
+    """gpt (next-token loss) or bert (masked LM + sentence-order prediction)."""
     model_size: str = ""
     """A named size of repro.models.sizes (fills `model`); empty: `model` as given."""
     run_dir: str = ""
@@ -193,6 +197,8 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
         raise RunConfigError(f"precision={cfg.precision.precision!r}: use fp32, bf16 or fp16")
     if cfg.optim.lr_decay_style not in ("cosine", "linear", "constant"):
         raise RunConfigError(f"lr_decay_style={cfg.optim.lr_decay_style!r}: use cosine, linear or constant")
+    if cfg.family not in ("gpt", "bert"):
+        raise RunConfigError(f"family={cfg.family!r}: use gpt or bert")
     if t.zero_stage not in (0, 1, 2):
         raise RunConfigError(f"zero_stage={t.zero_stage}: use 0 (no DeepSpeed), 1 or 2")
     return Derived(dims.dp, t.global_batch_size // per_step, cfg.model.padded_vocab_size(dims.tp))

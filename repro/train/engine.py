@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from repro.models.gpt import GPT
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.random import RNGTracker, seed_default_generators
 from repro.train.config import Derived, RunConfig
+from repro.train.objectives import build_model, build_objective
 from repro.train.optim import DynamicLossScaler, build_optimizer, lr_lambda
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,8 +31,9 @@ class Engine:
     derived: Derived
     pg: ProcessGroups
     device: torch.device
-    model: GPT  # the bare model (state dict names never carry a wrapper prefix)
-    wrapped: torch.nn.Module  # DDP / DeepSpeed engine / the model itself
+    model: torch.nn.Module  # the bare GPT or BERT (checkpoints save its state dict)
+    objective: torch.nn.Module  # forward(batch) -> scalar loss, around the model
+    wrapped: torch.nn.Module  # DDP / DeepSpeed engine around the objective, or the objective
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: DynamicLossScaler | None
@@ -77,19 +78,20 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
     device = pick_device(cfg.train.device, local_rank)
     seed_default_generators(cfg.train.seed, device)  # identical on every rank: replicated dropout
     rng = RNGTracker(cfg.train.seed, pg.tp_rank, device)
-    model = GPT(cfg.model, pg.tp_group, rng=rng, seed=cfg.train.seed).to(device)
+    model = build_model(cfg, pg, rng, device)
+    objective = build_objective(cfg, model)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.train_iters))
     if cfg.train.zero_stage > 0:
         import deepspeed
 
         wrapped, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
+            model=objective, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
             config=deepspeed_config(cfg, derived), dist_init_required=False)
-        return Engine(cfg, derived, pg, device, model, wrapped, optimizer, scheduler, None, rng, True)
-    wrapped = model
+        return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, None, rng, True)
+    wrapped = objective
     if pg.dp_size > 1:
-        wrapped = DistributedDataParallel(model, process_group=pg.dp_group,
+        wrapped = DistributedDataParallel(objective, process_group=pg.dp_group,
                                           device_ids=[device.index] if device.type == "cuda" else None)
     scaler = DynamicLossScaler.from_config(cfg.precision) if cfg.precision.precision == "fp16" else None
-    return Engine(cfg, derived, pg, device, model, wrapped, optimizer, scheduler, scaler, rng)
+    return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, scaler, rng)

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from repro.data.gpt_dataset import GPTDataset, gpt_loader
 from repro.parallel.groups import ProcessGroups
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
@@ -26,6 +25,7 @@ from repro.tracking.store import project_root
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
+from repro.train.objectives import data_loader
 from repro.train.step import evaluate, train_step
 
 FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
@@ -91,7 +91,7 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
         eng.wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="zero", save_latest=False)
     torch.save(ck.rng_state(eng.rng), tmp / f"rng_rank{pg.rank:05d}.pt")
     if pg.rank == 0:
-        meta = {"format": ck.FORMAT_VERSION, "family": "gpt", **state.__dict__, "tp": pg.tp_size,
+        meta = {"format": ck.FORMAT_VERSION, "family": eng.cfg.family, **state.__dict__, "tp": pg.tp_size,
                 "dp": pg.dp_size, "world_size": pg.dims.world_size, "zero_stage": eng.cfg.train.zero_stage,
                 "model": eng.cfg.model.__dict__, "config_yaml": to_yaml(eng.cfg), "git_sha": git_sha(),
                 "mlflow_run_id": run_id}
@@ -144,9 +144,9 @@ def _memory_gb(device: torch.device) -> float:
 def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
     if not cfg.data.valid_prefix:
         return None
-    data = GPTDataset(cfg.data.valid_prefix, cfg.model.seq_length, cfg.train.seed, cfg.data.cache_dir or None)
-    return lambda: _micro_batches(iter(gpt_loader(data, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size)),
-                                  min(cfg.train.eval_iters, len(data) // (cfg.train.micro_batch_size * pg.dp_size)))
+    data, _ = data_loader(cfg, pg, cfg.data.valid_prefix)
+    count = min(cfg.train.eval_iters, len(data) // (cfg.train.micro_batch_size * pg.dp_size))
+    return lambda: _micro_batches(iter(data_loader(cfg, pg, cfg.data.valid_prefix)[1]), count)
 
 
 def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
@@ -187,8 +187,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     latest = ck.latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
     if latest is not None:
         state, meta = load(eng, latest)
-    data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cfg.train.seed, cfg.data.cache_dir or None)
-    loader = iter(gpt_loader(data, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, state.consumed_samples))
+    loader = iter(data_loader(cfg, pg, cfg.data.train_prefix, state.consumed_samples)[1])
     valid = _valid_loader(cfg, pg)
     logger = _logger(cfg, eng, meta.get("mlflow_run_id"), tags or {}) if pg.rank == 0 else None
     peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
@@ -206,6 +205,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             if stop.agreed(eng.device):
                 save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
                 _log(logger, {"preempted": 1.0}, state.iteration)
+                if pg.rank == 0:  # tells slurm/launch.sh to requeue the job
+                    ck.write_atomic(Path(cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
                 return {**final, "stopped_by_signal": True, "iteration": state.iteration}
         return _finish(eng, state, final, logger, valid, meta)
     except BaseException:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from repro.parallel.grads import clip_grad_norm, global_grad_norm
 from repro.train.engine import Engine
+from repro.train.objectives import to_device
 
 
 @dataclass
@@ -34,11 +35,11 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
     total = torch.zeros((), device=eng.device)
     scale = eng.scaler.scale if eng.scaler else 1.0
     last = len(micro_batches) - 1
-    for i, (tokens, labels) in enumerate(micro_batches):
+    for i, batch in enumerate(micro_batches):
         accumulate = i < last and hasattr(eng.wrapped, "no_sync")
         with eng.wrapped.no_sync() if accumulate else nullcontext():  # DP all-reduce only on the last
             with eng.autocast():
-                loss = eng.wrapped(tokens.to(eng.device), labels.to(eng.device)).mean() / len(micro_batches)
+                loss = eng.wrapped(to_device(batch, eng.device)) / len(micro_batches)
             (loss * scale).backward()
         total += loss.detach()
     params = [p for p in eng.model.parameters() if p.grad is not None]
@@ -63,8 +64,8 @@ def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
     total = torch.zeros((), device=eng.device)
     lr = eng.optimizer.param_groups[0]["lr"]
     skipped_before = getattr(eng.wrapped, "skipped_steps", 0)
-    for tokens, labels in micro_batches:
-        loss = eng.wrapped(tokens.to(eng.device), labels.to(eng.device)).float().mean()
+    for batch in micro_batches:
+        loss = eng.wrapped(to_device(batch, eng.device)).float()
         eng.wrapped.backward(loss)
         eng.wrapped.step()
         total += loss.detach() / len(micro_batches)
@@ -75,7 +76,7 @@ def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
     return StepResult(_dp_mean(total, eng), norm, lr, scale, skipped)
 
 
-def train_step(eng: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+def train_step(eng: Engine, micro_batches: list) -> StepResult:
     """Forward/backward every micro batch of this DP rank, then step (skipped on fp16 overflow)."""
     eng.wrapped.train()
     return _deepspeed_step(eng, micro_batches) if eng.deepspeed else _plain_step(eng, micro_batches)
@@ -86,9 +87,9 @@ def evaluate(eng: Engine, micro_batches) -> float:
     """Mean per-token held-out loss over the given micro batches and all DP ranks."""
     eng.model.eval()
     total, count = torch.zeros((), device=eng.device), 0
-    for tokens, labels in micro_batches:
+    for batch in micro_batches:
         with eng.autocast():
-            total += eng.model(tokens.to(eng.device), labels.to(eng.device)).float().mean()
+            total += eng.objective(to_device(batch, eng.device)).float()
         count += 1
     eng.model.train()
     return _dp_mean(total / max(count, 1), eng)

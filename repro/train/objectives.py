@@ -1,0 +1,86 @@
+"""What a training step minimises, per model family, and the data that feeds it.
+
+The objective is a small module around the model, so DDP / DeepSpeed wrap one `forward(batch)`
+that returns the micro batch's scalar loss; checkpoints save the bare model underneath.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from repro.parallel.groups import ProcessGroups
+from repro.train.config import RunConfig
+
+
+class GPTObjective(nn.Module):
+    """Mean next-token cross-entropy of a (tokens, labels) micro batch."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch) -> torch.Tensor:
+        tokens, labels = batch
+        return self.model(tokens, labels).float().mean()
+
+
+class BertObjective(nn.Module):
+    """Masked-LM loss (mean over predicted tokens) + sentence-order-prediction loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model.losses(batch)["total"]
+
+
+def build_model(cfg: RunConfig, pg: ProcessGroups, rng, device) -> nn.Module:
+    """The family's model at this TP rank, initialised from the run's seed."""
+    if cfg.family == "bert":
+        from repro.models.bert import BERT
+
+        return BERT(cfg.model, pg.tp_group, rng=rng, seed=cfg.train.seed).to(device)
+    from repro.models.gpt import GPT
+
+    return GPT(cfg.model, pg.tp_group, rng=rng, seed=cfg.train.seed).to(device)
+
+
+def build_objective(cfg: RunConfig, model: nn.Module) -> nn.Module:
+    return BertObjective(model) if cfg.family == "bert" else GPTObjective(model)
+
+
+def to_device(batch, device: torch.device):
+    """Move a micro batch (tuple of tensors or dict of tensors) to the device."""
+    if isinstance(batch, dict):
+        return {k: v.to(device) for k, v in batch.items()}
+    return tuple(t.to(device) for t in batch)
+
+
+def _dataset(cfg: RunConfig, prefix: str):
+    cache = cfg.data.cache_dir or None
+    if cfg.family == "bert":
+        from repro.data.bert_dataset import BertDataset, BertOptions
+        from repro.data.tokenizers import build_tokenizer
+
+        vocab_dir = cfg.data.vocab_dir or os.environ.get("REPRO_DATA_DIR", "data")
+        tokenizer = build_tokenizer("bert", Path(vocab_dir))
+        opts = BertOptions(max_seq_length=cfg.model.seq_length, seed=cfg.train.seed)
+        return BertDataset(prefix, tokenizer, opts, cache_dir=cache)
+    from repro.data.gpt_dataset import GPTDataset
+
+    return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache)
+
+
+def data_loader(cfg: RunConfig, pg: ProcessGroups, prefix: str, consumed_samples: int = 0):
+    """(dataset, resumable micro-batch loader for this DP rank) of the run's family."""
+    dataset = _dataset(cfg, prefix)
+    if cfg.family == "bert":
+        from repro.data.bert_dataset import bert_loader as loader
+    else:
+        from repro.data.gpt_dataset import gpt_loader as loader
+    return dataset, loader(dataset, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, consumed_samples)

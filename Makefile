@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup test demo data clean
+.PHONY: setup test demo data clean slurm-deps
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,18 @@ $(VENV)/.installed: pyproject.toml
 data: setup
 	$(REPRO) data fetch
 
-test: setup data
+test: setup data slurm-deps
 	$(PY) -m pytest -q
+
+# The Slurm tests start a real single-node cluster (tests/slurm_cluster.py): Debian packages, root.
+SLURM_DEPS := slurmctld slurmd slurm-client munge shellcheck
+slurm-deps:
+	@missing=; for b in slurmctld slurmd sbatch munged shellcheck; do \
+	  PATH="$$PATH:/usr/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_DEPS) >/dev/null; \
+	else echo "make slurm-deps: missing$$missing; install $(SLURM_DEPS) (Debian: sudo apt-get install --no-install-recommends $(SLURM_DEPS)); the Slurm tests skip without them (and fail in CI)"; fi
 
 demo: setup
 	$(REPRO) demo

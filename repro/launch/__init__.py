@@ -1,0 +1,1 @@
+"""Slurm launch helpers: the job scripts' table, config checks before launch, submit/sweep/status."""

@@ -1,0 +1,151 @@
+"""`repro slurm check | submit | sweep | status`: the Python side of slurm/launch.sh.
+
+    repro slurm sweep table1-tp              # submit scale_1b..scale_8b with the cluster settings
+    repro slurm status 1234 1235             # squeue / scontrol (sacct where accounting exists)
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from repro.launch.scripts import TABLES, cluster_settings, table_scripts
+
+
+def _user_error(msg: str):
+    from repro.cli import UserError
+
+    return UserError(msg)
+
+
+def _size_family(cfg) -> str:
+    """The family the model's sizes belong to (a BERT size has token types)."""
+    from repro.models.sizes import get_size
+
+    if cfg.model_size:
+        return get_size(cfg.model_size).family
+    return "bert" if cfg.model.num_tokentypes else "gpt"
+
+
+def _init_tracking(cfg) -> str:
+    """Create a fresh sqlite MLflow store once, here, before the ranks start (two at once fail)."""
+    from repro.tracking.store import default_tracking_uri
+
+    uri = default_tracking_uri()
+    if cfg.tracking.enabled and uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        import mlflow
+
+        mlflow.MlflowClient(uri).search_experiments()
+    return uri
+
+
+def _check(args) -> int:
+    """Validate a training config at the allocation's task count before anything launches."""
+    from repro.train.config import RunConfigError, derive, load_config
+    from repro.parallel.groups import LayoutError
+
+    try:
+        cfg = load_config(args.config, args.set)
+        derived = derive(cfg, args.ntasks)
+    except (RunConfigError, LayoutError, ValueError) as err:
+        raise _user_error(f"{args.config} at {args.ntasks} tasks: {err}") from None
+    if _size_family(cfg) != cfg.family:
+        raise _user_error(f"{args.config} has {_size_family(cfg).upper()} sizes ({cfg.model_size or 'model:'}) but "
+                          f"family={cfg.family}: add `family: {_size_family(cfg)}` to the config "
+                          f"(or pass --set family={_size_family(cfg)})")
+    uri = _init_tracking(cfg)
+    print(f"config ok: {cfg.name} tp={cfg.parallel.tp} dp={derived.dp} grad_accum={derived.grad_accum_steps} "
+          f"on {args.ntasks} tasks; tracking {uri if cfg.tracking.enabled else 'off'}")
+    return 0
+
+
+def sbatch_command(script: Path, extra: list[str], settings: dict[str, str]) -> list[str]:
+    """sbatch with the cluster's partition and account (REPRO_PARTITION, REPRO_ACCOUNT)."""
+    cmd = ["sbatch", "--parsable"]
+    if settings.get("REPRO_PARTITION"):
+        cmd += ["-p", settings["REPRO_PARTITION"]]
+    if settings.get("REPRO_ACCOUNT"):
+        cmd += ["-A", settings["REPRO_ACCOUNT"]]
+    return cmd + [str(script), *extra]
+
+
+def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
+    """Submit one job script from the repository root; returns the job id ('' on a dry run)."""
+    if not script.exists():
+        raise _user_error(f"{script} does not exist: see `ls slurm/`")
+    settings = cluster_settings()
+    cmd = sbatch_command(script, extra, settings)
+    print(" ".join(cmd))
+    if dry_run:
+        return ""
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=script.parent.parent, env=settings)
+    if out.returncode:
+        raise _user_error(f"sbatch failed: {out.stderr.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def _submit(args) -> int:
+    job = submit(Path(args.script).resolve(), args.args, args.dry_run)
+    if job:
+        print(f"submitted job {job}")
+    return 0
+
+
+def _sweep(args) -> int:
+    try:
+        scripts = table_scripts(args.table)
+    except KeyError as err:
+        raise _user_error(str(err.args[0])) from None
+    jobs = [submit(s, args.args, args.dry_run) for s in scripts]
+    if not args.dry_run:
+        print(f"{args.table}: jobs {' '.join(jobs)}; follow with `repro slurm status {' '.join(jobs)}`")
+    return 0
+
+
+def _has_accounting() -> bool:
+    return bool(shutil.which("sacct")) and subprocess.run(["sacct", "-n", "-X", "-S", "now"],
+                                                          capture_output=True).returncode == 0
+
+
+def job_record(job_id: str) -> dict[str, str]:
+    """`scontrol show job -o ID` as a dict (empty when Slurm no longer knows the job)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f) if out.returncode == 0 else {}
+
+
+def _status(args) -> int:
+    if not args.jobs:
+        return subprocess.run(["squeue", "--me", "-o", "%.10i %.20j %.10T %.12M %.6D %R"]).returncode
+    if _has_accounting():
+        fmt = "JobID,JobName%20,State,ExitCode,Elapsed,NNodes,Restarts"
+        return subprocess.run(["sacct", "-X", "-j", ",".join(args.jobs), f"--format={fmt}"]).returncode
+    print(f"{'job':>10} {'name':>20} {'state':>12} {'exit':>6} {'restarts':>8} {'runtime':>10}")
+    for job in args.jobs:
+        r = job_record(job)
+        print(f"{job:>10} {r.get('JobName', '?'):>20} {r.get('JobState', 'unknown'):>12} "
+              f"{r.get('ExitCode', '?'):>6} {r.get('Restarts', '?'):>8} {r.get('RunTime', '?'):>10}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("slurm", help="Slurm: check a config before launch, submit, sweep a paper table, status")
+    ssub = p.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND")
+    c = ssub.add_parser("check", help="validate a training config at N tasks; create a fresh MLflow store")
+    c.add_argument("config")
+    c.add_argument("--ntasks", type=int, required=True)
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.set_defaults(func=_check)
+    s = ssub.add_parser("submit", help="sbatch one slurm/*.sh with REPRO_PARTITION / REPRO_ACCOUNT")
+    s.add_argument("script")
+    s.add_argument("args", nargs="*", help="passed to the script (e.g. --set train.train_iters=100)")
+    s.add_argument("--dry-run", action="store_true", help="print the sbatch command only")
+    s.set_defaults(func=_submit)
+    w = ssub.add_parser("sweep", help=f"submit every run of a paper table: {', '.join(sorted(TABLES))}")
+    w.add_argument("table")
+    w.add_argument("args", nargs="*", help="passed to every script")
+    w.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    w.set_defaults(func=_sweep)
+    t = ssub.add_parser("status", help="your queue, or the state of the given jobs")
+    t.add_argument("jobs", nargs="*")
+    t.set_defaults(func=_status)

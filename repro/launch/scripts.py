@@ -1,0 +1,74 @@
+"""The job scripts of slurm/: which paper table each belongs to, and what its #SBATCH lines ask for."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.tracking.store import project_root
+
+TABLES: dict[str, tuple[str, ...]] = {
+    "table1-tp": ("scale_1b", "scale_2b", "scale_4b", "scale_8b"),
+    "table1-tpdp": ("scale_1b_dp64", "scale_2b_dp128", "scale_4b_dp256", "scale_8b_dp512"),
+    "table2": ("gpt2_355m", "gpt2_2.5b", "gpt2_8.3b"),
+    "table3": ("zeroshot_eval",),
+    "table4": ("bert_336m", "bert_1.3b", "bert_3.9b"),
+    "table5": ("race_finetune",),
+}
+TABLES["table1"] = TABLES["table1-tp"] + TABLES["table1-tpdp"]
+
+_SBATCH = re.compile(r"^#SBATCH\s+--([\w-]+)(?:[= ](\S+))?", re.M)
+_CONFIG = re.compile(r"experiments/[\w./-]+\.yaml")
+
+
+@dataclass(frozen=True)
+class JobScript:
+    """One slurm/*.sh: its #SBATCH options and the experiment config it names."""
+
+    path: Path
+    options: dict[str, str]
+    config: str | None
+
+    @property
+    def ntasks(self) -> int:
+        """Tasks (= GPUs) the script asks for: --ntasks (one node), else nodes x ntasks-per-node."""
+        if "ntasks" in self.options:
+            return int(self.options["ntasks"])
+        return int(self.options.get("nodes", 1)) * int(self.options.get("ntasks-per-node", 1))
+
+
+def slurm_dir() -> Path:
+    return project_root() / "slurm"
+
+
+def read_script(path: Path) -> JobScript:
+    """Parse a job script's #SBATCH lines and the first experiments/*.yaml it names."""
+    text = path.read_text()
+    options = {name: value or "" for name, value in _SBATCH.findall(text)}
+    match = _CONFIG.search(text)
+    return JobScript(path, options, match.group(0) if match else None)
+
+
+def job_scripts() -> list[JobScript]:
+    """Every job script (launch.sh and task.sh are helpers, not jobs)."""
+    return [read_script(p) for p in sorted(slurm_dir().glob("*.sh")) if p.name not in ("launch.sh", "task.sh")]
+
+
+def table_scripts(table: str) -> list[Path]:
+    """The scripts that reproduce one paper table; a clear error lists the tables."""
+    if table not in TABLES:
+        raise KeyError(f"unknown table {table!r}: choose one of {', '.join(sorted(TABLES))}")
+    return [slurm_dir() / f"{name}.sh" for name in TABLES[table]]
+
+
+def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
+    """The environment as launch.sh sees it: os.environ plus slurm/cluster.env (sourced by bash)."""
+    path = env_file or Path(os.environ.get("REPRO_CLUSTER_ENV", slurm_dir() / "cluster.env"))
+    if not path.exists():
+        return dict(os.environ)
+    out = subprocess.run(["bash", "-c", 'set -a; source "$1"; env -0', "_", str(path)],
+                         capture_output=True, text=True, check=True)
+    return dict(item.split("=", 1) for item in out.stdout.split("\0") if "=" in item)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Table 2/3: GPT-2 2.5B, 2-way TP x 64-way DP on 128 GPUs, 300k iterations.
+# Runs in 24 h pieces: 5 min before the limit the trainer checkpoints and the job requeues itself.
+#   sbatch slurm/gpt2_2.5b.sh    (from the repository root; or: repro slurm submit slurm/gpt2_2.5b.sh)
+#SBATCH --job-name=gpt2_2.5b
+#SBATCH --nodes=16
+#SBATCH --ntasks-per-node=8
+#SBATCH --gres=gpu:8
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+# shellcheck source=slurm/launch.sh
+source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
+launch_train experiments/gpt2/gpt2_2.5b.yaml "$@"

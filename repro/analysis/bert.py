@@ -1,0 +1,131 @@
+"""BERT: RACE accuracy and MLM validation perplexity (the paper's BERT results), layer-norm order (Fig. 7).
+
+RACE runs (repro/eval/race_cli.py, experiment "bert") carry params task=race, size, checkpoint, tp,
+dp and metrics `test/acc_{middle,high,total}` (percent, median over seeds). Fig. 7 runs
+(repro/models/bert_ablation.py) carry the param layernorm_order and the metric `loss/mlm`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from repro.analysis import runs as R
+from repro.analysis.paper import paper_items, paper_value, paper_values
+from repro.analysis.tables import NOT_RUN, fmt, write_table
+
+LEVELS = ("middle", "high", "total")
+MLM_PPL_KEYS = ("valid/mlm_ppl", "valid_mlm_ppl", "mlm_valid_ppl")
+MLM_LOSS_KEYS = ("valid/loss/mlm", "valid/mlm_loss", "valid_mlm_loss")
+ORDER_NAMES = {"pre": "rearranged (paper: LN on sublayer input)", "post": "original BERT (LN after residual)"}
+
+
+def _mlm_ppl(run) -> float | None:
+    for key in MLM_PPL_KEYS:
+        if R.get(run, f"metrics.{key}") is not None:
+            return float(run[f"metrics.{key}"])
+    for key in MLM_LOSS_KEYS:
+        if R.get(run, f"metrics.{key}") is not None:
+            return math.exp(float(run[f"metrics.{key}"]))
+    return None
+
+
+def _race_label(run) -> str:
+    label = R.run_label(run)
+    return label + ("" if R.get(run, "params.checkpoint") else ", random init (no pretrained checkpoint)")
+
+
+def race_runs(runs: pd.DataFrame) -> list[dict]:
+    """Newest RACE run per model size: test accuracy per level, label, provenance."""
+    if runs.empty or "params.task" not in runs:
+        return []
+    out: dict[str, dict] = {}
+    for _, run in runs[runs["params.task"] == "race"].iterrows():
+        size = R.get(run, "params.size", "?")
+        out.setdefault(size, {"model": size, **{f"race_{lv}": R.get(run, f"metrics.test/acc_{lv}") for lv in LEVELS},
+                              "seeds": R.get(run, "params.seeds", "?"), "label": _race_label(run),
+                              "provenance": R.provenance(run) + f"; tp={R.get(run, 'params.tp', '?')}"
+                              f" dp={R.get(run, 'params.dp', '?')}; seeds {R.get(run, 'params.seeds', '?')}",
+                              "run_id": run["run_id"]})
+    return list(out.values())
+
+
+def mlm_runs(runs: pd.DataFrame) -> dict[str, float]:
+    """Newest MLM validation perplexity per model size, where a pretraining run logged one."""
+    out: dict[str, float] = {}
+    for _, run in runs.iterrows():
+        size = R.get(run, "params.model_size") or R.get(run, "params.size")
+        ppl = _mlm_ppl(run)
+        if size and ppl is not None:
+            out.setdefault(size, ppl)
+    return out
+
+
+def build(tracking_uri: str, experiment: str = "bert") -> pd.DataFrame:
+    """Paper BERT sizes (with measured run or 'not run') then the other measured RACE runs."""
+    paper, runs = paper_values(), R.load_runs(tracking_uri, experiment)
+    race, mlm = {r["model"]: r for r in race_runs(runs)}, mlm_runs(runs)
+    rows = []
+    for item in paper_items(paper, "bert"):
+        row = {"model": item, **{f"paper_race_{lv}": paper_value(paper, "bert", item, f"race_{lv}") for lv in LEVELS},
+               "paper_mlm_valid_ppl": paper_value(paper, "bert", item, "mlm_valid_ppl"), "mlm_valid_ppl": mlm.get(item)}
+        row.update(race.pop(item, {}))
+        rows.append(row)
+    for model, r in race.items():
+        rows.append({**r, "mlm_valid_ppl": mlm.get(model)})
+    return pd.DataFrame(rows)
+
+
+def display(table: pd.DataFrame) -> pd.DataFrame:
+    """Paper and measured RACE test accuracy side by side, MLM perplexity, label and provenance."""
+    rows = []
+    for _, r in table.iterrows():
+        ran = R.get(r, "run_id") is not None
+        paper = R.get(r, "paper_race_total") is not None
+        cells = [r["model"]]
+        for lv in LEVELS:
+            cells += [fmt(R.get(r, f"paper_race_{lv}"), 1) if paper else "—",
+                      fmt(R.get(r, f"race_{lv}"), 1) if ran else NOT_RUN]
+        ppl = R.get(r, "mlm_valid_ppl")
+        cells += [fmt(R.get(r, "paper_mlm_valid_ppl")) if paper else "—",
+                  fmt(ppl) if ppl is not None else ("not logged" if ran else NOT_RUN),
+                  R.get(r, "label", ""), R.get(r, "provenance", "")]
+        rows.append(cells)
+    cols = ["model"] + [f"{w} {lv}" for lv in LEVELS for w in ("paper", "measured")]
+    return pd.DataFrame(rows, columns=cols + ["paper MLM val ppl", "measured MLM val ppl", "measured on", "provenance"])
+
+
+def layernorm_curves(tracking_uri: str, experiment: str = "bert", metric: str = "loss/mlm") -> dict[str, pd.DataFrame]:
+    """Fig. 7: the newest run of each layer-norm order, its `metric` against iteration."""
+    runs = R.load_runs(tracking_uri, experiment)
+    if runs.empty or "params.layernorm_order" not in runs:
+        return {}
+    curves = {}
+    for order in ("pre", "post"):
+        part = runs[runs["params.layernorm_order"] == order]
+        if len(part):
+            run = part.iloc[0]
+            size = f"{R.get(run, 'params.num_layers', '?')} layers, h={R.get(run, 'params.hidden_size', '?')}"
+            key = f"{ORDER_NAMES[order]} [{size}; {R.run_label(run)}; run {run['run_id'][:8]}]"
+            curves[key] = R.metric_history(tracking_uri, run["run_id"], metric)
+    return curves
+
+
+def report(tracking_uri: str, out_dir: str | Path, experiment: str = "bert") -> str:
+    """Write bert_table.{csv,md} and fig7_layernorm_order.png; return the Markdown."""
+    from repro.analysis.figures import plot_curves
+
+    out_dir = Path(out_dir)
+    notes = ["RACE: test-set accuracy (%), median over the run's seeds. Paper MLM perplexity is on a 3% held-out "
+             "set; 'not logged' means the run has no MLM validation metric.",
+             "Rows labelled reduced size / random init are pipeline checks on the hand-written RACE fixture "
+             "(tests/fixtures/race), not the RACE dataset: not comparable to the paper."]
+    table = build(tracking_uri, experiment)
+    text = write_table(display(table), table, out_dir, "bert_table", "BERT: RACE and MLM validation perplexity",
+                       notes, tracking_uri)
+    plot_curves(layernorm_curves(tracking_uri, experiment), out_dir / "fig7_layernorm_order.png",
+                "MLM training loss", "Fig. 7: layer-norm order (measured; the paper's curves are for BERT of 336M and larger)",
+                empty_note="no layer-norm-order runs (python -m repro.models.bert_ablation)")
+    return text

@@ -1,0 +1,117 @@
+"""The paper's figures redrawn from runs: paper values in black, analytic model in grey/blue, measured in red."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from repro.analysis import runs as R
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path
+
+
+def _measured(table: pd.DataFrame) -> pd.DataFrame:
+    if "run_id" not in table:
+        return table.iloc[0:0]
+    return table[table["run_id"].notna() & (table["run_id"].astype(str) != "")]
+
+
+def _gpu_ticks(ax) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+
+
+def _efficiency_panel(ax, table: pd.DataFrame) -> None:
+    paper = table[table["paper_efficiency"].notna()] if "paper_efficiency" in table else table.iloc[0:0]
+    for mode, style in (("TP", "s-"), ("TP+DP", "o--")):
+        part = paper[paper["mode"] == mode]
+        ax.plot(part["gpus"], 100 * part["paper_efficiency"], style, color="black", label=f"paper, {mode} (V100)")
+    for col, color, name in (("model_dgx2h", "grey", "analytic model, DGX-2H"), ("model_h200", "tab:blue", "analytic model, H200 cluster")):
+        if col in paper and paper[col].notna().any():
+            ax.plot(paper["gpus"], 100 * paper[col], "x", color=color, markersize=8, label=name)
+    meas = _measured(table)
+    meas = meas[meas["efficiency"].notna()] if len(meas) else meas
+    for i, (_, m) in enumerate(meas.iterrows()):
+        ax.plot(m["gpus"], 100 * m["efficiency"], "*", color="red", markersize=12,
+                label="measured (see table for device/size)" if i == 0 else None)
+        ax.annotate(f"{m['label'].split(',')[0]}: {m['config']}, {int(m['tp'])}x{int(m['dp'])}",
+                    (m["gpus"], 100 * m["efficiency"]), fontsize=6, color="red", textcoords="offset points",
+                    xytext=(8, -4 - 9 * (i % 3)))
+    _gpu_ticks(ax)
+    ax.set(xlabel="number of devices (GPUs; CPU ranks for CPU runs)", ylabel="weak-scaling efficiency (%)",
+           title="Fig. 5: scaling efficiency vs 1-device baseline", ylim=(0, 115))
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
+
+
+def _aggregate_panel(ax, table: pd.DataFrame) -> None:
+    paper = table[table["paper_efficiency"].notna()] if "paper_efficiency" in table else table.iloc[0:0]
+    for mode, style in (("TP", "s-"), ("TP+DP", "o--")):
+        part = paper[paper["mode"] == mode]
+        ax.plot(part["gpus"], part["paper_pflops"], style, color="black", label=f"paper, {mode} (39 TFLOP/s x eff x GPUs)")
+    meas = _measured(table)
+    gpu = meas[~meas["label"].str.startswith("CPU")] if len(meas) else meas
+    if len(gpu):
+        ax.plot(gpu["gpus"], gpu["aggregate_pflops"], "*", color="red", markersize=12, label="measured (GPU)")
+    if len(meas) > len(gpu):
+        ax.text(0.02, 0.97, f"{len(meas) - len(gpu)} CPU run(s) not drawn here\n(~1e-5 PFLOP/s; see table)",
+                transform=ax.transAxes, fontsize=7, va="top", color="red")
+    _gpu_ticks(ax)
+    ax.set_yscale("log")
+    ax.set(xlabel="number of GPUs", ylabel="aggregate PFLOP/s", title="Fig. 1: aggregate throughput")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3, which="both")
+
+
+def plot_scaling(table: pd.DataFrame, path: Path) -> Path:
+    """Fig. 5 (efficiency) and Fig. 1 (aggregate PFLOP/s): paper, analytic model and measured."""
+    fig, axes = _plt().subplots(1, 2, figsize=(12, 4.8))
+    _efficiency_panel(axes[0], table)
+    _aggregate_panel(axes[1], table)
+    return _save(fig, path)
+
+
+def plot_curves(curves: dict[str, pd.DataFrame], path: Path, ylabel: str, title: str, log_y: bool = False,
+                reference: tuple[float, str] | None = None, empty_note: str = "no measured runs") -> Path:
+    """Measured curves (step, value) per label; an optional horizontal paper reference in black."""
+    import textwrap
+
+    fig, ax = _plt().subplots(figsize=(7.5, 5))
+    for label, frame in curves.items():
+        ax.plot(frame["step"], frame["value"], marker="." if len(frame) < 30 else None,
+                label=textwrap.fill(f"measured: {label}", 80))
+    if reference:
+        ax.axhline(reference[0], color="black", linestyle="--", label=reference[1])
+    if not curves:
+        ax.text(0.5, 0.5, empty_note, transform=ax.transAxes, ha="center", va="center", color="red")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set(xlabel="iteration", ylabel=ylabel, title=title)
+    ax.title.set_fontsize(9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def short_label(row) -> str:
+    """Run name, label and short run id for a legend entry."""
+    return f"{R.get(row, 'run_name', '?')} [{R.run_label(row)}; run {str(row['run_id'])[:8]}]"

@@ -1,0 +1,132 @@
+"""Runs from any MLflow tracking URI as pandas rows, with their provenance and an honest label.
+
+    runs = load_runs("sqlite:///mlruns/mlflow.db", "scaling")   # one row per run
+    runs.loc[0, "params.tp"], runs.loc[0, "metrics.loss"], provenance(runs.iloc[0])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import pandas as pd
+
+from repro.models.sizes import SIZES
+
+FAMILY_EXPERIMENTS = ("scaling", "gpt2", "zero-shot", "bert")
+PROVENANCE_KEYS = ("device_name", "world_size", "precision", "git_sha")
+
+
+def resolve_uri(uri: str | None) -> str:
+    """The given URI, else the project's default (MLFLOW_TRACKING_URI or the embedded sqlite store)."""
+    from repro.tracking.store import default_tracking_uri
+
+    return uri or default_tracking_uri()
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:"):
+        return None
+    return Path(uri[len("sqlite:///"):].split("?")[0])  # sqlite:////abs/path or sqlite:///rel/path
+
+
+def client(uri: str):
+    """An MlflowClient for `uri` (does not create a missing sqlite file: check store_exists first)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def store_exists(uri: str) -> bool:
+    """False for a sqlite URI whose file is absent (opening it would create an empty store)."""
+    path = _sqlite_file(uri)
+    return path is None or path.exists()
+
+
+def run_counts(uri: str, experiments: tuple[str, ...] = FAMILY_EXPERIMENTS) -> dict[str, int]:
+    """Runs per experiment name (0 when the experiment or the store does not exist)."""
+    if not store_exists(uri):
+        return {name: 0 for name in experiments}
+    mc = client(uri)
+    counts = {}
+    for name in experiments:
+        exp = mc.get_experiment_by_name(name)
+        counts[name] = len(mc.search_runs([exp.experiment_id], max_results=1000)) if exp else 0
+    return counts
+
+
+def _row(run, experiment: str) -> dict:
+    row = {"run_id": run.info.run_id, "run_name": run.info.run_name, "status": run.info.status,
+           "start_time": run.info.start_time, "experiment": experiment}
+    row.update({f"params.{k}": v for k, v in run.data.params.items()})
+    row.update({f"tags.{k}": v for k, v in run.data.tags.items() if not k.startswith("mlflow.")})
+    row.update({f"metrics.{k}": v for k, v in run.data.metrics.items()})
+    return row
+
+
+def load_runs(uri: str, experiment: str, finished_only: bool = True) -> pd.DataFrame:
+    """One row per run of `experiment`, newest first: run_id, run_name, status, params.*, tags.*, metrics.*.
+
+    An absent experiment (or store) gives an empty frame, not an error."""
+    if not store_exists(uri):
+        return pd.DataFrame(columns=["run_id", "run_name", "status", "start_time", "experiment"])
+    mc = client(uri)
+    exp = mc.get_experiment_by_name(experiment)
+    runs = mc.search_runs([exp.experiment_id], max_results=5000, order_by=["attributes.start_time DESC"]) if exp else []
+    if finished_only:
+        runs = [r for r in runs if r.info.status == "FINISHED"]
+    rows = [_row(r, experiment) for r in runs]
+    return pd.DataFrame(rows, columns=None if rows else ["run_id", "run_name", "status", "start_time", "experiment"])
+
+
+def get_run_row(uri: str, run_id: str) -> dict | None:
+    """One run by id, from any experiment of the store; None when it is not there."""
+    mc = client(uri)
+    try:
+        run = mc.get_run(run_id)
+    except Exception:  # another store's run id, or a deleted run
+        return None
+    exp = mc.get_experiment(run.info.experiment_id)
+    return _row(run, exp.name if exp else "")
+
+
+def metric_history(uri: str, run_id: str, key: str) -> pd.DataFrame:
+    """Every logged value of one metric: columns step, value (sorted by step)."""
+    hist = client(uri).get_metric_history(run_id, key)
+    frame = pd.DataFrame([(m.step, m.value) for m in hist], columns=["step", "value"])
+    return frame.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def get(row, key: str, default=None):
+    """row[key] when present and not NaN (rows come from frames with ragged columns)."""
+    value = row.get(key, default) if hasattr(row, "get") else default
+    return default if value is None or (isinstance(value, float) and value != value) else value
+
+
+def is_paper_size(name: str | None) -> bool:
+    """True for a model size the paper reports (repro.models.sizes)."""
+    return bool(name) and name in SIZES
+
+
+def run_label(row) -> str:
+    """"GPU, paper size" style label; CPU and reduced-size runs say so."""
+    device = str(get(row, "params.device_type", "") or "")
+    name = " ".join(str(get(row, k, "")) for k in ("run_name", "tags.paper_ref"))
+    parts = []
+    if device == "cpu":
+        parts.append("CPU")
+    elif not device and "cpu" in name.lower():
+        parts.append("CPU (by run name; device not logged)")
+    elif device:
+        parts.append(str(get(row, "params.device_name", device)))
+    else:
+        parts.append("device not logged")
+    size = get(row, "params.model_size") or get(row, "params.size")
+    parts.append("paper size" if is_paper_size(size) else "reduced size (not a paper config)")
+    return ", ".join(parts)
+
+
+def provenance(row) -> str:
+    """device, world size, precision, git SHA and run id of a run, 'n/a' where not logged."""
+    vals = {k: get(row, f"params.{k}") for k in PROVENANCE_KEYS}
+    sha = str(vals["git_sha"])[:8] if vals["git_sha"] else "n/a"
+    return (f"device={vals['device_name'] or 'n/a'}; world={vals['world_size'] or 'n/a'}; "
+            f"precision={vals['precision'] or 'n/a'}; git={sha}; run={str(get(row, 'run_id', ''))[:8]}")

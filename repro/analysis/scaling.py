@@ -1,0 +1,230 @@
+"""Weak scaling (Table 1, Fig. 1 and Fig. 5): TFLOP/s per device, aggregate PFLOP/s, efficiency.
+
+Efficiency is the paper's: sustained FLOP/s per device relative to the 1-device baseline of the
+same series (paper: config 1 on one V100 at 39 TFLOP/s). Two devices at 1.9x the one-device
+throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model): a run's
+baseline is the newest 1-device run on the same device type and precision, of config 1 for the
+paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared to itself).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from repro.analysis import runs as R
+from repro.analysis.paper import paper_value
+from repro.analysis.tables import NOT_RUN, fmt, write_table
+
+CONFIGS = ("scaling-1.2b", "scaling-2.5b", "scaling-4.2b", "scaling-8.3b")
+MODES = (("TP", "tp"), ("TP+DP", "tpdp"))
+
+
+def efficiency(per_device_tflops: float, baseline_per_device_tflops: float) -> float:
+    """Weak-scaling efficiency: per-device FLOP/s over the 1-device baseline's."""
+    if not baseline_per_device_tflops or baseline_per_device_tflops <= 0:
+        raise ValueError(f"baseline throughput must be positive, got {baseline_per_device_tflops}")
+    return per_device_tflops / baseline_per_device_tflops
+
+
+def sustained_tflops(history: pd.DataFrame) -> float:
+    """Median of the logged intervals' TFLOP/s per device, the first (warm-up) interval dropped."""
+    values = list(history["value"])
+    if not values:
+        return float("nan")
+    kept = values[1:] if len(values) > 1 else values
+    return float(pd.Series(kept).median())
+
+
+def _shape(row) -> str:
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    return "L{}-h{}-a{}-s{}".format(*(R.get(row, f"params.model.{k}", "?") for k in keys))
+
+
+def _config(row) -> str:
+    size = R.get(row, "params.model_size")
+    return size if R.is_paper_size(size) else f"custom {_shape(row)}"
+
+
+def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
+    """One row per training run: config, gpus, tp, dp, TFLOP/s per device, label, provenance.
+
+    `throughput(run_id)` returns the run's sustained TFLOP/s per device."""
+    rows = []
+    for _, run in runs.iterrows():
+        config = _config(run)
+        rows.append({"config": config, "gpus": int(R.get(run, "params.world_size", 1)),
+                     "tp": int(R.get(run, "params.tp", 1)), "dp": int(R.get(run, "params.dp", 1)),
+                     "device": R.get(run, "params.device_name", "n/a"),
+                     "precision": R.get(run, "params.precision", "n/a"),
+                     "baseline_model": "scaling-1.2b" if config in CONFIGS else _shape(run),
+                     "tflops_per_device": throughput(run["run_id"]), "label": R.run_label(run),
+                     "provenance": R.provenance(run), "run_id": run["run_id"],
+                     "start_time": run.get("start_time", 0)})
+    return pd.DataFrame(rows)
+
+
+def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
+    """Add aggregate PFLOP/s and efficiency against each series' newest 1-device run (NaN: no baseline)."""
+    out = points.copy()
+    out["aggregate_pflops"] = out["tflops_per_device"] * out["gpus"] / 1000.0
+    out["efficiency"] = float("nan")
+    out["baseline_run_id"] = ""
+    for _, group in out.groupby(["device", "precision", "baseline_model"], dropna=False):
+        base = group[group["gpus"] == 1]
+        if "config" in base and (base["config"] == "scaling-1.2b").any():
+            base = base[base["config"] == "scaling-1.2b"]
+        if base.empty:
+            continue
+        newest = base.sort_values("start_time", ascending=False).iloc[0] if "start_time" in base else base.iloc[0]
+        out.loc[group.index, "efficiency"] = [efficiency(t, newest["tflops_per_device"]) for t in group["tflops_per_device"]]
+        out.loc[group.index, "baseline_run_id"] = newest.get("run_id", "")
+    return out
+
+
+def paper_points(paper: pd.DataFrame) -> pd.DataFrame:
+    """Table 1's 8 points with the paper's efficiency and the TFLOP/s and PFLOP/s it implies."""
+    base = paper_value(paper, "scaling", "baseline", "tflops_per_gpu")
+    rows = []
+    for config in CONFIGS:
+        tp = int(paper_value(paper, "scaling", config, "gpus_tp"))
+        for mode, key in MODES:
+            gpus = int(paper_value(paper, "scaling", config, f"gpus_{key}"))
+            eff = paper_value(paper, "scaling", config, f"efficiency_{key}")
+            stated = paper_value(paper, "scaling", config, f"aggregate_pflops_{key}")
+            rows.append({"config": config, "mode": mode, "gpus": gpus, "tp": tp, "dp": gpus // tp,
+                         "paper_efficiency": eff, "paper_tflops_per_gpu": base * eff,
+                         "paper_pflops": stated if stated else base * eff * gpus / 1000.0,
+                         "paper_pflops_source": "stated" if stated else "derived: 39 TFLOP/s x eff x GPUs"})
+    return pd.DataFrame(rows)
+
+
+def predictions() -> dict[tuple[str, int], dict[str, float]] | None:
+    """Hook: repro.perf.scaling_model's predicted efficiency per (config, gpus) and cluster, or None."""
+    try:
+        from repro.perf.scaling_model import DGX2H, H200_CLUSTER, weak_scaling
+    except ImportError:
+        return None
+    out: dict[tuple[str, int], dict[str, float]] = {}
+    for tag, cluster in (("model_dgx2h", DGX2H), ("model_h200", H200_CLUSTER)):
+        for row in weak_scaling(cluster):
+            out.setdefault((row["config"], row["gpus"]), {})[tag] = row["predicted"]
+    return out
+
+
+def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.DataFrame:
+    """Paper rows (each with its newest matching measured run, or none) then unmatched measured rows."""
+    rows, used = [], set()
+    for _, p in paper_pts.iterrows():
+        row = {**p.to_dict(), **(predicted or {}).get((p["config"], p["gpus"]), {})}
+        hit = measured[(measured["config"] == p["config"]) & (measured["gpus"] == p["gpus"])
+                       & (measured["tp"] == p["tp"])] if len(measured) else measured
+        if len(hit):
+            best = hit.sort_values("start_time", ascending=False).iloc[0]
+            used.add(best.name)
+            row.update({k: best[k] for k in best.index if k not in ("config", "gpus", "tp", "dp")})
+        rows.append(row)
+    extra = measured.drop(index=list(used)) if len(measured) else measured
+    for _, m in extra.sort_values(["config", "gpus"]).iterrows() if len(extra) else []:
+        rows.append({**m.to_dict(), "mode": "TP+DP" if m["dp"] > 1 else "TP"})
+    return pd.DataFrame(rows)
+
+
+def _measured_cells(row) -> list[str]:
+    if R.get(row, "run_id") is None:
+        return [NOT_RUN] * 3 + ["", ""]
+    return [fmt(row["tflops_per_device"], 4), fmt(row["aggregate_pflops"], 6),
+            fmt(row["efficiency"], 1, pct=True) if R.get(row, "efficiency") is not None else "no 1-device baseline",
+            row["label"], row["provenance"]]
+
+
+def display(table: pd.DataFrame) -> pd.DataFrame:
+    """The Markdown view: paper, analytic model and measured side by side, measured labelled."""
+    cols = ["config", "mode", "GPUs", "TP x DP", "paper eff.", "paper TFLOP/s/GPU", "model DGX-2H",
+            "model H200", "measured TFLOP/s/device", "measured PFLOP/s", "measured eff.", "measured on", "provenance"]
+    rows = []
+    for _, r in table.iterrows():
+        paper = R.get(r, "paper_efficiency")
+        cells = _measured_cells(r)
+        rows.append([r["config"], r["mode"], int(r["gpus"]), f"{int(r['tp'])} x {int(r['dp'])}",
+                     fmt(paper, 0, pct=True) if paper is not None else "— (not a paper point)",
+                     fmt(R.get(r, "paper_tflops_per_gpu"), 1),
+                     fmt(R.get(r, "model_dgx2h"), 1, pct=True), fmt(R.get(r, "model_h200"), 1, pct=True),
+                     *cells])
+    return pd.DataFrame(rows, columns=cols)
+
+
+def bench_baseline(bench_dir: Path) -> pd.DataFrame:
+    """Single-device measurements of config 1 from results/bench/gpu_h200/*.json (not MLflow runs)."""
+    rows = []
+    for path in sorted(Path(bench_dir).glob("*.json")):
+        data = json.loads(path.read_text())
+        prov = data.get("provenance", {})
+        for res in data.get("results", []):
+            if res.get("status") != "ok":
+                continue
+            spec = res["spec"]
+            rows.append({"source": f"{path.parent.name}/{path.name}", "model": data.get("model", "?"),
+                         "device": prov.get("device", "?"), "dtype": spec["dtype"],
+                         "checkpointing": spec["checkpointing"], "compile": spec["compile"], "batch": spec["batch"],
+                         "model_tflops": res["model_tflops"], "mfu": res["mfu"], "torch": prov.get("torch", "?"),
+                         "date_utc": prov.get("date_utc", "?"), "git_sha": prov.get("git_sha", "?"),
+                         "flops_formula": data.get("flops_formula", "?")})
+    return pd.DataFrame(rows)
+
+
+def baseline_display(bench: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """The paper's one-V100 baseline beside the measured one-device numbers."""
+    base = paper_value(paper, "scaling", "baseline", "tflops_per_gpu")
+    frac = paper_value(paper, "scaling", "baseline", "fraction_of_peak")
+    rows = [["paper (Section 5.1)", "scaling-1.2b", "V100 SXM3", "fp16", "on", "no", 8, fmt(base, 0),
+             fmt(frac, 0, pct=True), "paper value"]]
+    for _, b in bench.iterrows():
+        rows.append([f"measured: {b['source']}", b["model"], b["device"], b["dtype"], "on" if b["checkpointing"] else "off",
+                     "yes" if b["compile"] else "no", b["batch"], fmt(b["model_tflops"], 0), fmt(b["mfu"], 1, pct=True),
+                     f"torch {b['torch']}, {b['date_utc']}, git {b['git_sha']}"])
+    return pd.DataFrame(rows, columns=["source", "config", "device", "dtype", "act. ckpt", "compile", "batch",
+                                       "TFLOP/s per device", "fraction of peak", "provenance"])
+
+
+def build(tracking_uri: str, experiment: str = "scaling", predicted="auto") -> pd.DataFrame:
+    """The combined scaling table from the runs of `experiment` in the store ("auto": predictions())."""
+    from repro.analysis.paper import paper_values
+
+    runs = R.load_runs(tracking_uri, experiment)
+    measured = measured_points(runs, lambda rid: sustained_tflops(R.metric_history(tracking_uri, rid, "tflops_per_device")))
+    measured = add_efficiency(measured) if len(measured) else measured
+    return combine(paper_points(paper_values()), measured, predictions() if predicted == "auto" else predicted)
+
+
+def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
+           bench_dir: str | Path | None = None) -> str:
+    """Write scaling_table.{csv,md}, scaling_baseline.{csv,md} and fig_scaling.png; return the Markdown."""
+    from repro.analysis.figures import plot_scaling
+    from repro.analysis.paper import paper_values
+
+    out_dir, predicted = Path(out_dir), predictions()
+    table = build(tracking_uri, experiment, predicted)
+    notes = ["Efficiency = sustained FLOP/s per device / the 1-device baseline's (paper: config 1 on one V100). "
+             "Measured TFLOP/s per device: median of the logged intervals (`tflops_per_device`, first interval "
+             "dropped as warm-up), FLOPs by the trainer's `flop_formula` param. 'model' columns: the analytic "
+             "prediction of repro/perf/scaling_model.py (see results/scaling_model/) "
+             + ("" if predicted is not None else "— NOT AVAILABLE (module missing) "),
+             "Rows marked CPU or reduced size are plumbing checks of this code on small models, "
+             "not measurements of the paper's configurations; their efficiency is against their own 1-device run."]
+    text = write_table(display(table), table, out_dir, "scaling_table", "Weak scaling (Table 1, Fig. 1 and Fig. 5)",
+                       notes, tracking_uri)
+    plot_scaling(table, out_dir / "fig_scaling.png")
+    from repro.tracking.store import project_root
+
+    bench_dir = Path(bench_dir) if bench_dir else project_root() / "results" / "bench" / "gpu_h200"
+    if bench_dir.is_dir():
+        bench = bench_baseline(Path(bench_dir))
+        text += "\n" + write_table(baseline_display(bench, paper_values()), bench, out_dir, "scaling_baseline",
+                                   "One-device baseline of Table 1 config 1: paper V100 vs measured",
+                                   [f"Measured rows from {bench_dir} (a benchmark, not an MLflow run; see its README). "
+                                    "TFLOP/s there count 72 B s l h^2 (1 + s/6h + V/12lh), no recomputation."],
+                                   tracking_uri)
+    return text

@@ -1,0 +1,131 @@
+"""Zero-shot table (Table 3: WikiText-103 perplexity, LAMBADA accuracy) and validation perplexity (Fig. 6).
+
+Evaluation runs live in experiment "zero-shot" (repro/eval/report.py): metrics `wikitext/word_ppl`
+and `lambada/accuracy` (a fraction), tag `task`, tag `training_run_id` naming the evaluated model's
+training run, whose params give the model size, device and the rest of the provenance.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from repro.analysis import runs as R
+from repro.analysis.paper import paper_items, paper_value, paper_values
+from repro.analysis.tables import NOT_RUN, fmt, write_table
+
+PAPER_PROTOCOL = {"window": "1024", "stride": "32", "max_lines": "all", "file": "wikitext-2.test.tokens"}
+
+
+def _protocol(ev) -> str:
+    if ev is None:
+        return ""
+    if R.get(ev, "tags.task") == "lambada":
+        return "lambada: " + ("strict (paper)" if R.get(ev, "params.strict") == "True" else "NOT strict")
+    got = {k: str(R.get(ev, f"params.{k}", "?")) for k in PAPER_PROTOCOL}
+    same = got == PAPER_PROTOCOL
+    return "wikitext: " + ("paper protocol" if same else "reduced: " + ", ".join(f"{k}={v}" for k, v in got.items()))
+
+
+def _latest_by_model(evals: pd.DataFrame, task: str) -> dict[str, pd.Series]:
+    if evals.empty or "tags.task" not in evals:
+        return {}
+    part = evals[evals["tags.task"] == task].sort_values("start_time", ascending=False)
+    out = {}
+    for _, ev in part.iterrows():
+        out.setdefault(R.get(ev, "tags.training_run_id", "unknown"), ev)
+    return out
+
+
+def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.DataFrame:
+    """One row per evaluated training run: model size, word ppl, LAMBADA %, label, provenance, run ids."""
+    evals = R.load_runs(tracking_uri, experiment)
+    wiki, lamb = _latest_by_model(evals, "wikitext"), _latest_by_model(evals, "lambada")
+    rows = []
+    for train_id in dict.fromkeys([*wiki, *lamb]):
+        w, l = wiki.get(train_id), lamb.get(train_id)
+        train = R.get_run_row(tracking_uri, train_id) if train_id != "unknown" else None
+        size = R.get(train, "params.model_size") if train else None
+        acc = R.get(l, "metrics.lambada/accuracy") if l is not None else None
+        rows.append({"model": size if R.is_paper_size(size) else (R.get(train, "run_name") if train else "unknown"),
+                     "paper_size": R.is_paper_size(size),
+                     "wikitext_word_ppl": R.get(w, "metrics.wikitext/word_ppl") if w is not None else None,
+                     "lambada_acc": 100 * acc if acc is not None else None,
+                     "label": R.run_label(train) if train else "training run not in this store",
+                     "protocol": "; ".join(p for p in (_protocol(w), _protocol(l)) if p),
+                     "provenance": (R.provenance(train) if train else f"training run {train_id[:8]}")
+                     + "; eval runs " + ", ".join(str(e["run_id"])[:8] for e in (w, l) if e is not None),
+                     "training_run_id": train_id})
+    return pd.DataFrame(rows)
+
+
+def build(tracking_uri: str, experiment: str = "zero-shot") -> pd.DataFrame:
+    """Paper rows (Table 3 models, with their measured run or 'not run') then the other measured models."""
+    paper, measured = paper_values(), measured_models(tracking_uri, experiment)
+    rows, used = [], set()
+    for item in paper_items(paper, "zero_shot"):
+        row = {"model": item, "paper_wikitext_ppl": paper_value(paper, "zero_shot", item, "wikitext103_ppl"),
+               "paper_lambada_acc": paper_value(paper, "zero_shot", item, "lambada_acc")}
+        hit = measured[measured["model"] == item] if len(measured) else measured
+        if len(hit):
+            used.add(hit.index[0])
+            row.update(hit.iloc[0].drop("model").to_dict())
+        rows.append(row)
+    for idx, m in measured.iterrows():
+        if idx not in used:
+            rows.append(m.to_dict())
+    return pd.DataFrame(rows)
+
+
+def display(table: pd.DataFrame) -> pd.DataFrame:
+    """Paper and measured side by side; 'not run' where a paper model has no evaluation."""
+    rows = []
+    for _, r in table.iterrows():
+        has_run = R.get(r, "training_run_id") is not None
+        is_paper = R.get(r, "paper_wikitext_ppl") is not None
+        missing = NOT_RUN if r["model"] != "previous-best" else "—"
+        rows.append([r["model"], fmt(R.get(r, "paper_wikitext_ppl")) if is_paper else "— (not a paper model)",
+                     fmt(R.get(r, "wikitext_word_ppl")) if has_run else missing,
+                     fmt(R.get(r, "paper_lambada_acc")) if is_paper else "—",
+                     fmt(R.get(r, "lambada_acc")) if has_run else missing,
+                     R.get(r, "label", ""), R.get(r, "protocol", ""), R.get(r, "provenance", "")])
+    return pd.DataFrame(rows, columns=["model", "paper WikiText-103 ppl", "measured word ppl", "paper LAMBADA %",
+                                       "measured LAMBADA %", "measured on", "eval protocol", "provenance"])
+
+
+def valid_curves(tracking_uri: str, experiments: tuple[str, ...] = ("gpt2",)) -> dict[str, pd.DataFrame]:
+    """Validation perplexity exp(valid_loss) against iteration for every run that logged valid_loss."""
+    from repro.analysis.figures import short_label
+
+    curves = {}
+    for experiment in experiments:
+        runs = R.load_runs(tracking_uri, experiment)
+        for _, run in runs.iterrows():
+            if R.get(run, "metrics.valid_loss") is None:
+                continue
+            hist = R.metric_history(tracking_uri, run["run_id"], "valid_loss")
+            curves[short_label(run)] = hist.assign(value=[math.exp(min(v, 700)) for v in hist["value"]])
+    return curves
+
+
+def report(tracking_uri: str, out_dir: str | Path, experiment: str = "zero-shot",
+           train_experiments: tuple[str, ...] = ("gpt2",)) -> str:
+    """Write zero_shot_table.{csv,md} and fig6_valid_ppl.png; return the Markdown."""
+    from repro.analysis.figures import plot_curves
+
+    out_dir = Path(out_dir)
+    table = build(tracking_uri, experiment)
+    notes = ["Measured word ppl: `wikitext/word_ppl` = exp(sum NLL / T_o) on the word-level WikiText test file "
+             "(WikiText-2 and -103 share the test set). LAMBADA: strict last-word accuracy over the 5,153 passages.",
+             "Rows labelled CPU or reduced size evaluate small models trained here for minutes: they test the "
+             "pipeline and are not comparable to the paper's numbers."]
+    text = write_table(display(table), table, out_dir, "zero_shot_table",
+                       "Zero-shot evaluation (Table 3)", notes, tracking_uri)
+    ref = paper_value(paper_values(), "zero_shot", "gpt2-8.3b", "valid_ppl_final")
+    plot_curves(valid_curves(tracking_uri, train_experiments), out_dir / "fig6_valid_ppl.png",
+                "validation perplexity exp(valid_loss)", "Fig. 6: validation perplexity vs iteration "
+                f"(measured runs of {', '.join(train_experiments)}; paper: 8.3B GPT-2)", log_y=True,
+                reference=(ref, f"paper: 8.3B final validation ppl {ref} (Fig. 6)"))
+    return text

@@ -46,3 +46,12 @@ def test_bert_pretraining_tp2_matches_tp1(bert_corpus, data_dir, tmp_path, order
     assert len(serial) == len(tp2) == 10
     assert max(abs(a - b) / b for a, b in zip(tp2, serial)) < 1e-5
     assert serial[-1] < serial[0]
+
+
+def test_bert_logs_held_out_mlm_perplexity(bert_corpus, data_dir, tmp_path):  # noqa: F811
+    from repro.tracking.logger import read_metrics
+
+    _run(1, bert_corpus, tmp_path, data_dir, **{"train.train_iters": 3})
+    last = [row for row in read_metrics(tmp_path) if "valid_mlm_ppl" in row][-1]
+    assert abs(last["valid_mlm_ppl"] - __import__("math").exp(last["valid_mlm_loss"])) < 1e-6 * last["valid_mlm_ppl"]
+    assert abs(last["valid_loss"] - last["valid_mlm_loss"] - last["valid_sop_loss"]) < 1e-5

@@ -143,10 +143,8 @@ class GPT(nn.Module):
         """This rank's vocab slice of the logits, padded columns at -inf."""
         x = copy_to_tensor_parallel_region(self.hidden_states(ids), self.tp_group)  # f
         logits = F.linear(x, self.transformer.wte.weight)  # (b, s, V/tp): tied output layer
-        if self.num_real_local < logits.shape[-1]:
-            pad = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            pad[self.num_real_local:] = True
-            logits = logits.masked_fill(pad, float("-inf"))
+        if self.num_real_local < logits.shape[-1]:  # padded vocab columns: never predicted
+            logits[..., self.num_real_local:] = float("-inf")  # in place: the matmul output is not saved
         return logits
 
     def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

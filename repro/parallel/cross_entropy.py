@@ -21,17 +21,20 @@ def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # half-precision logits: the softmax is computed in float32
-        logits_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)  # (b, s)
-        shifted = logits - logits_max.unsqueeze(-1)
+        half = logits.dtype in (torch.float16, torch.bfloat16)  # then the softmax is computed in float32
+        logits_max = logits.max(dim=-1).values
+        logits_max = _all_reduce(logits_max.float() if half else logits_max, dist.ReduceOp.MAX, group)  # (b, s)
+        if half:
+            shifted = logits.float().sub_(logits_max.unsqueeze(-1))
+        else:
+            shifted = logits - logits_max.unsqueeze(-1)
         per_rank = logits.shape[-1]
         start = group_rank(group) * per_rank
         outside = (target < start) | (target >= start + per_rank)
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0), dist.ReduceOp.SUM, group)
-        exp = shifted.exp()
+        exp = shifted.exp_()  # in place: one (b, s, v/tp) float32 buffer, reused as the softmax
         sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
         loss = sum_exp.log() - target_logit
         softmax = exp.div_(sum_exp.unsqueeze(-1))

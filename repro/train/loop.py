@@ -241,7 +241,7 @@ def _after_step(eng, state, result, interval, peak, logger, valid) -> dict:
             print(_log_line(state, cfg, metrics), flush=True)
     _log(logger, {**metrics, "consumed_samples": state.consumed_samples}, it)
     if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0:
-        _log(logger, {"valid_loss": evaluate(eng, valid())}, it)
+        _log(logger, evaluate(eng, valid()), it)
     if cfg.train.save_interval and it % cfg.train.save_interval == 0:
         save(eng, state, logger.run_id if logger else None)
     return metrics
@@ -257,8 +257,9 @@ def _finish(eng, state, final, logger, valid, meta) -> dict:
              "optimizer_state_bytes": optimizer_state_bytes(eng),
              "local_parameters": sum(p.numel() for p in eng.model.parameters())}
     if valid:
-        final["valid_loss"] = evaluate(eng, valid())
-        _log(logger, {"valid_loss": final["valid_loss"]}, state.iteration)
+        held_out = evaluate(eng, valid())
+        final.update(held_out)
+        _log(logger, held_out, state.iteration)
     if logger:
         path = Path(cfg.run_dir) / "final_metrics.json"
         ck.write_atomic(path, json.dumps(final, indent=1).encode())

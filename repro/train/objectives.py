@@ -27,6 +27,10 @@ class GPTObjective(nn.Module):
         tokens, labels = batch
         return self.model(tokens, labels).float().mean()
 
+    def metrics(self, batch) -> dict[str, torch.Tensor]:
+        """Held-out metrics of a micro batch."""
+        return {"loss": self(batch)}
+
 
 class BertObjective(nn.Module):
     """Masked-LM loss (mean over predicted tokens) + sentence-order-prediction loss."""
@@ -37,6 +41,11 @@ class BertObjective(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model.losses(batch)["total"]
+
+    def metrics(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Held-out metrics of a micro batch: total, MLM and SOP losses."""
+        losses = self.model.losses(batch)
+        return {"loss": losses["total"], "mlm_loss": losses["mlm"], "sop_loss": losses["sop"]}
 
 
 def build_model(cfg: RunConfig, pg: ProcessGroups, rng, device) -> nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -83,13 +84,17 @@ def train_step(eng: Engine, micro_batches: list) -> StepResult:
 
 
 @torch.no_grad()
-def evaluate(eng: Engine, micro_batches) -> float:
-    """Mean per-token held-out loss over the given micro batches and all DP ranks."""
+def evaluate(eng: Engine, micro_batches) -> dict[str, float]:
+    """Held-out metrics (`valid_loss`, and for BERT `valid_mlm_loss`, `valid_mlm_ppl`, ...) averaged
+    over the given micro batches and all DP ranks."""
     eng.model.eval()
-    total, count = torch.zeros((), device=eng.device), 0
+    sums: dict[str, torch.Tensor] = {}
     for batch in micro_batches:
         with eng.autocast():
-            total += eng.objective(to_device(batch, eng.device)).float()
-        count += 1
+            for name, value in eng.objective.metrics(to_device(batch, eng.device)).items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float()
     eng.model.train()
-    return _dp_mean(total / max(count, 1), eng)
+    out = {f"valid_{k}": _dp_mean(v / max(len(micro_batches), 1), eng) for k, v in sums.items()}
+    if "valid_mlm_loss" in out:
+        out["valid_mlm_ppl"] = math.exp(min(out["valid_mlm_loss"], 50.0))
+    return out

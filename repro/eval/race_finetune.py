@@ -72,13 +72,14 @@ class FinetuneResult:
 
 
 def _optimizer(model: nn.Module, opts: FinetuneOptions, steps: int):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr)
-    warmup = max(1, int(opts.warmup_fraction * steps))
-    lam = lambda i: min((i + 1) / warmup, max(0.0, (steps - i) / max(1, steps - warmup)))  # noqa: E731
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    """The pretraining trainer's AdamW groups and schedule: warm-up, then linear decay to 0."""
+    from repro.train.config import OptimConfig
+    from repro.train.optim import build_optimizer, lr_lambda
+
+    cfg = OptimConfig(lr=opts.lr, min_lr=0.0, lr_warmup_iters=max(1, int(opts.warmup_fraction * steps)),
+                      lr_decay_style="linear", weight_decay=opts.weight_decay, clip_grad=opts.clip_grad)
+    opt = build_optimizer(model, cfg)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, steps))
 
 
 def _rows(data: RaceTensors, index: torch.Tensor):

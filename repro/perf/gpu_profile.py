@@ -1,0 +1,79 @@
+"""Where a training step's time goes: torch.profiler over a few steps of a named size, by kernel.
+
+    python -m repro.perf.gpu_profile --out results/bench/gpu_h200          # CUDA, 1.2B, batch 8, bf16
+    python -m repro.perf.gpu_profile --out /tmp/p --tiny                     # CPU smoke run
+
+Writes profile.txt: the top kernels by device time and the share of matrix-multiply kernels
+(GEMM / attention) against everything else (element-wise, norms, softmax, optimizer, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from repro.models.gpt import GPT
+from repro.models.sizes import get_size
+from repro.perf.gpu_bench import TINY
+
+MATMUL_MARKERS = ("gemm", "matmul", "::mm", "::bmm", "addmm", "cutlass", "sm90", "flash", "attention",
+                  "xmma", "nvjet", "scaled_dot")
+
+
+def _step(model, opt, ids, dtype) -> None:
+    with torch.autocast(ids.device.type, dtype=dtype):
+        loss = model.loss(ids, ids).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _summary(prof, device_type: str, top: int) -> str:
+    events = [e for e in prof.key_averages() if e.device_type.name.lower() == device_type.upper().lower()
+              or device_type == "cpu"]
+    attr = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    events = sorted(events, key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    matmul = sum(getattr(e, attr) for e in events if any(m in e.key.lower() for m in MATMUL_MARKERS))
+    lines = [f"device time profiled: {total / 1e3:.1f} ms; matrix-multiply/attention kernels "
+             f"{100 * matmul / total:.1f}%, everything else {100 * (1 - matmul / total):.1f}%", ""]
+    lines += [f"{100 * getattr(e, attr) / total:6.2f}%  {getattr(e, attr) / 1e3:9.2f} ms  x{e.count:<5} {e.key[:110]}"
+              for e in events[:top]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--size", default="scaling-1.2b")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = TINY if args.tiny else get_size(args.size).model_config()
+    model = GPT(cfg, seed=0).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_length), device=device)
+    dtype = torch.bfloat16
+    for _ in range(3):
+        _step(model, opt, ids, dtype)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            _step(model, opt, ids, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = f"{args.size if not args.tiny else 'tiny'}, batch {args.batch}, bf16 autocast, {args.steps} steps, eager\n"
+    text += _summary(prof, device.type, top=30)
+    (args.out / "profile.txt").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

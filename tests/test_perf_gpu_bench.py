@@ -68,3 +68,12 @@ def test_compile_flag_adds_compiled_configurations():
     args = gpu_bench.parse_args(["--out", "x", "--compile", "--dtypes", "bf16", "--checkpointing", "off"])
     specs = gpu_bench.plan(args)
     assert [(s.dtype, s.checkpointing, s.compile) for s in specs] == [("bf16", False, False), ("bf16", False, True)]
+
+
+def test_gpu_profile_tiny_writes_a_kernel_table(tmp_path):
+    """The profiler script runs on CPU with --tiny and reports the matrix-multiply share."""
+    from repro.perf.gpu_profile import main
+
+    assert main(["--out", str(tmp_path), "--tiny", "--steps", "1"]) == 0
+    text = (tmp_path / "profile.txt").read_text()
+    assert "matrix-multiply/attention kernels" in text and "aten::mm" in text

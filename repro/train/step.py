@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -57,7 +58,9 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
         eng.optimizer.step()
     if eng.scaler:
         eng.scaler.update(overflow)
-    eng.scheduler.step()
+    with warnings.catch_warnings():  # a skipped (overflow) step still advances the schedule, as Megatron's
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        eng.scheduler.step()
     return StepResult(_dp_mean(total, eng), norm, lr, scale, overflow)
 
 

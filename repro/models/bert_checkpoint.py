@@ -64,9 +64,18 @@ def save_bert(model: BERT, path: Path | str) -> None:
 
 
 def read_bert(path: Path | str) -> tuple[BertConfig, dict[str, torch.Tensor]]:
-    """The config and full state dict of a checkpoint written by `save_bert`."""
+    """The config and full state dict of a checkpoint written by `save_bert`, or of a `repro train`
+    BERT checkpoint (a run directory, its checkpoints/ folder or an iter_XXXXXXX folder; any TP)."""
     path = Path(path)
+    if path.is_dir():
+        from repro.train.checkpoint import load_full_model_state, resolve
+
+        meta, state = load_full_model_state(resolve(path))
+        if meta.get("family") != "bert":
+            raise FileNotFoundError(f"{path}: a {meta.get('family')} checkpoint, not BERT. Fix: pass a BERT run")
+        return BertConfig(**meta["model"]), state
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert")
+        raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert "
+                                "or a `repro train` BERT run directory")
     blob = torch.load(path, map_location="cpu", weights_only=True)
     return BertConfig(**blob["config"]), blob["model"]

@@ -155,8 +155,11 @@ def _build(cfg: ModelConfig, family: str, **kwargs):
     return GPT(cfg, **kwargs)
 
 
+VOCAB_ROWS = ("transformer.wte.weight", "embeddings.word.weight", "lm_head.bias")  # padded along dim 0
+
+
 def _is_vocab(name: str) -> bool:
-    return name.endswith("wte.weight") or name.endswith("word_embeddings.weight")
+    return name in VOCAB_ROWS
 
 
 def merge_shards(shards: list[dict], spec: dict[str, tuple[int, int]], vocab_size: int) -> dict:

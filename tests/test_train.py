@@ -62,3 +62,15 @@ def test_deepspeed_zero_reproduces_serial_losses(serial_losses, corpus, tmp_path
     for r in ranks:
         unsharded = 8 * r["local_parameters"]
         assert abs(r["optimizer_state_bytes"] / unsharded - 0.5) < 0.01, (r["optimizer_state_bytes"], unsharded)
+
+
+def test_deepspeed_zero_resume_is_exact(corpus, tmp_path):
+    """ZeRO-1 at DP=2 with dropout: 4 iterations, then a new launch to 8 == one launch of 8 (the
+    partitioned optimizer state goes through DeepSpeed's own checkpoint inside ours)."""
+    extra = {"train.zero_stage": 1, "train.micro_batch_size": 2, "optim.lr_decay_iters": 8,
+             "model.hidden_dropout": 0.1}
+    _train(2, corpus, tmp_path / "full", **extra, **{"train.train_iters": 8})
+    _train(2, corpus, tmp_path / "part", **extra, **{"train.train_iters": 4})
+    _train(2, corpus, tmp_path / "part", **extra, **{"train.train_iters": 8})
+    assert (tmp_path / "part" / "checkpoints" / "iter_0000004" / "deepspeed").is_dir()
+    assert _losses(tmp_path / "part") == _losses(tmp_path / "full")

@@ -12,21 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require
+
 DEFAULT_MIRROR = Path("/work/shared/data")
-
-
-def in_ci() -> bool:
-    """True when the CI environment variable says so."""
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def require(condition: bool, what: str) -> None:
-    """Skip locally when something external is missing; fail in CI."""
-    if condition:
-        return
-    if in_ci():
-        pytest.fail(f"{what} is required in CI but missing", pytrace=False)
-    pytest.skip(f"{what} is not available on this machine")
 
 
 def mirror_path() -> Path | None:

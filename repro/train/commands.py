@@ -10,11 +10,11 @@ USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError"
 def train_rank(config_path: str | None, overrides: list[str]) -> dict:
     """Body of one rank: set up groups from the launch environment, then train."""
     import torch
+    import torch.distributed as dist
 
-    from repro.parallel.groups import build_process_groups, discover_launch_env, init_distributed, ParallelDims
+    from repro.parallel.groups import ParallelDims, build_process_groups, discover_launch_env, init_distributed
     from repro.train.config import load_config
     from repro.train.loop import train
-    import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(config_path, overrides)
@@ -26,26 +26,29 @@ def train_rank(config_path: str | None, overrides: list[str]) -> dict:
     return train(cfg, pg, launch.local_rank)
 
 
-def _train(args) -> int:
+def _as_user_error(err: Exception) -> Exception | None:
+    """A bad-input error (also one re-raised from a spawned rank) as repro.cli.UserError."""
     from repro.cli import UserError
 
-    try:
-        if args.nproc and "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ:
-            from repro.parallel.spawn import run_ranks
+    if type(err).__name__ in USER_ERRORS:
+        return UserError(str(err))
+    if isinstance(err, RuntimeError) and any(name in str(err) for name in USER_ERRORS):
+        return UserError(str(err).strip().splitlines()[-1])
+    return None
 
-            final = run_ranks(train_rank, args.nproc, args.config, args.set, timeout=args.timeout)[0]
-        else:
-            if "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ:
-                from repro.parallel.spawn import free_port
 
-                os.environ.setdefault("MASTER_PORT", str(free_port()))
-            final = train_rank(args.config, args.set)
-    except Exception as err:
-        if type(err).__name__ in USER_ERRORS:
-            raise UserError(str(err)) from None
-        if isinstance(err, RuntimeError) and any(name in str(err) for name in USER_ERRORS):
-            raise UserError(str(err).strip().splitlines()[-1]) from None
-        raise
+def _train(args) -> int:
+    launched = "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ  # torchrun / srun
+    if args.nproc and not launched:
+        from repro.parallel.spawn import run_ranks
+
+        final = run_ranks(train_rank, args.nproc, args.config, args.set, timeout=args.timeout)[0]
+    else:
+        if not launched:
+            from repro.parallel.spawn import free_port
+
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        final = train_rank(args.config, args.set)
     if final.get("mlflow_run_id"):
         print(f"MLflow run {final['mlflow_run_id']}")
     return 0
@@ -60,17 +63,18 @@ def _reshard(args) -> int:
 
 
 def _export_hf(args) -> int:
-    from repro.models.gpt import GPT
     from repro.models.config import ModelConfig
+    from repro.models.gpt import GPT
     from repro.models.hf import to_hf_gpt2
-    from repro.train.checkpoint import load_full_model_state, resolve
+    from repro.train.checkpoint import CheckpointError, load_full_model_state, resolve
 
     meta, full = load_full_model_state(resolve(args.checkpoint))
     cfg = ModelConfig(**meta["model"])
+    if meta.get("family", "gpt") != "gpt":
+        raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
     model = GPT(cfg)
-    state = {k: v for k, v in full.items()}
-    state["transformer.wte.weight"] = _pad_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
-    model.load_state_dict(state)
+    full["transformer.wte.weight"] = _pad_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
+    model.load_state_dict(full)
     to_hf_gpt2(model).save_pretrained(args.out)
     print(f"wrote a transformers.GPT2LMHeadModel to {args.out}")
     return 0
@@ -83,15 +87,15 @@ def _pad_rows(t, rows: int):
 
 
 def _wrap(fn):
+    """Run a command handler, turning bad-input errors into repro.cli.UserError (exit 2)."""
     def run(args) -> int:
-        from repro.cli import UserError
-
         try:
             return fn(args)
         except Exception as err:
-            if type(err).__name__ in USER_ERRORS:
-                raise UserError(str(err)) from None
-            raise
+            user_error = _as_user_error(err)
+            if user_error is None:
+                raise
+            raise user_error from None
     return run
 
 
@@ -102,7 +106,7 @@ def register(sub) -> None:
                    help="dotted override, e.g. --set train.train_iters=10 (repeatable)")
     p.add_argument("--nproc", type=int, default=0, help="spawn N local ranks (when not under torchrun/srun)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds before spawned ranks are killed")
-    p.set_defaults(func=_train)
+    p.set_defaults(func=_wrap(_train))
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="checkpoint_command", required=True)
     r = csub.add_parser("reshard", help="convert a checkpoint to another TP degree")

@@ -115,7 +115,12 @@ def _gpt2_tokenizer(data_dir: str | None):
     return build_tokenizer("gpt2", data_dir or data_dir_from_env())
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """`repro-lm-eval ...`: lm-eval's own command line with the `megatron-repro` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -127,3 +127,20 @@ def test_rank_discovery_prefers_torchrun_then_slurm():
     slurm = discover_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                                  "MASTER_ADDR": "node7"})
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_addr) == (5, 8, 1, "node7")
+
+
+def test_checkpointing_without_a_tracker_is_bit_identical():
+    """The tracker-free checkpoint path (used when no TP-region stream exists) replays dropout too."""
+    from dataclasses import replace
+
+    from repro.models.gpt import GPT
+
+    cfg = replace(checks.TINY, hidden_dropout=0.1, attention_dropout=0.1)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        model = GPT(replace(cfg, activation_checkpointing=recompute), seed=3).train()
+        torch.manual_seed(5)
+        model.loss(ids, ids).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -103,6 +103,8 @@ def checkpoint(fn: Callable, *args, tracker: RNGTracker | None = None):
     torch restores the default CPU/CUDA generators (`preserve_rng_state`); the context function
     restores the TP-region tracker, so dropout inside and outside TP regions replays identically.
     """
+    if tracker is None:  # no TP-region stream to replay (this form also traces under torch.compile)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=lambda: _replay_contexts(tracker),

@@ -42,6 +42,8 @@ def start_mlflow_run(experiment: str, run_name: str, tags: dict[str, str]):
 class RunLogger:
     """JSONL always; MLflow best-effort. Use as a context manager around training."""
 
+    FLUSH_SECONDS = 10.0
+
     def __init__(self, run_dir: str | Path, experiment: str, run_name: str,
                  params: dict[str, str], tags: dict[str, str], use_mlflow: bool = True,
                  resume_run_id: str | None = None) -> None:
@@ -53,6 +55,8 @@ class RunLogger:
                                                             "run_name": run_name}, indent=1))
         self.run_id: str | None = None
         self._mlflow = None
+        self._pending: list = []  # MLflow Metric rows not yet sent
+        self._last_flush = time.monotonic()
         if use_mlflow:
             self._start(experiment, run_name, params, tags, resume_run_id)
 
@@ -80,15 +84,27 @@ class RunLogger:
         (self.run_dir / "tracking_unsynced").write_text(str(err)[:1000])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Append to metrics.jsonl, then send to MLflow if it is up."""
+        """Append to metrics.jsonl now; queue for MLflow, sent in batches every `FLUSH_SECONDS`
+        (one request instead of one per step keeps tracking off the training step's hot path)."""
+        from mlflow.entities import Metric
+
         clean = {clean_metric_name(k): float(v) for k, v in metrics.items() if v is not None}
+        now = time.time()
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+            f.write(json.dumps({"step": step, "time": now, **clean}) + "\n")
         if self._mlflow is not None:
+            self._pending += [Metric(k, v, int(now * 1000), step) for k, v in clean.items()]
+            if time.monotonic() - self._last_flush > self.FLUSH_SECONDS:
+                self.flush()
+
+    def flush(self) -> None:
+        """Send the queued metrics to MLflow (no-op when tracking is off)."""
+        if self._mlflow is not None and self._pending:
             try:
-                self._mlflow.log_metrics(clean, step=step)
+                send_metrics(self._mlflow.MlflowClient(), self.run_id, self._pending)
             except Exception as err:
                 self._disable(err)
+        self._pending, self._last_flush = [], time.monotonic()
 
     def log_artifact(self, path: str | Path) -> None:
         """Copy into run_dir/artifacts (kept for sync) and upload when MLflow is up."""
@@ -104,6 +120,7 @@ class RunLogger:
                 self._disable(err)
 
     def close(self, status: str = "FINISHED") -> None:
+        self.flush()
         if self._mlflow is not None:
             try:
                 self._mlflow.end_run(status=status)
@@ -115,6 +132,12 @@ class RunLogger:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("FAILED" if exc_type else "FINISHED")
+
+
+def send_metrics(client, run_id: str, metrics: list, chunk: int = 1000) -> None:
+    """Log Metric rows in batches of at most `chunk` (MLflow's per-request limit)."""
+    for i in range(0, len(metrics), chunk):
+        client.log_batch(run_id, metrics=metrics[i:i + chunk])
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -138,9 +161,7 @@ def sync_run(run_dir: str | Path) -> str:
         mlflow.log_params(params)
         metrics = [Metric(clean_metric_name(k), float(v), int(row["time"] * 1000), row["step"])
                    for row in read_metrics(run_dir) for k, v in row.items() if k not in ("step", "time")]
-        client = mlflow.MlflowClient()
-        for i in range(0, len(metrics), 1000):
-            client.log_batch(run.info.run_id, metrics=metrics[i:i + 1000])
+        send_metrics(mlflow.MlflowClient(), run.info.run_id, metrics)
         if (run_dir / "artifacts").exists():
             mlflow.log_artifacts(str(run_dir / "artifacts"))
     (run_dir / "mlflow_run_id").write_text(run.info.run_id)

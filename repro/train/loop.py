@@ -25,7 +25,7 @@ from repro.tracking.store import project_root
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
-from repro.train.objectives import data_loader
+from repro.train.objectives import build_dataset, data_loader
 from repro.train.step import evaluate, train_step
 
 FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
@@ -144,9 +144,9 @@ def _memory_gb(device: torch.device) -> float:
 def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
     if not cfg.data.valid_prefix:
         return None
-    data, _ = data_loader(cfg, pg, cfg.data.valid_prefix)
+    data = build_dataset(cfg, cfg.data.valid_prefix)  # built once; each evaluation starts it over
     count = min(cfg.train.eval_iters, len(data) // (cfg.train.micro_batch_size * pg.dp_size))
-    return lambda: _micro_batches(iter(data_loader(cfg, pg, cfg.data.valid_prefix)[1]), count)
+    return lambda: _micro_batches(iter(data_loader(cfg, pg, data)), count)
 
 
 def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
@@ -187,7 +187,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     latest = ck.latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
     if latest is not None:
         state, meta = load(eng, latest)
-    loader = iter(data_loader(cfg, pg, cfg.data.train_prefix, state.consumed_samples)[1])
+    loader = iter(data_loader(cfg, pg, build_dataset(cfg, cfg.data.train_prefix), state.consumed_samples))
     valid = _valid_loader(cfg, pg)
     logger = _logger(cfg, eng, meta.get("mlflow_run_id"), tags or {}) if pg.rank == 0 else None
     peak = peak_tflops(device_name(eng.device), cfg.precision.precision)

@@ -70,7 +70,8 @@ def to_device(batch, device: torch.device):
     return tuple(t.to(device) for t in batch)
 
 
-def _dataset(cfg: RunConfig, prefix: str):
+def build_dataset(cfg: RunConfig, prefix: str):
+    """The family's dataset of an indexed-dataset prefix (GPT samples or BERT sentence pairs)."""
     cache = cfg.data.cache_dir or None
     if cfg.family == "bert":
         from repro.data.bert_dataset import BertDataset, BertOptions
@@ -85,11 +86,10 @@ def _dataset(cfg: RunConfig, prefix: str):
     return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache)
 
 
-def data_loader(cfg: RunConfig, pg: ProcessGroups, prefix: str, consumed_samples: int = 0):
-    """(dataset, resumable micro-batch loader for this DP rank) of the run's family."""
-    dataset = _dataset(cfg, prefix)
+def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0):
+    """A resumable micro-batch loader over `dataset` for this DP rank."""
     if cfg.family == "bert":
         from repro.data.bert_dataset import bert_loader as loader
     else:
         from repro.data.gpt_dataset import gpt_loader as loader
-    return dataset, loader(dataset, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, consumed_samples)
+    return loader(dataset, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, consumed_samples)

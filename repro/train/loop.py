@@ -205,6 +205,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             if stop.agreed(eng.device):
                 save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
                 _log(logger, {"preempted": 1.0}, state.iteration)
+                if logger:  # sends queued metrics; the resumed launch reopens the same MLflow run
+                    logger.close("KILLED")
                 if pg.rank == 0:  # tells slurm/launch.sh to requeue the job
                     ck.write_atomic(Path(cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
                 return {**final, "stopped_by_signal": True, "iteration": state.iteration}

@@ -22,25 +22,25 @@ def pytest_fail(msg):
 
 def test_tiny_cpu_run_writes_every_configuration(tmp_path):
     report = _run(tmp_path)
-    assert [(r["spec"]["dtype"], r["spec"]["checkpointing"]) for r in report["results"]] == [
-        ("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True)]
+    assert [(r["spec"]["dtype"], r["spec"]["checkpointing"], r["spec"]["params"]) for r in report["results"]] == [
+        (d, c, p) for d in ("bf16", "fp16") for c in (False, True) for p in ("fp32", "half")]
     for r in report["results"]:
         assert r["status"] == "ok", r
         assert r["steps_timed"] == 2 and r["tokens_per_s"] > 0 and r["model_tflops"] > 0
         assert set(r["phase_s_median"]) == {"forward", "backward", "optimizer"}
         assert r["loss_first"] > 0 and r["mfu"] > 0
-    ckpt_on = report["results"][1]
+    ckpt_on = report["results"][2]
     assert ckpt_on["hardware_tflops"] > ckpt_on["model_tflops"]  # 96- vs 72-formula
     prov = report["provenance"]
     assert {"device", "torch", "cuda", "date_utc", "git_sha", "command"} <= set(prov)
     assert "--tiny" in prov["command"]
     md = (tmp_path / "bench.md").read_text()
-    assert md.count("| bf16 |") == 2 and "72 B s l h^2" in md
+    assert md.count("| bf16 | fp32 |") == 2 and md.count("| bf16 | half |") == 2 and "72 B s l h^2" in md
     assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_budget_exhausted_records_skips_and_still_writes(tmp_path):
-    report = _run(tmp_path, "--budget-s", "0", "--dtypes", "bf16")
+    report = _run(tmp_path, "--budget-s", "0", "--dtypes", "bf16", "--params", "fp32")
     assert [r["status"] for r in report["results"]] == ["skipped", "skipped"]
 
 
@@ -51,7 +51,7 @@ def test_failures_are_recorded_not_raised(tmp_path, monkeypatch):
         raise RuntimeError("kernel failed")
 
     monkeypatch.setattr(gpu_bench, "run_config", boom)
-    report = _run(tmp_path, "--dtypes", "fp16")
+    report = _run(tmp_path, "--dtypes", "fp16", "--params", "fp32")
     assert [r["status"] for r in report["results"]] == ["error", "oom"]
     assert "kernel failed" in report["results"][0]["error"]
 
@@ -67,13 +67,34 @@ def test_build_model_initialises_every_parameter():
 def test_compile_flag_adds_compiled_configurations():
     args = gpu_bench.parse_args(["--out", "x", "--compile", "--dtypes", "bf16", "--checkpointing", "off"])
     specs = gpu_bench.plan(args)
-    assert [(s.dtype, s.checkpointing, s.compile) for s in specs] == [("bf16", False, False), ("bf16", False, True)]
+    assert [(s.dtype, s.params, s.compile) for s in specs] == [
+        ("bf16", "fp32", False), ("bf16", "half", False), ("bf16", "fp32", True), ("bf16", "half", True)]
 
 
 def test_gpu_profile_tiny_writes_a_kernel_table(tmp_path):
     """The profiler script runs on CPU with --tiny and reports the matrix-multiply share."""
     from repro.perf.gpu_profile import main
 
-    assert main(["--out", str(tmp_path), "--tiny", "--steps", "1"]) == 0
-    text = (tmp_path / "profile.txt").read_text()
-    assert "matrix-multiply/attention kernels" in text and "aten::mm" in text
+    for params in ("fp32", "half"):
+        assert main(["--out", str(tmp_path), "--tiny", "--steps", "1", "--params", params]) == 0
+        text = (tmp_path / f"profile_{params}.txt").read_text()
+        assert "matrix-multiply/attention kernels" in text and "aten::mm" in text
+
+
+def test_half_params_run_restores_the_fp32_model(tmp_path):
+    """A `params half` configuration times a bf16 model and leaves the fp32 model, values included,
+    for the configurations after it."""
+    model = gpu_bench.build_model(gpu_bench.TINY, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    spec = gpu_bench.RunSpec("bf16", False, 2, params="half")
+    result = gpu_bench.run_config(model, gpu_bench.TINY, spec, torch.device("cpu"), 2, 1, None, float("inf"))
+    assert result.status == "ok" and result.steps_timed == 2 and result.loss_last > 0
+    after = dict(model.named_parameters())
+    assert {p.dtype for p in after.values()} == {torch.float32}
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert changed and all((before[n] - after[n]).abs().max() < 1e-3 for n in before)  # 3 steps at lr 1e-5
+
+
+def test_fp32_has_no_half_params_configuration(tmp_path):
+    report = _run(tmp_path, "--dtypes", "fp32", "--checkpointing", "off")
+    assert [r["spec"]["params"] for r in report["results"]] == ["fp32"]

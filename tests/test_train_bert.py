@@ -65,3 +65,12 @@ def _check_finetune_can_load(tp1_run: Path, tp2_run: Path) -> None:
     reference = load_model_for_eval(tp2_run, ProcessGroups.single()).state_dict()
     assert all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())
     assert read_bert(tp1_run)[0].layernorm_order == cfg.layernorm_order
+
+
+def test_bert_half_params_tp2_follow_fp32(bert_corpus, data_dir, tmp_path):  # noqa: F811
+    """bf16 parameters with fp32 masters (precision.params=half) at TP=2: the fp32 TP=1 losses to
+    5e-3 nats (bf16 rounding; see tests/test_train_half_params.py for the tolerance)."""
+    serial = _run(1, bert_corpus, tmp_path / "fp32", data_dir)
+    half = _run(2, bert_corpus, tmp_path / "half", data_dir, **{"parallel.tp": 2, "precision.precision": "bf16",
+                                                               "precision.params": "half"})
+    assert len(half) == 10 and max(abs(a - b) for a, b in zip(half, serial)) < 5e-3, (serial, half)

@@ -3,9 +3,12 @@
     python -m repro.perf.gpu_bench --out results/bench/gpu            # CUDA: 1.2B, batch 8, seq 1024
     python -m repro.perf.gpu_bench --out /tmp/b --tiny                 # CPU smoke run, tiny model
 
-Each configuration (dtype x activation checkpointing) times full training steps: forward, backward
-and a fused AdamW step. Precision: autocast to bf16/fp16 over fp32 master weights (fp16 adds a
-dynamic GradScaler); the cross-entropy is computed in fp32. Warm-up steps are excluded; every phase
+Each configuration (dtype x activation checkpointing x parameter dtype) times full training steps:
+forward, backward and a fused AdamW step. Two precision recipes: `params fp32` autocasts to bf16/fp16
+over fp32 weights; `params half` is Megatron's recipe, a bf16/fp16 model without autocast whose fp32
+master weights live in the optimizer (repro.train.mixed_precision; the optimizer phase then includes
+moving gradients to the masters and rounding the masters back). fp16 adds a dynamic GradScaler; the
+cross-entropy is computed in fp32. Warm-up steps are excluded; every phase
 is timed between torch.cuda.synchronize() calls. A configuration that fails (OOM or other error) is
 recorded, not raised; after a total time budget the script stops. JSON and Markdown are rewritten
 atomically after every configuration, with provenance (device, versions, date, git SHA, command).
@@ -30,6 +33,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
+from repro.train.mixed_precision import MasterWeights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1000)
@@ -43,6 +47,8 @@ class RunSpec:
     checkpointing: bool
     batch: int
     compile: bool = False
+    params: str = "fp32"
+    """fp32: autocast over fp32 weights; half: half-precision model, fp32 masters in the optimizer."""
 
 
 @dataclass
@@ -101,18 +107,24 @@ def build_model(cfg: ModelConfig, device: torch.device):
     return model.train()
 
 
-def _timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device) -> tuple[dict[str, float], float]:
+def _timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device,
+                masters=None) -> tuple[dict[str, float], float]:
     """One training step; returns seconds per phase and the loss value."""
     t0 = time.perf_counter()
-    with torch.autocast(device.type, dtype=DTYPES[spec.dtype], enabled=spec.dtype != "fp32"):
-        loss = loss_fn(ids, ids).mean()
+    autocast = spec.dtype != "fp32" and masters is None
+    with torch.autocast(device.type, dtype=DTYPES[spec.dtype], enabled=autocast):
+        loss = loss_fn(ids, ids).float().mean()
     _sync(device)
     t1 = time.perf_counter()
     scaler.scale(loss).backward()
     _sync(device)
     t2 = time.perf_counter()
+    if masters is not None:
+        masters.grads_to_masters()
     scaler.step(opt)
     scaler.update()
+    if masters is not None:
+        masters.masters_to_model()
     opt.zero_grad(set_to_none=True)
     _sync(device)
     t3 = time.perf_counter()
@@ -140,9 +152,20 @@ def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmu
     """Time `steps` training steps after `warmup` ones; stops early at the deadline."""
     result = RunResult(spec, peak_tflops=peak)
     model.cfg.activation_checkpointing = spec.checkpointing
+    masters = MasterWeights(model, DTYPES[spec.dtype]) if spec.params == "half" else None
+    try:
+        _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters)
+    finally:
+        if masters is not None:  # back to the fp32 model the next configuration expects
+            model.float()
+            masters.masters_to_model()
+    return result
+
+
+def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters) -> None:
     loss_fn = torch.compile(model.loss) if spec.compile else model.loss
     fused = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
+    opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
     scaler = torch.amp.GradScaler(device.type, enabled=spec.dtype == "fp16")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (spec.batch, cfg.seq_length), generator=gen).to(device)
@@ -153,7 +176,7 @@ def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmu
         if time.monotonic() > deadline:
             result.error = f"time budget reached after {len(phases)} timed steps"
             break
-        timing, loss = _timed_step(model, loss_fn, opt, scaler, ids, spec, device)
+        timing, loss = _timed_step(model, loss_fn, opt, scaler, ids, spec, device, masters)
         losses.append(loss)
         if i >= warmup:
             phases.append(timing)
@@ -163,7 +186,6 @@ def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmu
         _fill(result, cfg, phases, losses, peak)
     else:
         result.status = "skipped"
-    return result
 
 
 def _cleanup(model, device) -> None:
@@ -239,14 +261,14 @@ def markdown(report: dict) -> str:
     lines.append(f"Device {p['device']}; torch {p['torch']}, CUDA {p['cuda']}; {p['date_utc']}; git {p['git_sha']}.")
     lines.append(f"Command: `{p['command']}`. Peak TFLOP/s per dtype: {report['peak_source']}.")
     lines.append(f"{report['precision']} TFLOP/s: {report['flops_formula']}.\n")
-    lines.append("| dtype | ckpt | batch | compile | status | step s | tokens/s | model TFLOP/s | MFU | "
+    lines.append("| dtype | params | ckpt | batch | compile | status | step s | tokens/s | model TFLOP/s | MFU | "
                  "HFU | peak TFLOP/s | peak GiB | fwd / bwd / opt s |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["results"]:
         s, ph = r["spec"], r["phase_s_median"]
         phases = " / ".join(f"{ph[k]:.3f}" for k in ("forward", "backward", "optimizer")) if ph else "-"
         lines.append(
-            f"| {s['dtype']} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {s['compile']} | "
+            f"| {s['dtype']} | {s.get('params', 'fp32')} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {s['compile']} | "
             f"{r['status']} {r['error'][:60]} | {_fmt(r['step_s_median'], '.4f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['model_tflops'], '.3g')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['hfu'], '.1%')} | "
             f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | {phases} |")
@@ -261,6 +283,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dtypes", default="bf16,fp16")
     parser.add_argument("--checkpointing", default="off,on", help="comma list of on/off")
+    parser.add_argument("--params", default="fp32,half",
+                        help="comma list: fp32 (autocast over fp32 weights), half (half model, fp32 masters)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
@@ -270,14 +294,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def plan(args) -> list[RunSpec]:
-    """Configurations in run order: every dtype x checkpointing, then compiled ones if asked."""
+    """Configurations in run order: every dtype x checkpointing x params, then compiled ones if asked.
+    `params half` is not defined for fp32 and is left out there."""
     for d in args.dtypes.split(","):
         if d not in DTYPES:
             raise SystemExit(f"unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
+    for p in args.params.split(","):
+        if p not in ("fp32", "half"):
+            raise SystemExit(f"unknown --params {p!r}; choose from fp32, half")
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
-    specs = [RunSpec(d, c, args.batch) for d in args.dtypes.split(",") for c in ckpts]
+    combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
+              if not (d == "fp32" and p == "half")]
+    specs = [RunSpec(d, c, args.batch, params=p) for d, c, p in combos]
     if args.compile:
-        specs += [RunSpec(d, c, args.batch, compile=True) for d in args.dtypes.split(",") for c in ckpts]
+        specs += [RunSpec(d, c, args.batch, compile=True, params=p) for d, c, p in combos]
     return specs
 
 
@@ -299,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     report = {"model": name, "config": asdict(cfg), "provenance": provenance(device, argv),
-              "precision": "autocast over fp32 master weights (fp16: + dynamic GradScaler); fused AdamW on CUDA",
+              "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 masters in "
+                           "the optimizer (fp16: + dynamic GradScaler); fused AdamW on CUDA",
               "flops_formula": "model = 72 B s l h^2 (1 + s/6h + V/12lh); hardware = 96 B s l h^2 "
                                "(1 + s/6h + V/16lh) with checkpointing (Narayanan et al. 2021), V = padded vocab",
               "peak_source": entry.source if entry else "measured fp32 matmul (CPU)",

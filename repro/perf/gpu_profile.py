@@ -1,9 +1,10 @@
 """Where a training step's time goes: torch.profiler over a few steps of a named size, by kernel.
 
-    python -m repro.perf.gpu_profile --out results/bench/gpu_h200          # CUDA, 1.2B, batch 8, bf16
+    python -m repro.perf.gpu_profile --out results/bench/gpu_h200 --params half   # CUDA, 1.2B, batch 8
     python -m repro.perf.gpu_profile --out /tmp/p --tiny                     # CPU smoke run
 
-Writes profile.txt: the top kernels by device time and the share of matrix-multiply kernels
+Writes profile_<params>.txt (`--params fp32`: autocast over fp32 weights; `half`: a bf16 model with
+fp32 master weights): the top kernels by device time and the share of matrix-multiply kernels
 (GEMM / attention) against everything else (element-wise, norms, softmax, optimizer, copies).
 """
 
@@ -18,16 +19,21 @@ from torch.profiler import ProfilerActivity, profile
 from repro.models.gpt import GPT
 from repro.models.sizes import get_size
 from repro.perf.gpu_bench import TINY
+from repro.train.mixed_precision import MasterWeights
 
 MATMUL_MARKERS = ("gemm", "matmul", "::mm", "::bmm", "addmm", "cutlass", "sm90", "flash", "attention",
                   "xmma", "nvjet", "scaled_dot")
 
 
-def _step(model, opt, ids, dtype) -> None:
-    with torch.autocast(ids.device.type, dtype=dtype):
-        loss = model.loss(ids, ids).mean()
+def _step(model, opt, ids, dtype, masters=None) -> None:
+    with torch.autocast(ids.device.type, dtype=dtype, enabled=masters is None):
+        loss = model.loss(ids, ids).float().mean()
     loss.backward()
+    if masters is not None:
+        masters.grads_to_masters()
     opt.step()
+    if masters is not None:
+        masters.masters_to_model()
     opt.zero_grad(set_to_none=True)
 
 
@@ -52,25 +58,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--params", choices=("fp32", "half"), default="fp32",
+                        help="fp32: bf16 autocast over fp32 weights; half: bf16 model, fp32 masters")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TINY if args.tiny else get_size(args.size).model_config()
     model = GPT(cfg, seed=0).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_length), device=device)
     dtype = torch.bfloat16
+    masters = MasterWeights(model, dtype) if args.params == "half" else None
+    opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, fused=device.type == "cuda")
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_length), device=device)
     for _ in range(3):
-        _step(model, opt, ids, dtype)
+        _step(model, opt, ids, dtype, masters)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
-            _step(model, opt, ids, dtype)
+            _step(model, opt, ids, dtype, masters)
         if device.type == "cuda":
             torch.cuda.synchronize()
     args.out.mkdir(parents=True, exist_ok=True)
-    text = f"{args.size if not args.tiny else 'tiny'}, batch {args.batch}, bf16 autocast, {args.steps} steps, eager\n"
+    recipe = "bf16 autocast over fp32 weights" if masters is None else "bf16 model, fp32 master weights"
+    text = f"{args.size if not args.tiny else 'tiny'}, batch {args.batch}, {recipe}, {args.steps} steps, eager\n"
     text += _summary(prof, device.type, top=30)
-    (args.out / "profile.txt").write_text(text)
+    (args.out / f"profile_{args.params}.txt").write_text(text)
     print(text)
     return 0
 

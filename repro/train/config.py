@@ -57,7 +57,11 @@ class OptimConfig:
 @dataclass
 class PrecisionConfig:
     precision: str = "fp32"
-    """fp32, bf16 (autocast) or fp16 (autocast with dynamic loss scaling)."""
+    """fp32, bf16 or fp16 (fp16 adds dynamic loss scaling)."""
+    params: str = "fp32"
+    """Dtype of the model's parameters under bf16/fp16: `fp32` (autocast over fp32 weights) or `half`
+    (Megatron's recipe: half parameters and activations, fp32 master weights in the optimizer).
+    DeepSpeed ZeRO always keeps half parameters with fp32 masters."""
     initial_loss_scale: float = 2.0**32
     loss_scale_window: int = 1000
     """Iterations without overflow before the scale doubles."""
@@ -195,6 +199,10 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
             f"train.micro_batch_size, or launch a different number of ranks")
     if cfg.precision.precision not in ("fp32", "bf16", "fp16"):
         raise RunConfigError(f"precision={cfg.precision.precision!r}: use fp32, bf16 or fp16")
+    if cfg.precision.params not in ("fp32", "half"):
+        raise RunConfigError(f"precision.params={cfg.precision.params!r}: use fp32 or half")
+    if cfg.precision.params == "half" and cfg.precision.precision == "fp32":
+        raise RunConfigError("precision.params=half needs precision=bf16 or fp16: set one, or params=fp32")
     if cfg.optim.lr_decay_style not in ("cosine", "linear", "constant"):
         raise RunConfigError(f"lr_decay_style={cfg.optim.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.family not in ("gpt", "bert"):

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.random import RNGTracker, seed_default_generators
 from repro.train.config import Derived, RunConfig
+from repro.train.mixed_precision import MasterWeights
 from repro.train.objectives import build_model, build_objective
 from repro.train.optim import DynamicLossScaler, build_optimizer, lr_lambda
 
@@ -39,11 +40,13 @@ class Engine:
     scaler: DynamicLossScaler | None
     rng: RNGTracker
     deepspeed: bool = False
+    masters: MasterWeights | None = None
+    """fp32 master weights of a half-precision model (precision.params: half), else None."""
 
     def autocast(self):
-        """Autocast for bf16/fp16 in the plain trainer (DeepSpeed casts the model itself)."""
+        """Autocast for bf16/fp16 over fp32 parameters (a half model and DeepSpeed need none)."""
         precision = self.cfg.precision.precision
-        if precision == "fp32" or self.deepspeed:
+        if precision == "fp32" or self.deepspeed or self.masters is not None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=HALF[precision])
 
@@ -80,7 +83,9 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
     rng = RNGTracker(cfg.train.seed, pg.tp_rank, device)
     model = build_model(cfg, pg, rng, device)
     objective = build_objective(cfg, model)
-    optimizer = build_optimizer(model, cfg.optim)
+    half_params = cfg.precision.params == "half" and cfg.train.zero_stage == 0
+    masters = MasterWeights(model, HALF[cfg.precision.precision]) if half_params else None
+    optimizer = build_optimizer(masters or model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.train_iters))
     if cfg.train.zero_stage > 0:
         import deepspeed
@@ -94,4 +99,5 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
         wrapped = DistributedDataParallel(objective, process_group=pg.dp_group,
                                           device_ids=[device.index] if device.type == "cuda" else None)
     scaler = DynamicLossScaler.from_config(cfg.precision) if cfg.precision.precision == "fp16" else None
-    return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, scaler, rng)
+    return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, scaler, rng,
+                  masters=masters)

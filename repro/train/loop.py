@@ -82,7 +82,8 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
     root, pg = Path(eng.cfg.run_dir) / "checkpoints", eng.pg
     tmp = ck.begin_save(root, state.iteration, pg)
     if pg.dp_rank == 0:
-        torch.save(eng.model.state_dict(), tmp / f"model_tp{pg.tp_rank:02d}.pt")
+        model_state = eng.masters.state_dict(eng.model) if eng.masters else eng.model.state_dict()
+        torch.save(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
         if not eng.deepspeed:
             extra = {"optimizer": eng.optimizer.state_dict(), "scheduler": eng.scheduler.state_dict(),
                      "scaler": eng.scaler.state_dict() if eng.scaler else {}}
@@ -106,7 +107,11 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
         raise ck.CheckpointError(
             f"{path} was saved at tp={meta['tp']} but this run has tp={pg.tp_size}: run "
             f"`repro checkpoint reshard {path} --tp {pg.tp_size} --out DIR` or set parallel.tp={meta['tp']}")
-    eng.model.load_state_dict(ck.load_file(path / f"model_tp{pg.tp_rank:02d}.pt"))
+    model_state = ck.load_file(path / f"model_tp{pg.tp_rank:02d}.pt")
+    if eng.masters is not None:
+        eng.masters.load_state_dict(eng.model, model_state)
+    else:
+        eng.model.load_state_dict(model_state)
     if eng.deepspeed:
         eng.wrapped.load_checkpoint(str(path / "deepspeed"), tag="zero")
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -44,7 +45,10 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
                 loss = eng.wrapped(to_device(batch, eng.device)) / len(micro_batches)
             (loss * scale).backward()
         total += loss.detach()
-    params = [p for p in eng.model.parameters() if p.grad is not None]
+    if eng.masters is not None:
+        params = eng.masters.grads_to_masters()
+    else:
+        params = [p for p in eng.model.parameters() if p.grad is not None]
     overflow = False
     if eng.scaler:
         for p in params:
@@ -56,10 +60,12 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
     lr = eng.optimizer.param_groups[0]["lr"]
     if not overflow:
         eng.optimizer.step()
+        if eng.masters is not None:
+            eng.masters.masters_to_model()
     if eng.scaler:
         eng.scaler.update(overflow)
     with warnings.catch_warnings():  # a skipped (overflow) step still advances the schedule, as Megatron's
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         eng.scheduler.step()
     return StepResult(_dp_mean(total, eng), norm, lr, scale, overflow)
 

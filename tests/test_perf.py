@@ -86,6 +86,16 @@ def test_params_per_rank_matches_the_model():
     assert (z2.params, z2.grads, z2.optimizer) == (2 * full, full, 6 * full)
 
 
+def test_deepspeed_partition_and_staged_gradient_sizes():
+    # The bench model: wte (12,877,824) comes first and the boundary N/2 = 8,035,072 cuts it, so rank 0
+    # stages wte alone and rank 1 wte plus everything after it.
+    numels = [12_877_824, 3_192_320]
+    assert memory.zero_partition_numel(sum(numels), 2) == 8_035_072
+    assert [memory.zero_staged_numel(numels, 2, r) for r in (0, 1)] == [12_877_824, 16_070_144]
+    assert memory.zero_partition_numel(10, 2) == 6  # padded to a multiple of 2 dp = 4
+    assert [memory.zero_staged_numel([3, 3, 4], 2, r) for r in (0, 1)] == [6, 4]  # boundary at 6: no cut
+
+
 def test_ring_allreduce_arithmetic():
     # 2 (p-1)/p * M / bw + 2 (p-1) alpha: 8 ranks, 1 GB at 100 GB/s, 10 us -> 17.5 ms + 140 us
     assert scaling_model.ring_allreduce_s(1e9, 8, 100.0, 10e-6) == pytest.approx(0.0175 + 14 * 10e-6)

@@ -8,6 +8,10 @@ Bytes per parameter (Rajbhandari et al. 2020, ZeRO §3): mixed-precision Adam ke
 weights) + 2 (half grads) + 12 (fp32 master, m, v); fp32 Adam keeps 4 + 4 + 8 (m, v), and
 DeepSpeed's ZeRO-1/2 also keeps an fp32 partition of the weights (+4). ZeRO-1 divides the optimizer
 state by dp; ZeRO-2 also the gradients; ZeRO-3 also the parameters.
+
+DeepSpeed's ZeRO-1/2 partitions one flat buffer of all parameters (in model.parameters() order), padded
+to a multiple of 2 dp, into dp equal slices; `zero_partition_numel` and `zero_staged_numel` give the
+sizes of its gradient buffers (see repro.perf.bench).
 """
 
 from __future__ import annotations
@@ -55,3 +59,21 @@ def memory_per_rank(cfg: ModelConfig, tp: int = 1, dp: int = 1, zero_stage: int 
         grads=n * g // (dp if zero_stage >= 2 else 1),
         optimizer=n * o // (dp if zero_stage >= 1 else 1),
     )
+
+
+def zero_partition_numel(n: int, dp: int) -> int:
+    """Elements of one rank's DeepSpeed ZeRO-1/2 partition: n padded to a multiple of 2 dp, over dp."""
+    align = 2 * dp  # nccl_start_alignment_factor (2) x dp
+    return -(-n // align) * align // dp
+
+
+def zero_staged_numel(numels: list[int], dp: int, rank: int) -> int:
+    """Elements of DeepSpeed's `grads_in_partition` on `rank`: every parameter overlapping its partition,
+    copied whole (a parameter cut by a partition boundary is counted by both ranks)."""
+    size = zero_partition_numel(sum(numels), dp)
+    lo, hi, start, total = rank * size, (rank + 1) * size, 0, 0
+    for n in numels:
+        if start < hi and start + n > lo:
+            total += n
+        start += n
+    return total

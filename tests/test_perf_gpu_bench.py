@@ -69,6 +69,9 @@ def test_compile_flag_adds_compiled_configurations():
     specs = gpu_bench.plan(args)
     assert [(s.dtype, s.params, s.compile) for s in specs] == [
         ("bf16", "fp32", False), ("bf16", "half", False), ("bf16", "fp32", True), ("bf16", "half", True)]
+    only = gpu_bench.plan(gpu_bench.parse_args(["--out", "x", "--compile-only", "--params", "half"]))
+    assert [(s.dtype, s.checkpointing, s.compile) for s in only] == [
+        (d, c, True) for d in ("bf16", "fp16") for c in (False, True)]
 
 
 def test_gpu_profile_tiny_writes_a_kernel_table(tmp_path):
@@ -98,3 +101,23 @@ def test_half_params_run_restores_the_fp32_model(tmp_path):
 def test_fp32_has_no_half_params_configuration(tmp_path):
     report = _run(tmp_path, "--dtypes", "fp32", "--checkpointing", "off")
     assert [r["spec"]["params"] for r in report["results"]] == ["fp32"]
+
+
+def test_gpu_session_script_dry_run_on_cpu(tmp_path):
+    """scripts/gpu_session.sh (what a lent GPU runs) end to end with a tiny model, compile left out:
+    a wrong flag or path fails here instead of costing device time."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "TINY": "1", "COMPILE": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "15/15 checks passed" in (tmp_path / "selftest_nccl.txt").read_text()
+    report = json.loads((tmp_path / "eager" / "bench.json").read_text())
+    assert len(report["results"]) == 8 and all(r["status"] == "ok" for r in report["results"])
+    assert report["provenance"]["git_sha"]
+    for params in ("fp32", "half"):
+        assert "matrix-multiply/attention kernels" in (tmp_path / f"profile_{params}.txt").read_text()

@@ -17,7 +17,7 @@ from repro.train.config import derive, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = job_scripts()
-SHELL = sorted((ROOT / "slurm").glob("*.sh"))
+SHELL = sorted((ROOT / "slurm").glob("*.sh")) + sorted((ROOT / "scripts").glob("*.sh"))
 
 
 def test_every_paper_experiment_has_a_script():

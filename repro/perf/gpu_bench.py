@@ -289,6 +289,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(model.loss)")
+    parser.add_argument("--compile-only", action="store_true", help="time only the compiled configurations")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return parser.parse_args(argv)
 
@@ -305,8 +306,8 @@ def plan(args) -> list[RunSpec]:
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]
-    specs = [RunSpec(d, c, args.batch, params=p) for d, c, p in combos]
-    if args.compile:
+    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p) for d, c, p in combos]
+    if args.compile or args.compile_only:
         specs += [RunSpec(d, c, args.batch, compile=True, params=p) for d, c, p in combos]
     return specs
 

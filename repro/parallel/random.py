@@ -103,7 +103,10 @@ def checkpoint(fn: Callable, *args, tracker: RNGTracker | None = None):
     torch restores the default CPU/CUDA generators (`preserve_rng_state`); the context function
     restores the TP-region tracker, so dropout inside and outside TP regions replays identically.
     """
-    if tracker is None:  # no TP-region stream to replay (this form also traces under torch.compile)
+    if tracker is None or torch.compiler.is_compiling():
+        # Under torch.compile the recompute is planned by the compiler, which saves random masks
+        # instead of regenerating them, so there is nothing to replay (and dynamo cannot trace
+        # context_fn).
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=True,

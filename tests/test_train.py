@@ -49,6 +49,16 @@ def test_layouts_reproduce_serial_losses(serial_losses, corpus, tmp_path, tp, wo
     assert serial_losses[-1] < serial_losses[0] - 0.5  # it is actually learning
 
 
+def test_compiled_tp2_with_checkpointing_reproduces_serial_losses(serial_losses, corpus, tmp_path):
+    """train.compile at TP=2 (collectives inside the compiled graph) with activation checkpointing:
+    the serial eager losses within 1e-5 relative (the compiler fuses and reorders float32 sums)."""
+    _train(2, corpus, tmp_path, **{"parallel.tp": 2, "train.compile": "true",
+                                   "model.activation_checkpointing": "true"})
+    losses = _losses(tmp_path)
+    assert len(losses) == len(serial_losses)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses)) < 1e-5
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_deepspeed_zero_reproduces_serial_losses(serial_losses, corpus, tmp_path, stage):
     """Real DeepSpeed ZeRO on gloo at TP=2 x DP=2, fp32: the serial losses within 1e-5, and each
@@ -74,3 +84,11 @@ def test_deepspeed_zero_resume_is_exact(corpus, tmp_path):
     _train(2, corpus, tmp_path / "part", **extra, **{"train.train_iters": 8})
     assert (tmp_path / "part" / "checkpoints" / "iter_0000004" / "deepspeed").is_dir()
     assert _losses(tmp_path / "part") == _losses(tmp_path / "full")
+
+
+def test_compile_with_deepspeed_is_refused_with_the_fix(corpus, tmp_path):
+    from repro.train.config import RunConfigError, derive, load_config
+
+    cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **{"train.compile": "true", "train.zero_stage": 1}))
+    with pytest.raises(RunConfigError, match="set train.zero_stage=0 or train.compile=false"):
+        derive(cfg, 1)

@@ -89,6 +89,9 @@ class TrainConfig:
     """DeepSpeed ZeRO stage for optimizer state (0: plain trainer without DeepSpeed)."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    compile: bool = False
+    """torch.compile the training objective (model forward and loss; backward through AOTAutograd).
+    Plain trainer only (zero_stage 0)."""
 
 
 @dataclass
@@ -207,6 +210,8 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
         raise RunConfigError(f"lr_decay_style={cfg.optim.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.family not in ("gpt", "bert"):
         raise RunConfigError(f"family={cfg.family!r}: use gpt or bert")
+    if t.compile and t.zero_stage:
+        raise RunConfigError("train.compile is for the plain trainer: set train.zero_stage=0 or train.compile=false")
     if t.zero_stage not in (0, 1, 2):
         raise RunConfigError(f"zero_stage={t.zero_stage}: use 0 (no DeepSpeed), 1 or 2")
     return Derived(dims.dp, t.global_batch_size // per_step, cfg.model.padded_vocab_size(dims.tp))

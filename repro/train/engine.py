@@ -94,9 +94,9 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
             model=objective, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
             config=deepspeed_config(cfg, derived), dist_init_required=False)
         return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, None, rng, True)
-    wrapped = objective
+    wrapped = torch.compile(objective) if cfg.train.compile else objective
     if pg.dp_size > 1:
-        wrapped = DistributedDataParallel(objective, process_group=pg.dp_group,
+        wrapped = DistributedDataParallel(wrapped, process_group=pg.dp_group,
                                           device_ids=[device.index] if device.type == "cuda" else None)
     scaler = DynamicLossScaler.from_config(cfg.precision) if cfg.precision.precision == "fp16" else None
     return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, scaler, rng,

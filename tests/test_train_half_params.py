@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from repro.data.gpt_dataset import GPTDataset, gpt_loader
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
 from repro.train.commands import train_rank
 from repro.train.config import RunConfigError, derive, load_config
-from repro.train.engine import build_engine
 from repro.train.step import train_step
-from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
+from train_fixtures import corpus, data_dir, data_mirror, tiny_engine, tiny_overrides  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
@@ -30,16 +28,8 @@ HALF_BF16 = {"precision.precision": "bf16", "precision.params": "half"}
 TOLERANCE_NATS = 5e-3
 
 
-def _engine_and_batches(corpus, tmp_path, **extra):
-    cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **extra))
-    eng = build_engine(cfg, derive(cfg, 1), ProcessGroups.single())
-    data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=tmp_path)
-    loader = iter(gpt_loader(data, cfg.train.micro_batch_size))
-    return eng, lambda: [next(loader) for _ in range(2)]
-
-
 def _losses(corpus, tmp_path, steps=20, **extra) -> list[float]:
-    eng, batches = _engine_and_batches(corpus, tmp_path, **extra)
+    eng, batches = tiny_engine(corpus, tmp_path, **extra)
     return [train_step(eng, batches()).loss for _ in range(steps)]
 
 
@@ -55,7 +45,7 @@ def test_half_params_follow_fp32_losses(corpus, tmp_path):
 def test_half_model_fp32_optimizer(corpus, tmp_path):
     """The model holds bf16 parameters and no fp32 copy; the optimizer steps fp32 masters whose
     rounding is exactly the model; gradients end up on the masters, never on the model."""
-    eng, batches = _engine_and_batches(corpus, tmp_path, **HALF_BF16)
+    eng, batches = tiny_engine(corpus, tmp_path, **HALF_BF16)
     train_step(eng, batches())
     model_params = dict(eng.model.named_parameters())
     assert {p.dtype for p in model_params.values()} == {torch.bfloat16}
@@ -71,7 +61,7 @@ def test_half_model_fp32_optimizer(corpus, tmp_path):
 
 def test_half_params_keep_sub_bf16_updates(corpus, tmp_path):
     """An update below bf16's resolution still moves the fp32 master (the point of master weights)."""
-    eng, batches = _engine_and_batches(corpus, tmp_path, **{**HALF_BF16, "optim.lr": 1e-6,
+    eng, batches = tiny_engine(corpus, tmp_path, **{**HALF_BF16, "optim.lr": 1e-6,
                                                             "optim.lr_warmup_iters": 0})
     name, master = next(eng.masters.named_parameters())
     before_master = master.detach().clone()
@@ -85,7 +75,7 @@ def test_half_params_keep_sub_bf16_updates(corpus, tmp_path):
 def test_fp16_half_params_scale_down_and_train(corpus, tmp_path):
     """fp16 parameters with dynamic loss scaling: the first steps overflow at 2^20 and are skipped,
     then the scale settles and the loss falls (fp16 matmuls are slow on CPU: a short run)."""
-    eng, batches = _engine_and_batches(corpus, tmp_path, **{"precision.precision": "fp16",
+    eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16",
                                                             "precision.params": "half",
                                                             "precision.initial_loss_scale": 2.0**20})
     results = [train_step(eng, batches()[:1]) for _ in range(18)]

@@ -11,31 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from repro.data.gpt_dataset import GPTDataset, gpt_loader
-from repro.parallel.groups import ProcessGroups
 from repro.parallel.spawn import free_port, run_ranks
 from repro.train.commands import train_rank
-from repro.train.config import derive, load_config
-from repro.train.engine import build_engine
 from repro.train.step import train_step
-from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
+from train_fixtures import corpus, data_dir, data_mirror, tiny_engine, tiny_overrides  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
 
 
-def _engine(corpus, tmp_path, **extra):
-    cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **extra))
-    eng = build_engine(cfg, derive(cfg, 1), ProcessGroups.single())
-    data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=tmp_path)
-    loader = iter(gpt_loader(data, cfg.train.micro_batch_size))
-    return eng, lambda: [next(loader) for _ in range(2)]
-
-
 def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
     """Two injected inf gradients: both steps skipped (weights untouched), the scale halves after the
     second (hysteresis 2), and training then continues with finite losses."""
-    eng, batches = _engine(corpus, tmp_path, **{"precision.precision": "fp16", "precision.initial_loss_scale": 1024})
+    eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16", "precision.initial_loss_scale": 1024})
     start_scale = eng.scaler.scale
     weight = eng.model.transformer.wpe.weight
     hook = weight.register_hook(lambda g: g * float("inf"))
@@ -51,14 +39,14 @@ def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
 
 def test_fp16_paper_scale_comes_down_from_2_pow_32(corpus, tmp_path):
     """From the paper's 2^32 the scale halves every `hysteresis` overflows until steps succeed."""
-    eng, batches = _engine(corpus, tmp_path, **{"precision.precision": "fp16"})
+    eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16"})
     results = [train_step(eng, batches()) for _ in range(50)]
     assert results[0].skipped and eng.scaler.scale < 2.0**32
     assert not results[-1].skipped and math.isfinite(results[-1].loss)
 
 
 def test_bf16_trains(corpus, tmp_path):
-    eng, batches = _engine(corpus, tmp_path, **{"precision.precision": "bf16"})
+    eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "bf16"})
     losses = [train_step(eng, batches()).loss for _ in range(15)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3
 

@@ -29,3 +29,18 @@ def tiny_overrides(corpus: dict, run_dir: Path, **extra) -> list[str]:
             "data.cache_dir": str(run_dir / "cache"), "run_dir": str(run_dir), "tracking.enabled": "false"}
     base.update({k: str(v) for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def tiny_engine(corpus: dict, run_dir: Path, **extra):
+    """(engine, batches) of the tiny GPT on one process; batches() gives the next 2 micro batches."""
+    from repro.data.gpt_dataset import GPTDataset, gpt_loader
+    from repro.parallel.groups import ProcessGroups
+    from repro.train.config import derive, load_config
+    from repro.train.engine import build_engine
+
+    tiny = str(Path(__file__).resolve().parents[1] / "experiments/tiny/gpt_tiny.yaml")
+    cfg = load_config(tiny, tiny_overrides(corpus, run_dir, **extra))
+    eng = build_engine(cfg, derive(cfg, 1), ProcessGroups.single())
+    data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=run_dir)
+    loader = iter(gpt_loader(data, cfg.train.micro_batch_size))
+    return eng, lambda: [next(loader) for _ in range(2)]

@@ -33,6 +33,7 @@ class EvalOptions:
     strict: bool = True
     megatron_split: bool = False
     max_lines: int | None = None
+    max_examples: int | None = None
 
 
 def run_wikitext(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
@@ -55,12 +56,13 @@ def run_lambada(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
     from repro.eval.lambada import build_examples, evaluate_lambada, read_passages
 
     path = data_path(opts.data_dir, LAMBADA_FILE)
-    examples = build_examples(read_passages(path), tokenizer, opts.strict, opts.megatron_split)
+    passages = read_passages(path)[:opts.max_examples]
+    examples = build_examples(passages, tokenizer, opts.strict, opts.megatron_split)
     start = time.perf_counter()
     result = evaluate_lambada(model, pg, examples, opts.batch_size, tokenizer.eod)
     metrics = {**result.metrics(), "eval_seconds": time.perf_counter() - start}
     params = dict(strict=opts.strict, megatron_split=opts.megatron_split, data_sha256=sha256_file(path),
-                  tp=pg.tp_size, dp=pg.dp_size)
+                  max_examples=opts.max_examples or "all", tp=pg.tp_size, dp=pg.dp_size)
     return EvalRecord("lambada", metrics, params, paper=PAPER_LAMBADA)
 
 
@@ -95,7 +97,7 @@ def _options(args) -> EvalOptions:
         raise UserError(f"--stride {args.stride} must be between 1 and --window {args.window}")
     return EvalOptions(Path(args.data_dir) if args.data_dir else data_dir_from_env(), args.window,
                        args.stride, args.batch_size, args.file, not args.non_strict, args.megatron_split,
-                       args.max_lines)
+                       args.max_lines, args.max_examples)
 
 
 def _handle(args) -> int:
@@ -131,6 +133,8 @@ def register(subparsers) -> None:
                         help="wikitext: word-level tokens file (paper's T_o) or the raw text")
     parser.add_argument("--max-lines", type=int, default=None,
                         help="wikitext: only the file's first N lines (T_o and T counted on them; quick checks)")
+    parser.add_argument("--max-examples", type=int, default=None,
+                        help="lambada: only the first N passages (quick checks; the paper scores all 5,153)")
     parser.add_argument("--non-strict", action="store_true", help="lambada: score the last BPE token only")
     parser.add_argument("--megatron-split", action="store_true",
                         help="lambada: last word = text.split()[-1] (Megatron code) instead of the jsonl's")

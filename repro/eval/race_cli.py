@@ -13,6 +13,7 @@ from repro.eval.race import RaceFormatError, encode_race, load_race, race_dir_fr
 from repro.models.bert import BertConfig
 
 EXPERIMENT = "bert"
+POSITIONS = "embeddings.position.weight"
 
 
 class RunLog:
@@ -92,6 +93,16 @@ def model_config(args, vocab_size: int) -> tuple[BertConfig, dict | None]:
     return cfg, None
 
 
+def shorten(cfg: BertConfig, state: dict | None, seq_length: int) -> tuple[BertConfig, dict | None]:
+    """The model cut to at most seq_length positions, the checkpoint's position table with it (the
+    first rows: the same model on inputs of that length)."""
+    if seq_length < cfg.seq_length:
+        cfg.seq_length = seq_length
+        if state is not None:
+            state = {**state, POSITIONS: state[POSITIONS][:seq_length]}
+    return cfg, state
+
+
 def _groups(tp: int):
     from repro.parallel.groups import ProcessGroups, init_distributed
 
@@ -110,8 +121,7 @@ def run(args) -> int:
         root = race_dir_from_env(args.race_dir)
         raw = {s: load_race(root, s) for s in ("train", "dev", "test")}
         tok = _tokenizer(args)
-        cfg, state = model_config(args, tok.vocab_size)
-        cfg.seq_length = min(cfg.seq_length, args.seq_length)
+        cfg, state = shorten(*model_config(args, tok.vocab_size), args.seq_length)
     except (RaceFormatError, FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
     splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}

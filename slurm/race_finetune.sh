@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Table 5: RACE fine-tuning of a pretrained BERT (experiments/bert/bert_336m.yaml by default) on one
 # 8-GPU node, TP x DP from REPRO_RACE_TP; median over 5 seeds. No resume: a preempted run restarts.
-#   REPRO_BERT_CHECKPOINT=... REPRO_RACE_DIR=... sbatch slurm/race_finetune.sh [--epochs 3]
+# REPRO_BERT_CHECKPOINT: the BERT training run directory (or a file written by save_bert).
+#   REPRO_BERT_CHECKPOINT=RUNS/bert_336m-1234 REPRO_RACE_DIR=... sbatch slurm/race_finetune.sh [--epochs 3]
+#   REPRO_BERT_CHECKPOINT=... sbatch -p debug -N1 -n2 --gres=none slurm/race_finetune.sh --smoke
+# --smoke: CPU, TP = task count, REPRO_RACE_DIR defaults to the 17-question tests/fixtures/race,
+# sequences of 64 tokens, 2 epochs of batch 5 at lr 1e-3, 2 seeds; MLflow size "smoke", not a paper size.
 #SBATCH --job-name=race_finetune
 #SBATCH --nodes=1
 #SBATCH --ntasks=8
@@ -10,8 +14,18 @@
 #SBATCH --signal=B:USR1@300
 # shellcheck source=slurm/launch.sh
 source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
-need REPRO_BERT_CHECKPOINT "the pretrained BERT checkpoint to fine-tune (RUN_DIR/checkpoints/latest)"
+need REPRO_BERT_CHECKPOINT "the pretrained BERT checkpoint to fine-tune (its training run directory)"
+[[ -e "$REPRO_BERT_CHECKPOINT" && "${REPRO_BERT_CHECKPOINT##*/}" != latest ]] \
+  || die "REPRO_BERT_CHECKPOINT=$REPRO_BERT_CHECKPOINT: give the BERT training run directory (or a save_bert file)"
+parse_flags "$@"
+ARGS=(--size "${REPRO_RACE_SIZE:-bert-336m}" --tp "${REPRO_RACE_TP:-1}" --seeds 1234 1235 1236 1237 1238)
+if [[ "$SMOKE" == 1 ]]; then
+  export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
+  REPRO_RACE_DIR="${REPRO_RACE_DIR:-$REPRO_ROOT/tests/fixtures/race}"
+  ARGS=(--size smoke --tp "$SLURM_NTASKS" --seq-length 64 --epochs 2 --batch-size 5 --lr 1e-3 --seeds 1234 1235)
+fi
 need REPRO_RACE_DIR "the RACE root with {train,dev,test}/{middle,high}"
-launch_step finetune race --size "${REPRO_RACE_SIZE:-bert-336m}" --tp "${REPRO_RACE_TP:-1}" \
-  --checkpoint "$REPRO_BERT_CHECKPOINT" --race-dir "$REPRO_RACE_DIR" --data-dir "$REPRO_DATA_DIR" \
-  --run-dir "$REPRO_RUN_DIR" --seeds 1234 1235 1236 1237 1238 "$@"
+ARGS+=("${EXTRA[@]}")  # the script's own arguments last: they override
+[[ "$DRY_RUN" == 0 ]] || ARGS+=(--dry-run)
+launch_step finetune race --checkpoint "$REPRO_BERT_CHECKPOINT" --race-dir "$REPRO_RACE_DIR" \
+  --data-dir "$REPRO_DATA_DIR" --run-dir "$REPRO_RUN_DIR" "${ARGS[@]}"

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Table 3: zero-shot WikiText-103 perplexity and LAMBADA accuracy of a trained GPT-2
 # (experiments/gpt2/gpt2_8.3b.yaml by default: 8-way TP on one 8-GPU node; set REPRO_EVAL_TP).
-#   REPRO_EVAL_CHECKPOINT=RUNS/gpt2_8.3b-1234/checkpoints/latest sbatch slurm/zeroshot_eval.sh
+# REPRO_EVAL_CHECKPOINT: the training run directory (or its checkpoints/iter_XXXXXXX folder).
+#   REPRO_EVAL_CHECKPOINT=RUNS/gpt2_8.3b-1234 sbatch slurm/zeroshot_eval.sh
+#   REPRO_EVAL_CHECKPOINT=RUNS/scale_8b-99 sbatch -p debug -N1 -n2 --gres=none slurm/zeroshot_eval.sh --smoke
+# --smoke: CPU, TP = task count, window 64 / stride 32 on the first 40 WikiText lines, the first 64
+# LAMBADA passages (for the 64-position model of a training script's --smoke run).
 #SBATCH --job-name=zeroshot_eval
 #SBATCH --nodes=1
 #SBATCH --ntasks=8
@@ -9,8 +13,18 @@
 #SBATCH --time=04:00:00
 # shellcheck source=slurm/launch.sh
 source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
-need REPRO_EVAL_CHECKPOINT "the GPT-2 checkpoint to evaluate (RUN_DIR/checkpoints/latest)"
+need REPRO_EVAL_CHECKPOINT "the GPT-2 checkpoint to evaluate (its training run directory)"
+[[ -d "$REPRO_EVAL_CHECKPOINT" ]] \
+  || die "REPRO_EVAL_CHECKPOINT=$REPRO_EVAL_CHECKPOINT is not a directory: give the training run directory"
+parse_flags "$@"
+ARGS=(--tp "${REPRO_EVAL_TP:-8}")
+if [[ "$SMOKE" == 1 ]]; then
+  export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
+  ARGS=(--tp "$SLURM_NTASKS" --window 64 --stride 32 --max-lines 40 --max-examples 64)
+fi
+ARGS+=("${EXTRA[@]}")  # the script's own arguments last (launch_step resets EXTRA)
+[[ "$DRY_RUN" == 0 ]] || ARGS+=(--dry-run)
 for task in wikitext lambada; do
-  launch_step eval "$task" --checkpoint "$REPRO_EVAL_CHECKPOINT" --tp "${REPRO_EVAL_TP:-8}" \
-    --data-dir "$REPRO_DATA_DIR" --out "$REPRO_RUN_DIR/zero_shot.jsonl" "$@"
+  launch_step eval "$task" --checkpoint "$REPRO_EVAL_CHECKPOINT" --data-dir "$REPRO_DATA_DIR" \
+    --out "$REPRO_RUN_DIR/zero_shot.jsonl" "${ARGS[@]}"
 done

@@ -1,10 +1,12 @@
 """Issue 7 against a real Slurm (tests/slurm_cluster.py): smoke training through sbatch + srun at TP=2
 with MLflow, preemption by USR1 -> checkpoint -> requeue -> exact resume, a clear error for a missing
-cluster variable before launch, and a cluster that stops without leaving a process behind."""
+cluster variable before launch, the zero-shot and RACE scripts in smoke mode on trained checkpoints,
+and a cluster that stops without leaving a process behind."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -115,6 +117,89 @@ def test_missing_cluster_variable_fails_before_launch(slurm_cluster, site):  # n
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", out
     assert "REPRO_DATA_DIR is not set" in out and "slurm/cluster.env.example" in out, out
     assert "step:" not in out and (set(site["runs"].glob("*")) if site["runs"].exists() else set()) == before
+
+
+def _eval_job(cluster: SlurmCluster, site: dict, script: str, **env: str) -> Path:
+    """`sbatch ... SCRIPT --smoke` with extra variables, run to exit 0; the job's run dir."""
+    job = _submit(cluster, site, script, "--smoke", env={**site["env"], **env})
+    record = cluster.wait_job(job, timeout=240)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", _job_output(site, job)
+    return site["runs"] / f"{Path(script).stem}-{job}"
+
+
+def _mlflow_runs(site: dict, experiment: str, where: str) -> list:
+    import mlflow
+
+    client = mlflow.MlflowClient(site["uri"])
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id], where)
+
+
+def test_zeroshot_eval_smoke_scores_the_smoke_checkpoint(slurm_cluster, site, smoke_job):  # noqa: F811
+    """slurm/zeroshot_eval.sh --smoke at TP=2 on the TP=2 smoke run: both records in zero_shot.jsonl,
+    finite, below uniform-guess loss (the trained weights were loaded), and linked in MLflow."""
+    train_dir = site["runs"] / f"scale_8b-{smoke_job[0]}"
+    run_dir = _eval_job(slurm_cluster, site, "slurm/zeroshot_eval.sh", REPRO_EVAL_CHECKPOINT=str(train_dir))
+    records = {r["task"]: r for r in map(json.loads, (run_dir / "zero_shot.jsonl").read_text().splitlines())}
+    wiki, lamb = records["wikitext"]["metrics"], records["lambada"]["metrics"]
+    params = records["wikitext"]["params"]
+    assert (params["tp"], params["window"], params["stride"], params["max_lines"]) == (2, 64, 32, 40)
+    assert wiki["num_targets"] == wiki["num_bpe_tokens"] - 1 and math.isfinite(wiki["word_ppl"])
+    assert wiki["avg_token_loss"] < math.log(50257)
+    assert lamb["num_examples"] == 64 and 0 <= lamb["accuracy"] <= 1 and math.isfinite(lamb["target_ppl"])
+    train_id = (train_dir / "mlflow_run_id").read_text()
+    runs = {r.data.tags["task"]: r for r in _mlflow_runs(site, "zero-shot", f"tags.training_run_id = '{train_id}'")}
+    assert sorted(runs) == ["lambada", "wikitext"] and all(r.info.status == "FINISHED" for r in runs.values())
+    assert runs["wikitext"].data.metrics["wikitext/word_ppl"] == wiki["word_ppl"]
+    assert runs["lambada"].data.metrics["lambada/accuracy"] == lamb["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def bert_run(data_dir, tmp_path_factory) -> Path:  # noqa: F811
+    """A tiny BERT run dir (experiments/bert/tiny_cpu.yaml, 128 positions) from 1 step of `repro train`
+    on the first 400 lines of WikiText-2 valid (also its held-out set: no evaluation runs)."""
+    from repro.data.filters import FilterOptions
+    from repro.data.preprocess import PrepareOptions, prepare
+
+    root = tmp_path_factory.mktemp("bert")
+    text = (data_dir / "wikitext" / "wikitext-2.valid.tokens").read_text().splitlines(keepends=True)
+    (root / "wiki.tokens").write_text("".join(text[:400]))
+    prepare(PrepareOptions(input=root / "wiki.tokens", output_prefix=str(root / "wt2"), tokenizer="bert",
+                           data_dir=data_dir, workers=1, layout="wikitext", split="1,0,0", progress=False,
+                           filters=FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)))
+    sets = {"data.train_prefix": root / "wt2_train", "data.valid_prefix": root / "wt2_train",
+            "data.vocab_dir": data_dir, "data.cache_dir": root / "cache", "run_dir": root / "run",
+            "tracking.enabled": "false", "train.train_iters": 1}
+    cmd = [sys.executable, "-m", "repro.cli", "train", "experiments/bert/tiny_cpu.yaml"]
+    out = subprocess.run(cmd + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return root / "run"
+
+
+def test_race_finetune_smoke_fine_tunes_a_trained_bert(slurm_cluster, site, bert_run):  # noqa: F811
+    """slurm/race_finetune.sh --smoke at TP=2 on the fixture RACE: results.json with every accuracy,
+    one MLflow run. The checkpoint has 128 positions, the smoke run 64 (cut, no longer a load error)."""
+    run_dir = _eval_job(slurm_cluster, site, "slurm/race_finetune.sh", REPRO_BERT_CHECKPOINT=str(bert_run))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert [s["seed"] for s in results["seeds"]] == [1234, 1235]
+    assert all(math.isfinite(s["final_loss"]) for s in results["seeds"])
+    accs = [v for split in ("train", "dev", "test") for v in results["median"][split].values()]
+    assert len(accs) == 9 and all(0 <= v <= 100 for v in accs)
+    runs = _mlflow_runs(site, "bert", f"params.checkpoint = '{bert_run}'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    params, metrics = runs[0].data.params, runs[0].data.metrics
+    assert (params["size"], params["tp"], params["seq_length"], params["seeds"]) == ("smoke", "2", "64", "1234 1235")
+    assert metrics["test/acc_total"] == results["median"]["test"]["total"]
+
+
+def test_eval_script_refuses_a_checkpoint_pointer_file(slurm_cluster, site, smoke_job):  # noqa: F811
+    """checkpoints/latest is a text file naming the iteration, not a checkpoint: stopped before srun."""
+    latest = site["runs"] / f"scale_8b-{smoke_job[0]}" / "checkpoints" / "latest"
+    job = _submit(slurm_cluster, site, "slurm/zeroshot_eval.sh", "--smoke",
+                  env={**site["env"], "REPRO_EVAL_CHECKPOINT": str(latest)})
+    record, out = slurm_cluster.wait_job(job, timeout=60), _job_output(site, job)
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", out
+    assert "is not a directory: give the training run directory" in out and "step:" not in out, out
 
 
 def test_cluster_stops_running_jobs_and_leaves_no_process(tmp_path):

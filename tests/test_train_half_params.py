@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from repro.parallel.groups import ProcessGroups
+from repro.parallel.layers import is_tensor_parallel
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
 from repro.train.commands import train_rank
@@ -56,6 +57,7 @@ def test_half_model_fp32_optimizer(corpus, tmp_path):
     assert not any(p is q for p in stepped for q in model_params.values())
     for name, master in eng.masters.named_parameters():
         assert torch.equal(master.detach().to(torch.bfloat16), model_params[name])
+        assert is_tensor_parallel(master) == is_tensor_parallel(model_params[name])
     assert eng.autocast().__class__.__name__ == "nullcontext"
 
 
@@ -90,10 +92,10 @@ def test_half_params_need_half_precision(corpus, tmp_path):
         derive(cfg, 1)
 
 
-def _metrics(run_dir: Path) -> dict[int, float]:
+def _metrics(run_dir: Path, key: str = "loss") -> dict[int, float]:
     from repro.tracking.logger import read_metrics
 
-    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+    return {row["step"]: row[key] for row in read_metrics(run_dir) if key in row}
 
 
 def test_half_params_tp2_resume_and_checkpoint(corpus, tmp_path):
@@ -110,6 +112,8 @@ def test_half_params_tp2_resume_and_checkpoint(corpus, tmp_path):
     run_ranks(train_rank, 2, TINY, split_over + ["train.train_iters=20"])
     tp1, tp2 = _metrics(serial), _metrics(whole)
     assert max(abs(tp1[k] - tp2[k]) for k in tp1) < TOLERANCE_NATS
+    norm1, norm2 = _metrics(serial, "grad_norm"), _metrics(whole, "grad_norm")  # TP-aware norm of the masters
+    assert max(abs(norm1[k] - norm2[k]) / norm1[k] for k in norm1) < 2e-2, (norm1, norm2)
     assert _metrics(split) == tp2
     latest = ck.latest_checkpoint(whole / "checkpoints")
     state = ck.load_file(latest / "model_tp00.pt")

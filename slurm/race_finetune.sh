@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Table 5: RACE fine-tuning of a pretrained BERT (experiments/bert/bert_336m.yaml by default) on one
-# 8-GPU node, TP x DP from REPRO_RACE_TP; median over 5 seeds. No resume: a preempted run restarts.
+# 8-GPU node, TP x DP from REPRO_RACE_TP; median over 5 seeds. No resume and no USR1 warning signal
+# (fine-tuning has no checkpoint to write): a preempted run restarts.
 # REPRO_BERT_CHECKPOINT: the BERT training run directory (or a file written by save_bert).
 #   REPRO_BERT_CHECKPOINT=RUNS/bert_336m-1234 REPRO_RACE_DIR=... sbatch slurm/race_finetune.sh [--epochs 3]
 #   REPRO_BERT_CHECKPOINT=... sbatch -p debug -N1 -n2 --gres=none slurm/race_finetune.sh --smoke
@@ -11,7 +12,6 @@
 #SBATCH --ntasks=8
 #SBATCH --gres=gpu:8
 #SBATCH --time=24:00:00
-#SBATCH --signal=B:USR1@300
 # shellcheck source=slurm/launch.sh
 source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
 need REPRO_BERT_CHECKPOINT "the pretrained BERT checkpoint to fine-tune (its training run directory)"

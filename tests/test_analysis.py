@@ -142,3 +142,51 @@ def test_notebooks_are_thin_with_parameters_first(name):
     assert "tracking_uri" in first and "out_dir" in first and "experiment" in first
     assert sum(len("".join(c["source"]).splitlines()) for c in code[1:]) < 15
     assert all(not c.get("outputs") for c in code)  # committed without outputs
+
+
+def test_lambada_protocol_label_names_a_subset():
+    """A LAMBADA run over the first N passages (`repro eval lambada --max-examples N`) is not labelled
+    as the paper's protocol."""
+    import pandas as pd
+
+    from repro.analysis.zeroshot import _protocol
+
+    full = pd.Series({"tags.task": "lambada", "params.strict": "True", "params.max_examples": "all"})
+    old = pd.Series({"tags.task": "lambada", "params.strict": "True"})
+    subset = pd.Series({"tags.task": "lambada", "params.strict": "True", "params.max_examples": "64"})
+    assert _protocol(full) == _protocol(old) == "lambada: strict (paper)"
+    assert _protocol(subset) == "lambada: strict, first 64 passages only"
+
+
+def test_fig7_curves_come_from_the_trainers_runs(tmp_path):
+    """Fig. 7 reads trainer runs (params model.layernorm_order / num_layers / hidden_size, per-step
+    metric mlm_loss): the newest of each order among runs whose paper_ref names Fig. 7, so a newer
+    plain BERT run is not taken; runs of the earlier standalone loop (layernorm_order, loss/mlm) too."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("bert")
+
+    def log(name, params, ref, metric, values):
+        with mlflow.start_run(run_name=name, tags={"paper_ref": ref}) as run:
+            mlflow.log_params({"device_type": "cpu", **params})
+            for step, v in enumerate(values, 1):
+                mlflow.log_metric(metric, v, step=step)
+        return run.info.run_id
+
+    fig7, size = "Fig. 7 (CPU size)", {"model.num_layers": 4, "model.hidden_size": 128}
+    try:
+        old = log("fig7-post-cpu", {"layernorm_order": "post", "num_layers": 4, "hidden_size": 128}, fig7,
+                  "loss/mlm", [9.0, 8.0])
+        assert [c["value"].tolist() for c in bert.layernorm_curves(uri).values()] == [[9.0, 8.0]]
+        ids = {o: log(f"fig7-{o}-cpu", {"model.layernorm_order": o, **size}, fig7, "mlm_loss", [10.0, v])
+               for o, v in (("pre", 7.0), ("post", 7.5))}
+        log("bert-tiny-cpu", {"model.layernorm_order": "pre", **size}, "CPU test config", "mlm_loss", [1.0])
+    finally:
+        mlflow.set_tracking_uri(None)
+    curves = bert.layernorm_curves(uri)
+    assert len(curves) == 2 and old[:8] not in "".join(curves)
+    for (label, curve), order in zip(curves.items(), ("pre", "post")):
+        assert ids[order][:8] in label and bert.ORDER_NAMES[order] in label and "4 layers, h=128" in label
+        assert curve["value"].tolist() == [10.0, {"pre": 7.0, "post": 7.5}[order]]

@@ -114,6 +114,7 @@ def _logits_worker(ckpt: str, tp: int) -> list:
 def test_reshard_and_hf_export_keep_outputs(uninterrupted, tmp_path):
     """TP=2 -> TP=1 -> TP=2 and the Hugging Face export: logits equal within 1e-5 (fp32 sums)."""
     src = ck.resolve(uninterrupted)
+    assert ck.resolve(uninterrupted / "checkpoints" / "latest") == src  # the README's spelling
     ref = torch.tensor(run_ranks(_logits_worker, 2, str(src), 2)[0])
     one = ck.reshard(src, tmp_path / "tp1", 1)
     two = ck.reshard(one, tmp_path / "tp2", 2)

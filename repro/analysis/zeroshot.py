@@ -23,7 +23,10 @@ def _protocol(ev) -> str:
     if ev is None:
         return ""
     if R.get(ev, "tags.task") == "lambada":
-        return "lambada: " + ("strict (paper)" if R.get(ev, "params.strict") == "True" else "NOT strict")
+        strict = "strict" if R.get(ev, "params.strict") == "True" else "NOT strict"
+        subset = str(R.get(ev, "params.max_examples", "all"))  # runs before the option logged none
+        return f"lambada: {strict}" + (" (paper)" if strict == "strict" and subset == "all" else
+                                       "" if subset == "all" else f", first {subset} passages only")
     got = {k: str(R.get(ev, f"params.{k}", "?")) for k in PAPER_PROTOCOL}
     same = got == PAPER_PROTOCOL
     return "wikitext: " + ("paper protocol" if same else "reduced: " + ", ".join(f"{k}={v}" for k, v in got.items()))

@@ -113,6 +113,14 @@ def _groups(tp: int):
     return ProcessGroups.single()
 
 
+def _device():
+    """This rank's GPU under a launcher (LOCAL_RANK / SLURM_LOCALID) when CUDA is there, else CPU."""
+    from repro.parallel.groups import discover_launch_env
+    from repro.train.engine import pick_device
+
+    return pick_device("auto", discover_launch_env().local_rank)
+
+
 def run(args) -> int:
     """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; print medians."""
     from repro.eval.race_finetune import options_for, print_report, run_seed, write_results
@@ -126,15 +134,17 @@ def run(args) -> int:
         raise UserError(str(err)) from None
     splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
     pg = _groups(args.tp)
+    device = _device()
     log = RunLog(Path(args.run_dir), not args.no_mlflow, f"race-{args.size}", pg.rank == 0)
-    log.params({"task": "race", "size": args.size, "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
+    log.params({"task": "race", "size": args.size, "device": str(device), "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
                 "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
                 "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
                 "train_questions": len(splits["train"])})
     results = []
     for seed in args.seeds:
         opts = options_for(args.size, args.batch_size, args.lr, args.epochs, seed)
-        res = run_seed(cfg, state, splits, opts, pg, lambda m, i, s=seed: log.metrics({f"seed{s}/{k}": v for k, v in m.items()}, i))
+        res = run_seed(cfg, state, splits, opts, pg, lambda m, i, s=seed: log.metrics({f"seed{s}/{k}": v for k, v in m.items()}, i),
+                       device)
         log.metrics({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
         results.append(res)
     med = print_report(results) if pg.rank == 0 else None

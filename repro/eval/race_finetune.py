@@ -82,8 +82,13 @@ def _optimizer(model: nn.Module, opts: FinetuneOptions, steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, steps))
 
 
-def _rows(data: RaceTensors, index: torch.Tensor):
-    return data.tokens[index], data.token_types[index], data.padding_mask[index], data.labels[index]
+def _rows(data: RaceTensors, index: torch.Tensor, device: torch.device):
+    rows = (data.tokens[index], data.token_types[index], data.padding_mask[index], data.labels[index])
+    return tuple(t.to(device, non_blocking=True) for t in rows)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 @torch.no_grad()
@@ -92,8 +97,9 @@ def evaluate(model: MultipleChoiceBert, data: RaceTensors, batch_size: int = 16)
     model.eval()
     preds = []
     for start in range(0, len(data), batch_size):
-        tokens, types, mask, _ = _rows(data, torch.arange(start, min(start + batch_size, len(data))))
-        preds.append(model(tokens, types, mask).argmax(-1))
+        index = torch.arange(start, min(start + batch_size, len(data)))
+        tokens, types, mask, _ = _rows(data, index, _device(model))
+        preds.append(model(tokens, types, mask).argmax(-1).cpu())
     return accuracy_by_level(torch.cat(preds), data.labels, data.levels)
 
 
@@ -128,22 +134,26 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
             if len(mine) == 0:  # a short last batch: keep every DP rank in step
                 mine = batch[:1]
             model.train()
-            losses.append(_train_step(model, opt, sched, _rows(train, mine), pg, opts.clip_grad))
+            batch_rows = _rows(train, mine, _device(model))
+            losses.append(_train_step(model, opt, sched, batch_rows, pg, opts.clip_grad))
             if log is not None and len(losses) % opts.log_every == 0:
                 log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0]}, len(losses))
     return losses
 
 
 def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: FinetuneOptions,
-             pg: ProcessGroups, log=None) -> FinetuneResult:
-    """Build the model (from a full checkpoint state if given), fine-tune, evaluate every split."""
+             pg: ProcessGroups, log=None, device: torch.device | None = None) -> FinetuneResult:
+    """Build the model (from a full checkpoint state if given) on `device` (default CPU), fine-tune,
+    evaluate every split."""
     from repro.models.bert_checkpoint import load_full_state_dict
 
-    seed_default_generators(opts.seed, torch.device("cpu"))
-    model = MultipleChoiceBert(cfg, pg.tp_group, RNGTracker(opts.seed, pg.tp_rank), seed=opts.seed)
+    device = device or torch.device("cpu")
+    seed_default_generators(opts.seed, device)
+    model = MultipleChoiceBert(cfg, pg.tp_group, RNGTracker(opts.seed, pg.tp_rank, device), seed=opts.seed)
     if state is not None:
         load_full_state_dict(model.bert, {k: v for k, v in state.items()
                                           if not k.startswith(("lm_head.", "sop_head."))})
+    model.to(device)
     result = FinetuneResult(opts.seed)
     result.losses = finetune(model, splits["train"], opts, pg, log)
     for name, data in splits.items():

@@ -106,8 +106,11 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory from itself, a checkpoints root, or a run directory."""
+    """A checkpoint directory from itself, a checkpoints root, a run directory, or the `latest`
+    pointer file of a checkpoints root."""
     path = Path(path)
+    if path.name == "latest" and path.is_file():
+        path = path.parent
     for candidate in (path, path / "checkpoints"):
         if (candidate / "meta.json").exists():
             return candidate

@@ -13,7 +13,8 @@ from repro.train.config import derive, load_config
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "experiments").rglob("*.yaml") if p.name != "base.yaml")
 PAPER_GPUS = {"gpt2_355m": 64, "gpt2_2.5b": 128, "gpt2_8.3b": 512,
-              "bert_336m": 128, "bert_1.3b": 256, "bert_3.9b": 512}
+              "bert_336m": 128, "bert_1.3b": 256, "bert_3.9b": 512,
+              "fig7_336m_pre": 128, "fig7_336m_post": 128}  # Fig. 7: BERT 336M, both layer-norm orders
 
 
 def _world_size(path: Path, tp: int) -> int:

@@ -8,23 +8,10 @@ import pytest
 
 from repro.parallel.spawn import run_ranks
 from repro.train.commands import train_rank
-from train_fixtures import data_dir, data_mirror  # noqa: F401
+from bert_fixtures import bert_corpus, check_loss_parts, data_dir, data_mirror  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_BERT = str(ROOT / "experiments/bert/tiny_cpu.yaml")
-
-
-@pytest.fixture(scope="module")
-def bert_corpus(tmp_path_factory, data_dir: Path) -> str:  # noqa: F811
-    """WikiText-2 valid as BERT WordPiece sentences, one document per article."""
-    from repro.data.filters import FilterOptions
-    from repro.data.preprocess import PrepareOptions, prepare
-
-    prefix = str(tmp_path_factory.mktemp("bert") / "wt2")
-    prepare(PrepareOptions(input=data_dir / "wikitext" / "wikitext-2.valid.tokens", output_prefix=prefix,
-                           tokenizer="bert", data_dir=data_dir, workers=1, split="95,5,0", progress=False,
-                           filters=FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)))
-    return prefix
 
 
 def _run(world: int, prefix: str, run_dir: Path, data_dir: Path, **extra) -> list[float]:  # noqa: F811
@@ -35,7 +22,9 @@ def _run(world: int, prefix: str, run_dir: Path, data_dir: Path, **extra) -> lis
             "tracking.enabled": "false", "train.train_iters": 10, "model.hidden_dropout": 0.0,
             "model.attention_dropout": 0.0, "model.seq_length": 64, **extra}
     run_ranks(train_rank, world, TINY_BERT, [f"{k}={v}" for k, v in over.items()], timeout=600)
-    return [row["loss"] for row in read_metrics(run_dir) if "loss" in row]
+    rows = read_metrics(run_dir)
+    check_loss_parts(rows)  # 2 micro batches per step: the parts are averaged like the total
+    return [row["loss"] for row in rows if "loss" in row]
 
 
 @pytest.mark.parametrize("order", ["pre", "post"])

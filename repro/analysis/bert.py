@@ -1,8 +1,10 @@
 """BERT: RACE accuracy and MLM validation perplexity (the paper's BERT results), layer-norm order (Fig. 7).
 
 RACE runs (repro/eval/race_cli.py, experiment "bert") carry params task=race, size, checkpoint, tp,
-dp and metrics `test/acc_{middle,high,total}` (percent, median over seeds). Fig. 7 runs
-(repro/models/bert_ablation.py) carry the param layernorm_order and the metric `loss/mlm`.
+dp and metrics `test/acc_{middle,high,total}` (percent, median over seeds). Fig. 7 runs are trainer
+runs (`repro train`, or repro/models/bert_ablation.py at CPU size) with the params
+`model.layernorm_order`, `model.num_layers`, `model.hidden_size` and the per-step metric `mlm_loss`;
+runs of the earlier standalone ablation loop (params `layernorm_order`, ..., metric `loss/mlm`) are read too.
 """
 
 from __future__ import annotations
@@ -97,19 +99,45 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols + ["paper MLM val ppl", "measured MLM val ppl", "measured on", "provenance"])
 
 
-def layernorm_curves(tracking_uri: str, experiment: str = "bert", metric: str = "loss/mlm") -> dict[str, pd.DataFrame]:
-    """Fig. 7: the newest run of each layer-norm order, its `metric` against iteration."""
+FIG7_PARAMS = {"order": ("model.layernorm_order", "layernorm_order"), "layers": ("model.num_layers", "num_layers"),
+               "hidden": ("model.hidden_size", "hidden_size")}
+"""Param of a trainer run, then of a run of the earlier standalone ablation loop."""
+
+
+def _param(run, names: tuple[str, ...]):
+    values = (R.get(run, f"params.{n}") for n in names)
+    return next((v for v in values if v is not None), None)
+
+
+def _order_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs with a layer-norm order (newest first); only those whose paper_ref names Fig. 7 when any do."""
+    rows = runs.assign(**{k: [_param(r, names) for _, r in runs.iterrows()] for k, names in FIG7_PARAMS.items()})
+    rows = rows[rows["order"].notna()]
+    ref = rows["tags.paper_ref"].fillna("") if "tags.paper_ref" in rows else pd.Series("", index=rows.index)
+    fig7 = rows[ref.astype(str).str.contains("Fig. 7", regex=False)]
+    return fig7 if len(fig7) else rows
+
+
+def _curve_label(run) -> str:
+    size = f"{run['layers']} layers, h={run['hidden']}"
+    return f"{ORDER_NAMES[run['order']]} [{size}; {R.run_label(run)}; run {run['run_id'][:8]}]"
+
+
+def layernorm_curves(tracking_uri: str, experiment: str = "bert") -> dict[str, pd.DataFrame]:
+    """Fig. 7: per order, the newest run of the newest Fig. 7 run's size; its MLM training loss against iteration."""
     runs = R.load_runs(tracking_uri, experiment)
-    if runs.empty or "params.layernorm_order" not in runs:
+    runs = _order_runs(runs) if len(runs) else runs
+    if runs.empty:
         return {}
+    newest = runs.iloc[0]
+    runs = runs[(runs["layers"] == newest["layers"]) & (runs["hidden"] == newest["hidden"])]
     curves = {}
     for order in ("pre", "post"):
-        part = runs[runs["params.layernorm_order"] == order]
+        part = runs[runs["order"] == order]
         if len(part):
             run = part.iloc[0]
-            size = f"{R.get(run, 'params.num_layers', '?')} layers, h={R.get(run, 'params.hidden_size', '?')}"
-            key = f"{ORDER_NAMES[order]} [{size}; {R.run_label(run)}; run {run['run_id'][:8]}]"
-            curves[key] = R.metric_history(tracking_uri, run["run_id"], metric)
+            metric = "mlm_loss" if R.get(run, "params.model.layernorm_order") else "loss/mlm"  # trainer / old loop
+            curves[_curve_label(run)] = R.metric_history(tracking_uri, run["run_id"], metric)
     return curves
 
 
@@ -127,5 +155,6 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "bert") -> 
                        notes, tracking_uri)
     plot_curves(layernorm_curves(tracking_uri, experiment), out_dir / "fig7_layernorm_order.png",
                 "MLM training loss", "Fig. 7: layer-norm order (measured; the paper's curves are for BERT of 336M and larger)",
-                empty_note="no layer-norm-order runs (python -m repro.models.bert_ablation)")
+                empty_note="no layer-norm-order runs (python -m repro.models.bert_ablation, or the configs "
+                           "experiments/bert/fig7_336m_{pre,post}.yaml)")
     return text

@@ -33,7 +33,7 @@ class Engine:
     pg: ProcessGroups
     device: torch.device
     model: torch.nn.Module  # the bare GPT or BERT (checkpoints save its state dict)
-    objective: torch.nn.Module  # forward(batch) -> scalar loss, around the model
+    objective: torch.nn.Module  # forward(batch) -> (scalar loss, detached parts), around the model
     wrapped: torch.nn.Module  # DDP / DeepSpeed engine around the objective, or the objective
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR

@@ -162,6 +162,12 @@ def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
             f" | skipped {int(m['skipped_iters'])}")
 
 
+def _step_metrics(result, skipped_total: int) -> dict:
+    """Per-step metrics: the loss, its parts (BERT: mlm_loss, sop_loss), lr, grad norm, loss scale."""
+    return {"loss": result.loss, **result.parts, "lr": result.lr, "grad_norm": result.grad_norm,
+            "loss_scale": result.loss_scale, "skipped_iters": skipped_total}
+
+
 class _Interval:
     """Accumulates step results between log lines."""
 
@@ -175,15 +181,14 @@ class _Interval:
         tp = throughput(cfg.model, tokens, seconds, eng.pg.dims.world_size, device_name(eng.device),
                         cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak)
         self.start, self.steps = time.perf_counter(), 0
-        return {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                "loss_scale": result.loss_scale, "skipped_iters": self.skipped_total,
+        return {**_step_metrics(result, self.skipped_total),
                 "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],
                 "tflops_per_device": tp["model_tflops_per_device"], "mfu": tp["mfu"],
                 "memory_gb": _memory_gb(eng.device)}
 
 
 def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str, str] | None = None) -> dict:
-    """Train (or resume) a GPT run; returns the final metrics. Every rank calls it."""
+    """Train (or resume) a GPT or BERT run; returns the final metrics. Every rank calls it."""
     derived = derive(cfg, pg.dims.world_size)
     if not cfg.data.train_prefix:
         raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it")
@@ -240,8 +245,7 @@ def _log(logger: RunLogger | None, metrics: dict, step: int) -> None:
 
 def _after_step(eng, state, result, interval, peak, logger, valid) -> dict:
     cfg, it = eng.cfg, state.iteration
-    metrics = {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-               "loss_scale": result.loss_scale, "skipped_iters": interval.skipped_total}
+    metrics = _step_metrics(result, interval.skipped_total)
     if it % cfg.train.log_interval == 0 or it == cfg.train.train_iters:
         metrics = interval.metrics(result, eng, peak)
         if logger:

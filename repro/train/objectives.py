@@ -1,7 +1,8 @@
 """What a training step minimises, per model family, and the data that feeds it.
 
 The objective is a small module around the model, so DDP / DeepSpeed wrap one `forward(batch)`
-that returns the micro batch's scalar loss; checkpoints save the bare model underneath.
+that returns the micro batch's scalar loss and its detached parts (BERT: `mlm_loss`, `sop_loss`),
+logged per step beside `loss`; checkpoints save the bare model underneath.
 """
 
 from __future__ import annotations
@@ -16,31 +17,36 @@ from repro.parallel.groups import ProcessGroups
 from repro.train.config import RunConfig
 
 
+Parts = dict[str, torch.Tensor]
+"""Detached scalar components of a micro batch's loss, averaged and logged like the loss itself."""
+
+
 class GPTObjective(nn.Module):
-    """Mean next-token cross-entropy of a (tokens, labels) micro batch."""
+    """Mean next-token cross-entropy of a (tokens, labels) micro batch (no parts)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, batch) -> torch.Tensor:
+    def forward(self, batch) -> tuple[torch.Tensor, Parts]:
         tokens, labels = batch
-        return self.model(tokens, labels).float().mean()
+        return self.model(tokens, labels).float().mean(), {}
 
     def metrics(self, batch) -> dict[str, torch.Tensor]:
         """Held-out metrics of a micro batch."""
-        return {"loss": self(batch)}
+        return {"loss": self(batch)[0]}
 
 
 class BertObjective(nn.Module):
-    """Masked-LM loss (mean over predicted tokens) + sentence-order-prediction loss."""
+    """Masked-LM loss (mean over predicted tokens) + sentence-order-prediction loss; both are parts."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model.losses(batch)["total"]
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Parts]:
+        losses = self.model.losses(batch)
+        return losses["total"], {"mlm_loss": losses["mlm"].detach(), "sop_loss": losses["sop"].detach()}
 
     def metrics(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Held-out metrics of a micro batch: total, MLM and SOP losses."""

@@ -6,7 +6,7 @@ import math
 import re
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,27 +24,43 @@ class StepResult:
     lr: float
     loss_scale: float
     skipped: bool
+    parts: dict[str, float] = field(default_factory=dict)
+    """The objective's loss components (BERT: mlm_loss, sop_loss), averaged like `loss`."""
 
 
-def _dp_mean(value: torch.Tensor, eng: Engine) -> float:
+def _dp_means(values: dict[str, torch.Tensor], eng: Engine) -> dict[str, float]:
+    """Scalars averaged over DP ranks with one all-reduce and one host copy."""
+    stacked = torch.stack([v.float() for v in values.values()])
     if eng.pg.dp_size > 1:
-        dist.all_reduce(value, group=eng.pg.dp_group)
-        value = value / eng.pg.dp_size
-    return value.item()
+        dist.all_reduce(stacked, group=eng.pg.dp_group)
+        stacked = stacked / eng.pg.dp_size
+    return dict(zip(values, stacked.tolist()))
+
+
+def _accumulate(sums: dict[str, torch.Tensor], loss: torch.Tensor, parts: dict, n: int) -> None:
+    """Add one micro batch's detached loss and parts, each divided by the micro-batch count."""
+    for name, value in {"loss": loss, **parts}.items():
+        sums[name] = sums.get(name, 0.0) + value.detach().float() / n
+
+
+def _result(sums: dict[str, torch.Tensor], eng: Engine, norm: float, lr: float, scale: float,
+            skipped: bool) -> StepResult:
+    means = _dp_means(sums, eng)
+    return StepResult(means.pop("loss"), norm, lr, scale, skipped, means)
 
 
 def _plain_step(eng: Engine, micro_batches) -> StepResult:
     eng.optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=eng.device)
+    sums: dict[str, torch.Tensor] = {}
     scale = eng.scaler.scale if eng.scaler else 1.0
-    last = len(micro_batches) - 1
+    n, last = len(micro_batches), len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         accumulate = i < last and hasattr(eng.wrapped, "no_sync")
         with eng.wrapped.no_sync() if accumulate else nullcontext():  # DP all-reduce only on the last
             with eng.autocast():
-                loss = eng.wrapped(to_device(batch, eng.device)) / len(micro_batches)
-            (loss * scale).backward()
-        total += loss.detach()
+                loss, parts = eng.wrapped(to_device(batch, eng.device))
+            (loss / n * scale).backward()
+        _accumulate(sums, loss, parts, n)
     if eng.masters is not None:
         params = eng.masters.grads_to_masters()
     else:
@@ -67,23 +83,23 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
     with warnings.catch_warnings():  # a skipped (overflow) step still advances the schedule, as Megatron's
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         eng.scheduler.step()
-    return StepResult(_dp_mean(total, eng), norm, lr, scale, overflow)
+    return _result(sums, eng, norm, lr, scale, overflow)
 
 
 def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
-    total = torch.zeros((), device=eng.device)
+    sums: dict[str, torch.Tensor] = {}
     lr = eng.optimizer.param_groups[0]["lr"]
     skipped_before = getattr(eng.wrapped, "skipped_steps", 0)
     for batch in micro_batches:
-        loss = eng.wrapped(to_device(batch, eng.device)).float()
-        eng.wrapped.backward(loss)
+        loss, parts = eng.wrapped(to_device(batch, eng.device))
+        eng.wrapped.backward(loss.float())
         eng.wrapped.step()
-        total += loss.detach() / len(micro_batches)
+        _accumulate(sums, loss, parts, len(micro_batches))
     norm = eng.wrapped.get_global_grad_norm()
     norm = float(norm) if norm is not None else float("nan")
     scale = float(getattr(eng.optimizer, "cur_scale", getattr(eng.optimizer, "loss_scale", 1.0)) or 1.0)
     skipped = getattr(eng.wrapped, "skipped_steps", 0) > skipped_before
-    return StepResult(_dp_mean(total, eng), norm, lr, scale, skipped)
+    return _result(sums, eng, norm, lr, scale, skipped)
 
 
 def train_step(eng: Engine, micro_batches: list) -> StepResult:
@@ -103,7 +119,8 @@ def evaluate(eng: Engine, micro_batches) -> dict[str, float]:
             for name, value in eng.objective.metrics(to_device(batch, eng.device)).items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float()
     eng.model.train()
-    out = {f"valid_{k}": _dp_mean(v / max(len(micro_batches), 1), eng) for k, v in sums.items()}
+    means = _dp_means({k: v / len(micro_batches) for k, v in sums.items()}, eng) if sums else {}
+    out = {f"valid_{k}": v for k, v in means.items()}
     if "valid_mlm_loss" in out:
         out["valid_mlm_ppl"] = math.exp(min(out["valid_mlm_loss"], 50.0))
     return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 9 in one command, for one lent GPU (about 5 minutes on an H200):
 #
-#   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh
+#   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh        # `python` has torch
+#   PYTHON=.venv/bin/python OUT=... bash scripts/gpu_session.sh        # after `make setup`
 #
 # Writes under $OUT: nvidia_smi.txt; selftest_nccl.txt (repro selftest on NCCL); eager/ and
 # compile/ (gpu_bench JSON + Markdown of the 1.2B config, batch 8: bf16/fp16 x activation
@@ -11,6 +12,7 @@
 # TINY=1 runs the same steps with a tiny model and COMPILE=0 leaves out the compiled runs (the CPU
 # dry run in tests/test_perf_gpu_bench.py uses both).
 set -euo pipefail
+PY="${PYTHON:-python}"  # the interpreter with torch (PYTHON=.venv/bin/python from a checkout)
 out="${OUT:?set OUT to the output folder, e.g. OUT=results/bench/gpu_h200_new}"
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -24,26 +26,26 @@ step() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
 step "device"
 nvidia-smi > "$out/nvidia_smi.txt" 2>&1 || echo "nvidia-smi failed" >> "$out/nvidia_smi.txt"
-python -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+"$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
 
 step "selftest on NCCL"
-python -m torch.distributed.run --standalone --nproc-per-node 1 -m repro.parallel.selftest \
+"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m repro.parallel.selftest \
   > "$out/selftest_nccl.txt" 2>&1 || echo "selftest FAILED (see selftest_nccl.txt)"
 tail -n 3 "$out/selftest_nccl.txt"
 
 step "eager: bf16/fp16 x checkpointing x params"
-python -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
+"$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
   --params fp32,half --budget-s 180
 
 if [[ "${COMPILE:-1}" == 1 ]]; then
   step "compiled: bf16 x checkpointing x params"
-  python -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile" --dtypes bf16 --checkpointing off,on \
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile" --dtypes bf16 --checkpointing off,on \
     --params fp32,half --compile-only --budget-s 240
 fi
 
 step "profiles"
-python -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params fp32 > /dev/null
+"$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params fp32 > /dev/null
 head -n 2 "$out/profile_fp32.txt"
-python -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half > /dev/null
+"$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half > /dev/null
 head -n 2 "$out/profile_half.txt"
 step "done"

@@ -108,10 +108,12 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path):
     a wrong flag or path fails here instead of costing device time."""
     import os
     import subprocess
+    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OUT": str(tmp_path), "TINY": "1", "COMPILE": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OUT": str(tmp_path), "TINY": "1", "COMPILE": "0", "OMP_NUM_THREADS": "1",
+           "PYTHON": sys.executable}
     out = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -6,8 +6,9 @@
 Each configuration (dtype x activation checkpointing x parameter dtype) times full training steps:
 forward, backward and a fused AdamW step. Two precision recipes: `params fp32` autocasts to bf16/fp16
 over fp32 weights; `params half` is Megatron's recipe, a bf16/fp16 model without autocast whose fp32
-master weights live in the optimizer (repro.train.mixed_precision; the optimizer phase then includes
-moving gradients to the masters and rounding the masters back). fp16 adds a dynamic GradScaler; the
+master weights live in the optimizer (repro.train.mixed_precision), with the trainer's fp32 main
+grads (repro.train.main_grads: backward then includes adding each gradient into its fp32 buffer, the
+optimizer phase rounding the masters back). fp16 adds a dynamic GradScaler; the
 cross-entropy is computed in fp32. Warm-up steps are excluded; every phase
 is timed between torch.cuda.synchronize() calls. A configuration that fails (OOM or other error) is
 recorded, not raised; after a total time budget the script stops. JSON and Markdown are rewritten
@@ -33,6 +34,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
+from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -108,7 +110,7 @@ def build_model(cfg: ModelConfig, device: torch.device):
 
 
 def _timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device,
-                masters=None) -> tuple[dict[str, float], float]:
+                masters=None, main=None) -> tuple[dict[str, float], float]:
     """One training step; returns seconds per phase and the loss value."""
     t0 = time.perf_counter()
     autocast = spec.dtype != "fp32" and masters is None
@@ -119,13 +121,14 @@ def _timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device,
     scaler.scale(loss).backward()
     _sync(device)
     t2 = time.perf_counter()
-    if masters is not None:
-        masters.grads_to_masters()
+    if main is not None:
+        main.finish()
     scaler.step(opt)
     scaler.update()
     if masters is not None:
         masters.masters_to_model()
-    opt.zero_grad(set_to_none=True)
+    if main is None:  # main grads are overwritten by the next step's first gradient
+        opt.zero_grad(set_to_none=True)
     _sync(device)
     t3 = time.perf_counter()
     return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}, float(loss.detach())
@@ -153,16 +156,18 @@ def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmu
     result = RunResult(spec, peak_tflops=peak)
     model.cfg.activation_checkpointing = spec.checkpointing
     masters = MasterWeights(model, DTYPES[spec.dtype]) if spec.params == "half" else None
+    main = MainGrads(masters.pairs()) if masters is not None else None
     try:
-        _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters)
+        _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters, main)
     finally:
         if masters is not None:  # back to the fp32 model the next configuration expects
+            main.remove()
             model.float()
             masters.masters_to_model()
     return result
 
 
-def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters) -> None:
+def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters, main) -> None:
     loss_fn = torch.compile(model.loss) if spec.compile else model.loss
     fused = device.type == "cuda"
     opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
@@ -176,7 +181,7 @@ def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline,
         if time.monotonic() > deadline:
             result.error = f"time budget reached after {len(phases)} timed steps"
             break
-        timing, loss = _timed_step(model, loss_fn, opt, scaler, ids, spec, device, masters)
+        timing, loss = _timed_step(model, loss_fn, opt, scaler, ids, spec, device, masters, main)
         losses.append(loss)
         if i >= warmup:
             phases.append(timing)

@@ -62,6 +62,10 @@ class PrecisionConfig:
     """Dtype of the model's parameters under bf16/fp16: `fp32` (autocast over fp32 weights) or `half`
     (Megatron's recipe: half parameters and activations, fp32 master weights in the optimizer).
     DeepSpeed ZeRO always keeps half parameters with fp32 masters."""
+    main_grads: str = "fp32"
+    """With params: half, the dtype gradients are accumulated over micro batches and all-reduced
+    over DP in: `fp32` (Megatron-LM's main_grad; bucketed all-reduce overlapped with backward) or
+    `param` (the 2019 fp16 recipe: torch DDP in the parameter dtype, bf16 sums keep 8 bits)."""
     initial_loss_scale: float = 2.0**32
     loss_scale_window: int = 1000
     """Iterations without overflow before the scale doubles."""
@@ -206,6 +210,8 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
         raise RunConfigError(f"precision.params={cfg.precision.params!r}: use fp32 or half")
     if cfg.precision.params == "half" and cfg.precision.precision == "fp32":
         raise RunConfigError("precision.params=half needs precision=bf16 or fp16: set one, or params=fp32")
+    if cfg.precision.main_grads not in ("fp32", "param"):
+        raise RunConfigError(f"precision.main_grads={cfg.precision.main_grads!r}: use fp32 or param")
     if cfg.optim.lr_decay_style not in ("cosine", "linear", "constant"):
         raise RunConfigError(f"lr_decay_style={cfg.optim.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.family not in ("gpt", "bert"):

@@ -1,7 +1,7 @@
 """The pieces a training step needs: model, optimizer, schedule, scaler, and the DP wrapper.
 
 Plain trainer (zero_stage 0): torch DDP over the DP group (bucketed all-reduce overlapped with
-backward), torch AdamW, TP-aware clipping, our fp16 loss scaler. ZeRO (stage 1/2): DeepSpeed owns
+backward; for a half model with fp32 main grads, `MainGrads` does the same in fp32), torch AdamW, TP-aware clipping, our fp16 loss scaler. ZeRO (stage 1/2): DeepSpeed owns
 the optimizer state sharding, gradient averaging, clipping and loss scaling; it learns the TP/DP
 layout from the ProcessGroups object passed as `mpu`.
 """
@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.random import RNGTracker, seed_default_generators
 from repro.train.config import Derived, RunConfig
+from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 from repro.train.objectives import build_model, build_objective
 from repro.train.optim import DynamicLossScaler, build_optimizer, lr_lambda
@@ -42,6 +43,8 @@ class Engine:
     deepspeed: bool = False
     masters: MasterWeights | None = None
     """fp32 master weights of a half-precision model (precision.params: half), else None."""
+    main_grads: MainGrads | None = None
+    """fp32 gradient accumulation and DP all-reduce of a half model (precision.main_grads: fp32)."""
 
     def autocast(self):
         """Autocast for bf16/fp16 over fp32 parameters (a half model and DeepSpeed need none)."""
@@ -49,6 +52,12 @@ class Engine:
         if precision == "fp32" or self.deepspeed or self.masters is not None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=HALF[precision])
+
+    def no_sync(self):
+        """Accumulate gradients without the DP all-reduce (every micro batch but a step's last)."""
+        if self.main_grads is not None:
+            return self.main_grads.no_sync()
+        return self.wrapped.no_sync() if hasattr(self.wrapped, "no_sync") else nullcontext()
 
 
 def pick_device(setting: str, local_rank: int) -> torch.device:
@@ -95,9 +104,12 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
             config=deepspeed_config(cfg, derived), dist_init_required=False)
         return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, None, rng, True)
     wrapped = torch.compile(objective) if cfg.train.compile else objective
-    if pg.dp_size > 1:
+    main_grads = None
+    if masters is not None and cfg.precision.main_grads == "fp32":
+        main_grads = MainGrads(masters.pairs(), pg.dp_group)
+    elif pg.dp_size > 1:
         wrapped = DistributedDataParallel(wrapped, process_group=pg.dp_group,
                                           device_ids=[device.index] if device.type == "cuda" else None)
     scaler = DynamicLossScaler.from_config(cfg.precision) if cfg.precision.precision == "fp16" else None
     return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, scaler, rng,
-                  masters=masters)
+                  masters=masters, main_grads=main_grads)

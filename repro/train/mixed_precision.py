@@ -7,8 +7,10 @@ steps on an fp32 copy of each (the master weights) with fp32 gradients, and afte
 masters are rounded back into the model. Small updates therefore accumulate in fp32, as with
 autocast over fp32 weights.
 
-Gradients of a step are accumulated over micro batches and all-reduced over the DP group in the
-parameter dtype (Megatron's 2019 fp16 recipe), then cast to fp32 once per step.
+Gradients of a step are accumulated over micro batches and all-reduced over the DP group either in
+fp32 (`precision.main_grads: fp32`, the default: `repro.train.main_grads`, Megatron-LM's main_grad)
+or in the parameter dtype by torch DDP (`param`: Megatron's 2019 fp16 recipe), then cast to fp32
+once per step (`grads_to_masters`).
 
 Checkpoints store the masters in the model file, so a checkpoint has the same format and values
 whichever recipe wrote it: resharding, export and evaluation need not know.
@@ -48,6 +50,10 @@ class MasterWeights:
 
     def parameters(self) -> list[nn.Parameter]:
         return [self.masters[n] for n in self.names]
+
+    def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(half model parameter, fp32 master) pairs, in the model's order."""
+        return [(self.model_params[n], self.masters[n]) for n in self.names]
 
     def grads_to_masters(self) -> list[nn.Parameter]:
         """Move each model gradient into its master as fp32; returns the masters that got one."""

@@ -49,22 +49,28 @@ def _result(sums: dict[str, torch.Tensor], eng: Engine, norm: float, lr: float, 
     return StepResult(means.pop("loss"), norm, lr, scale, skipped, means)
 
 
+def _stepped_grads(eng: Engine) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps, with this step's (DP-averaged) gradients in `.grad`."""
+    if eng.main_grads is not None:
+        return eng.main_grads.finish()
+    if eng.masters is not None:
+        return eng.masters.grads_to_masters()
+    return [p for p in eng.model.parameters() if p.grad is not None]
+
+
 def _plain_step(eng: Engine, micro_batches) -> StepResult:
-    eng.optimizer.zero_grad(set_to_none=True)
+    if eng.main_grads is None:  # main grads are overwritten by the step's first gradient instead
+        eng.optimizer.zero_grad(set_to_none=True)
     sums: dict[str, torch.Tensor] = {}
     scale = eng.scaler.scale if eng.scaler else 1.0
     n, last = len(micro_batches), len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
-        accumulate = i < last and hasattr(eng.wrapped, "no_sync")
-        with eng.wrapped.no_sync() if accumulate else nullcontext():  # DP all-reduce only on the last
+        with eng.no_sync() if i < last else nullcontext():  # DP all-reduce only on the last
             with eng.autocast():
                 loss, parts = eng.wrapped(to_device(batch, eng.device))
             (loss / n * scale).backward()
         _accumulate(sums, loss, parts, n)
-    if eng.masters is not None:
-        params = eng.masters.grads_to_masters()
-    else:
-        params = [p for p in eng.model.parameters() if p.grad is not None]
+    params = _stepped_grads(eng)
     overflow = False
     if eng.scaler:
         for p in params:

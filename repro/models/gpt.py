@@ -137,7 +137,9 @@ class GPT(nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Vocab-parallel logits (b, s, V/tp); with `labels`, the per-token loss (b, s) instead."""
         logits = self.logits(ids)
-        return logits if labels is None else vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, inplace=True)  # logits unseen
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's vocab slice of the logits, padded columns at -inf."""

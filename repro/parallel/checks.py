@@ -118,18 +118,21 @@ def check_cross_entropy(pg: ProcessGroups, device="cpu") -> list[Check]:
     edges = [0, v - 1] + [r * per_rank + d for r in range(1, tp) for d in (-1, 0)]
     target = torch.tensor(edges + [5] * (16 - len(edges)), device=device).view(2, 8)
     weights = torch.rand(2, 8, generator=gen, dtype=torch.float64).to(device)
-    local = full.chunk(tp, dim=-1)[pg.tp_rank].clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(local, target, pg.tp_group)
-    (loss * weights).sum().backward()
     ref_in = full[..., :v].clone().requires_grad_(True)
     ref = F.cross_entropy(ref_in.reshape(-1, v), target.reshape(-1), reduction="none").view(2, 8)
     (ref * weights).sum().backward()
     ref_grad = torch.cat([ref_in.grad, torch.zeros(2, 8, padded - v, dtype=torch.float64, device=device)], -1)
-    tol, tag = TOLERANCE[torch.float64], f"tp={tp} float64"
-    return [
-        Check(f"{tag}: parallel cross-entropy loss", rel_error(loss, ref), tol),
-        Check(f"{tag}: parallel cross-entropy grad", rel_error(local.grad, ref_grad.chunk(tp, -1)[pg.tp_rank]), tol),
-    ]
+    tol, checks = TOLERANCE[torch.float64], []
+    for inplace in (False, True):
+        tag = f"tp={tp} float64{' in place' if inplace else ''}"
+        local = full.chunk(tp, dim=-1)[pg.tp_rank].clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(local, target, pg.tp_group, inplace=inplace)
+        (loss * weights).sum().backward()
+        checks += [
+            Check(f"{tag}: parallel cross-entropy loss", rel_error(loss, ref), tol),
+            Check(f"{tag}: parallel cross-entropy grad", rel_error(local.grad, ref_grad.chunk(tp, -1)[pg.tp_rank]), tol),
+        ]
+    return checks
 
 
 def check_collectives(pg: ProcessGroups, device="cpu", batch=2) -> list[Check]:

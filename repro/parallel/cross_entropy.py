@@ -20,12 +20,14 @@ def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, inplace: bool) -> torch.Tensor:
         half = logits.dtype in (torch.float16, torch.bfloat16)  # then the softmax is computed in float32
         logits_max = logits.max(dim=-1).values
         logits_max = _all_reduce(logits_max.float() if half else logits_max, dist.ReduceOp.MAX, group)  # (b, s)
         if half:
             shifted = logits.float().sub_(logits_max.unsqueeze(-1))
+        elif inplace:  # the caller's logits become the softmax: no second (b, s, v/tp) buffer
+            shifted = logits.detach().sub_(logits_max.unsqueeze(-1))
         else:
             shifted = logits - logits_max.unsqueeze(-1)
         per_rank = logits.shape[-1]
@@ -48,13 +50,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         inside = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None
+        return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
+                                 inplace: bool = False) -> torch.Tensor:
     """Per-token loss (b, s) from vocab-parallel logits (b, s, v/tp) and global target ids (b, s).
 
     Computed in float32 for half-precision logits (float64 stays float64). Columns set to -inf (padded vocab) get zero
-    probability and zero gradient.
+    probability and zero gradient. `inplace=True` (float32/float64 logits) overwrites `logits` with the
+    softmax instead of allocating a copy, as Megatron does: only for logits nobody reads afterwards and
+    no autograd node saved (a matmul's output is not saved).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, inplace)

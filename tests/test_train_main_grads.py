@@ -145,17 +145,18 @@ def _metrics(run_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(run_dir) if "loss" in row]
 
 
-def test_trainer_dp2_with_fp32_main_grads_follows_serial(corpus, tmp_path):
-    """The trainer at DP=2 (bf16 model, fp32 main grads, no torch DDP) against one rank summing the
-    same 2 micro batches: bit-identical losses, since both compute (g1 + g2) / 2 in fp32 (halving is
-    exact and two-term sums commute)."""
-    over = {**HALF_BF16, "train.train_iters": 10}
-    run_ranks(train_rank, 1, TINY, tiny_overrides(corpus, tmp_path / "serial", **over))
-    run_ranks(train_rank, 2, TINY, tiny_overrides(corpus, tmp_path / "dp2", **over))
-    serial, dp2 = _metrics(tmp_path / "serial"), _metrics(tmp_path / "dp2")
-    assert len(serial) == len(dp2) == 10
-    assert dp2 == serial
-    assert serial[-1] < serial[0] - 0.3
+@pytest.mark.parametrize("tp", [1, 2])
+def test_trainer_dp2_with_fp32_main_grads_follows_serial(corpus, tmp_path, tp):
+    """The trainer at TP x DP=2 (bf16 model, fp32 main grads over the DP subgroup, no torch DDP)
+    against TP x DP=1 summing the same 2 micro batches: bit-identical losses, since both compute
+    (g1 + g2) / 2 in fp32 (halving is exact and two-term sums commute)."""
+    over = {**HALF_BF16, "train.train_iters": 10, "parallel.tp": tp}
+    run_ranks(train_rank, tp, TINY, tiny_overrides(corpus, tmp_path / "dp1", **over), timeout=600)
+    run_ranks(train_rank, 2 * tp, TINY, tiny_overrides(corpus, tmp_path / "dp2", **over), timeout=600)
+    dp1, dp2 = _metrics(tmp_path / "dp1"), _metrics(tmp_path / "dp2")
+    assert len(dp1) == len(dp2) == 10
+    assert dp2 == dp1
+    assert dp1[-1] < dp1[0] - 0.3
 
 
 @pytest.mark.parametrize("main_grads", ["fp32", "param"])

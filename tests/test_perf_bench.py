@@ -19,6 +19,9 @@ def test_repro_bench_tiny_writes_results(tmp_path):
     assert report["tp_comm"]["equal_on_every_rank"] is True
     for row in report["memory"]:
         assert row["rel_error_params"] == 0 and row["rel_error_optimizer"] == 0, row
+    half = [r for r in report["memory"] if "fp32 main grads" in r["layout"]]
+    assert len(half) == 3 and all(r["rel_error_grads"] == 0 for r in half), half
+    assert half[0]["measured_params"] * 2 == half[0]["measured_grads"]  # bf16 weights, fp32 grads
     for name in ("hf_compare", "tp_comm", "memory"):
         assert name in json.loads((tmp_path / f"{name}.json").read_text())
     md = (tmp_path / "bench_cpu.md").read_text()

@@ -92,8 +92,25 @@ def bench_vs_hf(st: BenchSettings) -> dict:
             "ratio_hf_over_ours": {k: med["hf"][k] / med["ours"][k] for k in med["ours"]}}
 
 
-def _tp_rank(cfg_dict: dict, batch: int, zero_stage: int, tp: int) -> dict:
-    """One rank: collectives of one fwd+bwd (tp > 1) and bytes of params, grads, Adam state."""
+def _half_recipe_memory(model, ids) -> dict:
+    """Bytes of the trainer's half recipe: bf16 model, fp32 main grads, fp32 masters + Adam state."""
+    from repro.train.main_grads import MainGrads
+    from repro.train.mixed_precision import MasterWeights
+
+    masters = MasterWeights(model, torch.bfloat16)
+    main = MainGrads(masters.pairs())
+    model.loss(ids, ids).mean().backward()
+    opt = torch.optim.AdamW(main.finish(), lr=1e-5)
+    opt.step()
+    state = [v for st in opt.state.values() for k, v in st.items() if k != "step"]
+    return {"params": _nbytes(model.parameters()), "grads": _nbytes(b.flat for b in main.buckets),
+            "optimizer": _nbytes(masters.parameters()) + _nbytes(state),
+            "model_grads_left": sum(p.grad is not None for p in model.parameters())}
+
+
+def _tp_rank(cfg_dict: dict, batch: int, zero_stage: int, tp: int, half: bool = False) -> dict:
+    """One rank: collectives of one fwd+bwd (tp > 1) and bytes of params, grads, Adam state
+    (`half`: those of the trainer's bf16 recipe instead)."""
     import torch.distributed as dist
 
     from repro.models.gpt import GPT
@@ -106,6 +123,8 @@ def _tp_rank(cfg_dict: dict, batch: int, zero_stage: int, tp: int) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=torch.Generator().manual_seed(0))
     if zero_stage:
         return _zero_memory(model, pg, ids, zero_stage)
+    if half:
+        return _half_recipe_memory(model, ids)
     with count_collectives() as log:
         loss = model.loss(ids, ids).mean()
         log.phase = "backward"
@@ -245,6 +264,11 @@ def bench_comm_and_memory(st: BenchSettings) -> tuple[dict, list[dict]]:
     comm = _compare_comm(tp2, cfg, st.batch)
     rows = [_memory_row("TP=1", tp1[0], memory_per_rank(cfg, 1)),
             *[_memory_row(f"TP=2 rank {r}", m, memory_per_rank(cfg, 2)) for r, m in enumerate(tp2)]]
+    for tp in (1, 2):
+        half = run_ranks(_tp_rank, tp, cfg_dict, st.batch, 0, tp, True)
+        want = memory_per_rank(cfg, tp, precision="bf16", fp32_main_grads=True)
+        rows += [_memory_row(f"TP={tp}{f' rank {r}' if tp > 1 else ''} bf16 model, fp32 main grads", m, want)
+                 for r, m in enumerate(half)]
     for stage in ((1, 2) if st.zero else ()):
         rows += _zero_rows(cfg_dict, cfg, st.batch, stage)
     return comm, rows
@@ -324,7 +348,7 @@ def _md_comm(b: dict) -> list[str]:
 
 
 def _md_memory(rows: list[dict]) -> list[str]:
-    lines = ["\n## c. Bytes per rank (fp32 Adam): measured vs analytic\n",
+    lines = ["\n## c. Bytes per rank (Adam): measured vs analytic\n",
              "| layout | params | analytic | grads | analytic | optimizer | analytic |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -334,7 +358,9 @@ def _md_memory(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['layout']} | {r['measured_params']} | {r['analytic_params']} | {r['measured_grads']} | "
                      f"{r['analytic_grads']} | {r['measured_optimizer']} | {r['analytic_optimizer']} |")
     lines.append("\nParameters, gradients and Adam state (ZeRO: fp32 partition + m + v) per rank, all measured "
-                 "exactly. The ZeRO gradient column is what the stage keeps for its step: ZeRO-1 does not "
+                 "exactly. fp32 Adam unless the layout names the trainer's half recipe (precision.params: half): "
+                 "a bf16 model (2 bytes/parameter), fp32 main grads (4) and fp32 masters + m + v (12), 18 bytes "
+                 "against the 16 of ZeRO's accounting with half gradients. The ZeRO gradient column is what the stage keeps for its step: ZeRO-1 does not "
                  "partition gradients, so a rank holds all of them (p.grad) until DeepSpeed reduces them at the "
                  "accumulation boundary after backward - measured when that reduction starts; ZeRO-2 keeps only "
                  "its reduced share - measured as the fp32 gradient partition DeepSpeed hands to the inner AdamW.")

@@ -42,18 +42,21 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer
 
 
-def bytes_per_param(precision: str, zero_stage: int) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer-state) bytes per parameter before any ZeRO division."""
+def bytes_per_param(precision: str, zero_stage: int, fp32_main_grads: bool = False) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per parameter before any ZeRO division.
+
+    `fp32_main_grads`: a half model whose gradients are accumulated in fp32 (the trainer's
+    precision.main_grads: fp32, as Megatron-LM): 2 + 4 + 12 = 18 bytes instead of ZeRO's 16."""
     if precision == "fp32":
         return 4, 4, 8 + (4 if zero_stage > 0 else 0)  # DeepSpeed ZeRO keeps an fp32 partition
-    return 2, 2, 12
+    return 2, 4 if fp32_main_grads else 2, 12
 
 
 def memory_per_rank(cfg: ModelConfig, tp: int = 1, dp: int = 1, zero_stage: int = 0,
-                    precision: str = "fp32") -> MemoryEstimate:
+                    precision: str = "fp32", fp32_main_grads: bool = False) -> MemoryEstimate:
     """Analytic bytes of parameters, gradients and Adam state on one rank."""
     n = params_per_rank(cfg, tp)
-    w, g, o = bytes_per_param(precision, zero_stage)
+    w, g, o = bytes_per_param(precision, zero_stage, fp32_main_grads)
     return MemoryEstimate(
         params=n * w // (dp if zero_stage >= 3 else 1),
         grads=n * g // (dp if zero_stage >= 2 else 1),

@@ -50,7 +50,7 @@ class RunSpec:
     batch: int
     compile: bool = False
     params: str = "fp32"
-    """fp32: autocast over fp32 weights; half: half-precision model, fp32 masters in the optimizer."""
+    """fp32: autocast over fp32 weights; half: half-precision model, fp32 main grads and masters."""
 
 
 @dataclass
@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     report = {"model": name, "config": asdict(cfg), "provenance": provenance(device, argv),
-              "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 masters in "
-                           "the optimizer (fp16: + dynamic GradScaler); fused AdamW on CUDA",
+              "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 main grads, "
+                           "fp32 masters in the optimizer (fp16: + dynamic GradScaler); fused AdamW on CUDA",
               "flops_formula": "model = 72 B s l h^2 (1 + s/6h + V/12lh); hardware = 96 B s l h^2 "
                                "(1 + s/6h + V/16lh) with checkpointing (Narayanan et al. 2021), V = padded vocab",
               "peak_source": entry.source if entry else "measured fp32 matmul (CPU)",

@@ -1,9 +1,10 @@
 """The pieces a training step needs: model, optimizer, schedule, scaler, and the DP wrapper.
 
 Plain trainer (zero_stage 0): torch DDP over the DP group (bucketed all-reduce overlapped with
-backward; for a half model with fp32 main grads, `MainGrads` does the same in fp32), torch AdamW, TP-aware clipping, our fp16 loss scaler. ZeRO (stage 1/2): DeepSpeed owns
-the optimizer state sharding, gradient averaging, clipping and loss scaling; it learns the TP/DP
-layout from the ProcessGroups object passed as `mpu`.
+backward; for a half model with fp32 main grads, `MainGrads` does the same in fp32), torch AdamW,
+TP-aware clipping, our fp16 loss scaler. ZeRO (stage 1/2): DeepSpeed owns the optimizer state
+sharding, gradient averaging, clipping and loss scaling; it learns the TP/DP layout from the
+ProcessGroups object passed as `mpu`.
 """
 
 from __future__ import annotations

@@ -63,3 +63,12 @@ def test_bert_half_params_tp2_follow_fp32(bert_corpus, data_dir, tmp_path):  # n
     half = _run(2, bert_corpus, tmp_path / "half", data_dir, **{"parallel.tp": 2, "precision.precision": "bf16",
                                                                "precision.params": "half"})
     assert len(half) == 10 and max(abs(a - b) for a, b in zip(half, serial)) < 5e-3, (serial, half)
+
+
+def test_bert_half_params_dp2_equal_dp1(bert_corpus, data_dir, tmp_path):  # noqa: F811
+    """bf16 BERT with fp32 main grads at DP=2 (one micro batch per rank) against DP=1 summing both:
+    bit-identical per-step MLM+SOP losses, as for GPT (tests/test_train_main_grads.py)."""
+    half = {"precision.precision": "bf16", "precision.params": "half"}
+    dp1 = _run(1, bert_corpus, tmp_path / "dp1", data_dir, **half)
+    dp2 = _run(2, bert_corpus, tmp_path / "dp2", data_dir, **half)
+    assert len(dp1) == 10 and dp2 == dp1, (dp1, dp2)

@@ -80,10 +80,10 @@ def plot_png(losses: pd.DataFrame) -> bytes:
 
     fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(11, 4))
     wide = losses.pivot(index="step", columns="recipe", values="loss")[list(RECIPES)]
-    for name in RECIPES:
-        ax.plot(wide.index, wide[name], label=name, lw=1)
+    for color, name in zip(("black", "tab:blue", "tab:green", "tab:red"), RECIPES):
+        ax.plot(wide.index, wide[name], label=name, lw=1, color=color)
         if name != "fp32":
-            gap_ax.plot(wide.index, (wide[name] - wide["fp32"]).abs(), label=name, lw=1)
+            gap_ax.plot(wide.index, (wide[name] - wide["fp32"]).abs(), label=name, lw=1, color=color)
     ax.set(xlabel="iteration", ylabel="training loss (nats)", title="tiny GPT, 8 micro batches per step")
     gap_ax.set(xlabel="iteration", ylabel="|loss - fp32 loss| (nats)", yscale="log", title="distance from fp32")
     ax.legend(fontsize=8)

@@ -10,7 +10,8 @@ from train_fixtures import corpus, data_dir, data_mirror  # noqa: F401
 
 def test_precision_study_writes_curves_and_table(corpus, tmp_path):  # noqa: F811
     prefix = corpus["train"].removesuffix("_train")
-    assert main(["--out", str(tmp_path), "--data-prefix", prefix, "--iters", "3"]) == 0
+    assert main(["--out", str(tmp_path), "--data-prefix", prefix, "--iters", "3",
+                 "--runs-dir", str(tmp_path / "runs")]) == 0
     losses = pd.read_csv(tmp_path / "losses.csv")
     assert sorted(losses["recipe"].unique()) == sorted(RECIPES) and len(losses) == 3 * len(RECIPES)
     wide = losses.pivot(index="step", columns="recipe", values="loss")

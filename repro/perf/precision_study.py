@@ -43,13 +43,14 @@ RECIPES = {
 }
 
 
-def recipe_losses(prefix: str, out: Path, iters: int) -> pd.DataFrame:
-    """One single-process training run per recipe; their per-step losses, long format."""
+def recipe_losses(prefix: str, runs: Path, iters: int) -> pd.DataFrame:
+    """One single-process training run per recipe (run directories under `runs`); their per-step
+    losses, long format."""
     frames = []
     for i, (name, over) in enumerate(tqdm(RECIPES.items(), desc="recipes", unit="run")):
-        run_dir = out / "runs" / f"recipe{i}"
+        run_dir = runs / f"recipe{i}"
         settings = {"data.train_prefix": f"{prefix}_train", "data.valid_prefix": f"{prefix}_valid",
-                    "data.cache_dir": str(out / "cache"), "run_dir": str(run_dir), "tracking.enabled": "false",
+                    "data.cache_dir": str(runs / "cache"), "run_dir": str(run_dir), "tracking.enabled": "false",
                     "train.train_iters": iters, "train.micro_batch_size": 1, "train.global_batch_size": 8,
                     "train.save_interval": iters, "optim.lr_decay_iters": iters, **over}
         run_ranks(train_rank, 1, str(CONFIG), [f"{k}={v}" for k, v in settings.items()], timeout=3600)
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-prefix", default=str(ROOT / "data/wt2_gpt"),
                         help="prepared corpus prefix with _train/_valid (default: the one `make demo` writes)")
     parser.add_argument("--iters", type=int, default=150)
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs/precision_study",
+                        help="where the four training runs (metrics, checkpoints) go")
     args = parser.parse_args(argv)
     if not Path(f"{args.data_prefix}_train.idx").exists():
         print(f"error: no prepared corpus at {args.data_prefix}_train.idx: run `make demo` (it prepares "
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --iters must be at least 2", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    losses = recipe_losses(args.data_prefix, args.out, args.iters)
+    losses = recipe_losses(args.data_prefix, args.runs_dir, args.iters)
     write_results(losses, args.out, argv, args.iters)
     print((args.out / "table.md").read_text())
     return 0

@@ -114,6 +114,36 @@ def test_main_grads_overwrite_each_step_and_zero_unused_parameters():
         model(x).sum().backward()
 
 
+class _UsedInReverse(nn.Module):
+    """`first` is applied last, so its gradients (the last bucket's) arrive first."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.first(self.second(x))
+
+
+def test_main_grads_start_buckets_in_order():
+    """A complete bucket waits for the ones before it: every rank then issues the same all-reduces
+    in the same order whatever order autograd produces the gradients in."""
+    launches = []
+
+    class Recording(MainGrads):
+        def _launch(self, bucket):
+            launches.append((self.buckets.index(bucket), sum(b.ready for b in self.buckets)))
+            super()._launch(bucket)
+
+    model = _UsedInReverse()
+    masters = MasterWeights(model, torch.bfloat16)
+    main = Recording(masters.pairs(), bucket_numel=20)  # bucket 0: second.*, bucket 1: first.*
+    assert [len(b.params) for b in main.buckets] == [2, 2] and main.buckets[1].params[1] is model.first.weight
+    model(torch.ones(3, 4, dtype=torch.bfloat16)).sum().backward()
+    assert launches == [(0, 2), (1, 2)]  # bucket 1 was complete first and waited for bucket 0
+    main.finish()
+
+
 def _dp_rank() -> dict:
     """DP=2, 2 micro batches per rank: buckets start during backward; the averaged fp32 grads
     equal the float64 mean over all 4 micro batches."""

@@ -9,7 +9,8 @@ so the optimizer, the TP-aware norm and the loss scaler read them with no copy.
 The buffer is cut into buckets in the order backward produces gradients (reverse parameter order).
 On the last micro batch of a step (outside `no_sync()`) a bucket is averaged and its all-reduce over
 the DP group starts asynchronously once its last gradient is in, overlapped with the rest of
-backward like torch DDP's reducer; `finish()` waits for them.
+backward like torch DDP's reducer. Buckets start strictly in order (a complete bucket waits for the
+ones before it), so every rank issues the same collectives in the same order; `finish()` waits.
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ from repro.parallel.mappings import group_size
 DEFAULT_BUCKET_NUMEL = 2**24  # 64 MiB of fp32 per bucket
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: fields hold tensors
 class _Bucket:
     flat: torch.Tensor
     params: list[nn.Parameter]
     pending: int = 0
     handle: object | None = None
+    ready: bool = False
     launched: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     view: torch.Tensor
     bucket: _Bucket
@@ -67,7 +69,7 @@ class MainGrads:
         self.buckets: list[_Bucket] = []
         for group in _cut([p for p, _ in reversed(pairs)], bucket_numel):  # backward order
             self.buckets.append(self._bucket(group, master_of))
-        self.sync = True
+        self.sync, self.next_bucket = True, 0
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p, _ in pairs]
 
     def _bucket(self, group: list[nn.Parameter], master_of: dict) -> _Bucket:
@@ -99,9 +101,9 @@ class MainGrads:
     @torch.no_grad()
     def _on_grad(self, param: nn.Parameter) -> None:
         slot = self.slots[param]
-        if slot.bucket.launched:
-            raise RuntimeError("a gradient arrived after its bucket's all-reduce started: a second backward "
-                               "in one step must run inside MainGrads.no_sync()")
+        if slot.bucket.ready:
+            raise RuntimeError("a gradient arrived after its bucket's all-reduce started (or was queued): a "
+                               "second backward in one step must run inside MainGrads.no_sync()")
         if slot.written:
             slot.view.add_(param.grad)
         else:  # the step's first gradient overwrites the buffer: no zeroing pass
@@ -111,7 +113,14 @@ class MainGrads:
         if self.sync:
             slot.bucket.pending -= 1
             if slot.bucket.pending == 0:
-                self._launch(slot.bucket)
+                slot.bucket.ready = True
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start the all-reduces of the complete buckets at the front of the queue, in order."""
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].ready:
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
@@ -123,16 +132,17 @@ class MainGrads:
     def finish(self) -> list[nn.Parameter]:
         """Wait for the step's all-reduces (starting those of buckets with a parameter that got no
         gradient, whose slot is zeroed) and ready the next step; returns the masters."""
-        for bucket in self.buckets:
-            if not bucket.launched:
-                for p in bucket.params:
-                    if not self.slots[p].written:
-                        self.slots[p].view.zero_()
-                self._launch(bucket)
+        for bucket in self.buckets[self.next_bucket:]:
+            for p in bucket.params:
+                if not self.slots[p].written:
+                    self.slots[p].view.zero_()
+            bucket.ready = True
+        self._launch_ready()
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-            bucket.handle, bucket.launched, bucket.pending = None, False, len(bucket.params)
+            bucket.handle, bucket.ready, bucket.launched, bucket.pending = None, False, False, len(bucket.params)
+        self.next_bucket = 0
         for slot in self.slots.values():
             slot.written = False
         return self.masters

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from repro.parallel.spawn import run_ranks
 from repro.perf.gpu_bench import write_atomic
+from repro.train import checkpoint
 from repro.tracking.logger import read_metrics
 from repro.train.commands import train_rank
 from repro.train.loop import git_sha
@@ -104,8 +105,7 @@ def write_results(losses: pd.DataFrame, out: Path, argv: list[str], iters: int) 
               f"{iters} iterations, global batch 8 as 8 micro batches of 1, one process.\n\n")
     write_atomic(out / "table.md", header + markdown_table(table))
     write_atomic(out / "losses.csv", losses.to_csv(index=False))
-    (out / "curves.png.tmp").write_bytes(plot_png(losses))
-    (out / "curves.png.tmp").replace(out / "curves.png")
+    checkpoint.write_atomic(out / "curves.png", plot_png(losses))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,17 +9,21 @@ export REPRO_DATA_DIR ?= $(CURDIR)/data
 export OMP_NUM_THREADS ?= 1
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export DS_ACCELERATOR ?= cpu
+# Where pip finds torch==2.13.0. Empty: pip's configured sources (a local CPU wheel on this project's
+# machines; plain PyPI serves the multi-GB CUDA build). `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+# takes the CPU build from PyTorch's own index.
+TORCH_INDEX ?=
 
 .PHONY: setup test demo data clean slurm-deps
 
 setup: $(VENV)/.installed
 
 # Idempotent: the stamp is rebuilt only when pyproject.toml changes. A CUDA torch already in the
-# venv is kept; otherwise the pinned CPU build is installed first, in its own pip call.
+# venv is kept; otherwise the pinned torch==2.13.0 is installed first, in its own pip call.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test]"
 	touch $@
 

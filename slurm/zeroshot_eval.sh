@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Table 3: zero-shot WikiText-103 perplexity and LAMBADA accuracy of a trained GPT-2
-# (experiments/gpt2/gpt2_8.3b.yaml by default: 8-way TP on one 8-GPU node; set REPRO_EVAL_TP).
+# Table 3: zero-shot WikiText-103 perplexity and LAMBADA accuracy of a trained GPT-2 (a run of
+# experiments/gpt2/gpt2_8.3b.yaml, say) on one 8-GPU node, 8-way TP unless REPRO_EVAL_TP says otherwise.
 # REPRO_EVAL_CHECKPOINT: the training run directory (or its checkpoints/iter_XXXXXXX folder).
+# REPRO_EVAL_WIKITEXT_FILE: the paper's WikiText-103 wiki.test.tokens (default: the data dir's
+#   WikiText-2 tokens file, same words, more <unk>; see repro/eval/README.md).
 #   REPRO_EVAL_CHECKPOINT=RUNS/gpt2_8.3b-1234 sbatch slurm/zeroshot_eval.sh
 #   REPRO_EVAL_CHECKPOINT=RUNS/scale_8b-99 sbatch -p debug -N1 -n2 --gres=none slurm/zeroshot_eval.sh --smoke
 # --smoke: CPU, TP = task count, window 64 / stride 32 on the first 40 WikiText lines, the first 64
@@ -17,10 +19,10 @@ need REPRO_EVAL_CHECKPOINT "the GPT-2 checkpoint to evaluate (its training run d
 [[ -d "$REPRO_EVAL_CHECKPOINT" ]] \
   || die "REPRO_EVAL_CHECKPOINT=$REPRO_EVAL_CHECKPOINT is not a directory: give the training run directory"
 parse_flags "$@"
-ARGS=(--tp "${REPRO_EVAL_TP:-8}")
+ARGS=(--tp "${REPRO_EVAL_TP:-8}" --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}")
 if [[ "$SMOKE" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
-  ARGS=(--tp "$SLURM_NTASKS" --window 64 --stride 32 --max-lines 40 --max-examples 64)
+  ARGS=(--tp "$SLURM_NTASKS" --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}" --window 64 --stride 32 --max-lines 40 --max-examples 64)
 fi
 ARGS+=("${EXTRA[@]}")  # the script's own arguments last (launch_step resets EXTRA)
 [[ "$DRY_RUN" == 0 ]] || ARGS+=(--dry-run)

@@ -112,3 +112,25 @@ def test_bad_input_is_a_user_error(tracked, capsys):
     code = _run_cli(["eval", "wikitext", "--checkpoint", str(base / "run"), "--data-dir", str(mirror()),
                      "--no-mlflow"])  # the paper's 1024 window on a 128-position model
     assert code == 2 and "exceeds the model's seq_length=128" in capsys.readouterr().err
+
+
+def test_wikitext_file_may_be_a_path_and_a_wrong_one_names_the_fix(tracked, capsys, tmp_path):
+    # WikiText-103's own wiki.test.tokens (the paper's file) is not in the mirror: users pass its path
+    from repro.data.fetch import sha256_file
+
+    base, _ = tracked
+    lines = (mirror() / "wikitext" / "wikitext-2.test.tokens").read_text().splitlines(keepends=True)[:40]
+    own = tmp_path / "wiki.test.tokens"
+    own.write_text("".join(lines))
+    out = tmp_path / "own.jsonl"
+    assert _run_cli(["eval", "wikitext", "--checkpoint", str(base / "run"), "--data-dir", str(mirror()),
+                     "--file", str(own), "--window", "128", "--stride", "64", "--no-mlflow",
+                     "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["params"]["file"] == "wiki.test.tokens" and record["params"]["data_sha256"] == sha256_file(own)
+    assert record["metrics"]["num_original_tokens"] == len("".join(lines).strip().split(" "))
+    capsys.readouterr()
+    assert _run_cli(["eval", "wikitext", "--checkpoint", str(base / "run"), "--data-dir", str(mirror()),
+                     "--file", str(tmp_path / "missing.tokens"), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.tokens" in err and "wikitext-103-v1.zip" in err

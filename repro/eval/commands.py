@@ -1,6 +1,6 @@
 """`repro eval wikitext|lambada --checkpoint DIR`: the paper's zero-shot numbers, printed and tracked.
 
-    repro eval wikitext --checkpoint runs/demo/checkpoint --window 256 --stride 128   # CPU demo
+    repro eval wikitext --checkpoint runs/gpt-demo --window 128 --stride 128   # the make-demo model
     torchrun --nproc-per-node 4 .venv/bin/repro eval lambada --checkpoint CKPT --tp 2    # TP2 x DP2
 """
 
@@ -36,12 +36,25 @@ class EvalOptions:
     max_examples: int | None = None
 
 
+def wikitext_path(data_dir: Path, choice: str) -> Path:
+    """The test file: `tokens` or `raw` from the checked data dir, or a user's file (WikiText-103's own)."""
+    from repro.data.fetch import data_path
+
+    if choice in WIKITEXT_FILES:
+        return data_path(data_dir, WIKITEXT_FILES[choice])
+    path = Path(choice)
+    if not path.is_file():
+        raise UserError(f"--file {choice}: neither {' nor '.join(sorted(WIKITEXT_FILES))} nor an existing file. "
+                        "Fix: pass `tokens`, `raw`, or the path of WikiText-103's wiki.test.tokens "
+                        "(wikitext-103-v1.zip)")
+    return path
+
+
 def run_wikitext(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
     """WikiText perplexity of `model` on the chosen test file (all ranks call it)."""
-    from repro.data.fetch import data_path
     from repro.eval.wikitext import evaluate_perplexity, load_wikitext
 
-    data = load_wikitext(data_path(opts.data_dir, WIKITEXT_FILES[opts.wikitext_file]), tokenizer, opts.max_lines)
+    data = load_wikitext(wikitext_path(opts.data_dir, opts.wikitext_file), tokenizer, opts.max_lines)
     start = time.perf_counter()
     result = evaluate_perplexity(model, pg, data, opts.window, opts.stride, opts.batch_size, tokenizer.eod)
     metrics = {**result.metrics(), "eval_seconds": time.perf_counter() - start}
@@ -129,8 +142,10 @@ def register(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest of the world is DP)")
     parser.add_argument("--window", type=int, default=1024, help="wikitext window (paper: 1024)")
     parser.add_argument("--stride", type=int, default=32, help="wikitext stride (paper: 32; = window: no overlap)")
-    parser.add_argument("--file", choices=sorted(WIKITEXT_FILES), default="tokens",
-                        help="wikitext: word-level tokens file (paper's T_o) or the raw text")
+    parser.add_argument("--file", default="tokens", metavar="tokens|raw|PATH",
+                        help="wikitext: `tokens` = WikiText-2's word-level test file (the paper's T_o, more "
+                             "<unk>), `raw` = the raw text, or the path of WikiText-103's own wiki.test.tokens "
+                             "(the paper's file: T = 270,329 BPE tokens)")
     parser.add_argument("--max-lines", type=int, default=None,
                         help="wikitext: only the file's first N lines (T_o and T counted on them; quick checks)")
     parser.add_argument("--max-examples", type=int, default=None,

@@ -4,7 +4,7 @@ lm-eval has no plugin entry point, so the class registers when this module is im
 harness through this module (same arguments as `lm_eval`):
 
     python -m repro.eval.lm_eval_adapter --model megatron-repro \\
-        --model_args checkpoint=runs/demo,data_dir=data --tasks wikitext,lambada_openai
+        --model_args checkpoint=runs/gpt-demo,data_dir=data --tasks wikitext,lambada_openai
 
 Offline, use the local task YAMLs in repro/eval/tasks (`--include_path repro/eval/tasks --tasks
 lambada_openai_local`). A checkpoint of any TP degree is merged to TP=1 on load.

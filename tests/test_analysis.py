@@ -35,6 +35,19 @@ def test_two_devices_at_1p9x_the_one_device_throughput_is_95_percent():
         scaling.efficiency(1.0, 0.0)
 
 
+def test_efficiency_never_mixes_hardware_and_model_flops():
+    # an old run that logged only model FLOPs is not compared with a hardware-FLOP baseline
+    points = pd.DataFrame([
+        {"config": "scaling-1.2b", "gpus": 1, "tp": 1, "dp": 1, "device": "G", "precision": "bf16",
+         "baseline_model": "scaling-1.2b", "tflops_per_device": 100.0, "flops_counted": "hardware",
+         "run_id": "a", "start_time": 1},
+        {"config": "scaling-2.5b", "gpus": 2, "tp": 2, "dp": 1, "device": "G", "precision": "bf16",
+         "baseline_model": "scaling-1.2b", "tflops_per_device": 75.0, "flops_counted": "model",
+         "run_id": "b", "start_time": 2}])
+    out = scaling.add_efficiency(points)
+    assert out.loc[0, "efficiency"] == pytest.approx(1.0) and out.loc[1, "efficiency"] != out.loc[1, "efficiency"]
+
+
 def test_sustained_throughput_drops_the_warm_up_interval():
     hist = pd.DataFrame({"step": [5, 10, 15, 20], "value": [1.0, 10.0, 12.0, 11.0]})
     assert scaling.sustained_tflops(hist) == 11.0
@@ -53,7 +66,8 @@ def _log_run(mlflow, experiment: str, name: str, params: dict, history: dict[str
 @pytest.fixture(scope="module")
 def synthetic_store(tmp_path_factory):
     """Two 'GPU' scaling runs with known throughput: config 1 on 1 device at 100 TFLOP/s, config 2 at
-    TP=2 at 95 per device (1.9x aggregate). No zero-shot or BERT experiment at all."""
+    TP=2 at 95 per device (1.9x aggregate), counted in hardware FLOPs (recomputation included; their
+    model FLOPs are 3/4 of that). No zero-shot or BERT experiment at all."""
     import mlflow
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('synth') / 'mlflow.db'}"
@@ -63,7 +77,8 @@ def synthetic_store(tmp_path_factory):
     for size, tp, tflops in (("scaling-1.2b", 1, 100.0), ("scaling-2.5b", 2, 95.0)):
         ids[size] = _log_run(mlflow, "scaling", f"{size}-tp{tp}",
                              {**common, "model_size": size, "tp": tp, "dp": 1, "world_size": tp},
-                             {"tflops_per_device": [3.0, tflops, tflops, tflops]})
+                             {"tflops_per_device": [3.0] + [0.75 * tflops] * 3,
+                              "hw_tflops_per_device": [4.0, tflops, tflops, tflops]})
     yield uri, ids
     mlflow.set_tracking_uri(None)
 
@@ -74,6 +89,7 @@ def test_scaling_table_from_a_synthetic_store(synthetic_store):
     two = table.loc[("scaling-2.5b", 2)]
     assert two["efficiency"] == pytest.approx(0.95) and two["paper_efficiency"] == 0.95
     assert two["aggregate_pflops"] == pytest.approx(0.19) and two["run_id"] == ids["scaling-2.5b"]
+    assert two["tflops_per_device"] == pytest.approx(95.0) and two["flops_counted"] == "hardware"
     assert table.loc[("scaling-1.2b", 1), "efficiency"] == pytest.approx(1.0)
     shown = scaling.display(scaling.build(uri, "scaling"))
     assert len(shown) == 8  # every Table 1 point, measured or not

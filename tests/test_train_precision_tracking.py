@@ -72,7 +72,8 @@ def _check_run(uri: str, run_id: str) -> None:
     assert run.data.tags["family"] == "test-gpt2"
     history = client.get_metric_history(run_id, "loss")
     assert [m.step for m in history] == list(range(1, 21))
-    assert {"tokens_per_s", "tflops_per_device", "mfu", "valid_loss", "grad_norm", "lr"} <= set(run.data.metrics)
+    assert {"tokens_per_s", "tflops_per_device", "mfu", "hw_tflops_per_device", "hfu", "valid_loss", "grad_norm",
+            "lr"} <= set(run.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.yaml", "final_metrics.json"} <= artifacts
 

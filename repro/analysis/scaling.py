@@ -4,7 +4,8 @@ Efficiency is the paper's: sustained FLOP/s per device relative to the 1-device 
 same series (paper: config 1 on one V100 at 39 TFLOP/s). Two devices at 1.9x the one-device
 throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model): a run's
 baseline is the newest 1-device run on the same device type and precision, of config 1 for the
-paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared to itself).
+paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared to itself), with
+FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that predate that metric).
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ from repro.analysis.tables import NOT_RUN, fmt, write_table
 
 CONFIGS = ("scaling-1.2b", "scaling-2.5b", "scaling-4.2b", "scaling-8.3b")
 MODES = (("TP", "tp"), ("TP+DP", "tpdp"))
+
+
+def run_throughput(uri: str, run_id: str) -> tuple[float, str]:
+    """Sustained TFLOP/s per device counted like the paper's 39 (recomputation included, the 96 form,
+    when the run checkpointed: `hw_tflops_per_device`); runs logged before that metric: model FLOPs."""
+    hardware = sustained_tflops(R.metric_history(uri, run_id, "hw_tflops_per_device"))
+    if hardware == hardware:  # not NaN
+        return hardware, "hardware"
+    return sustained_tflops(R.metric_history(uri, run_id, "tflops_per_device")), "model"
 
 
 def efficiency(per_device_tflops: float, baseline_per_device_tflops: float) -> float:
@@ -51,16 +61,17 @@ def _config(row) -> str:
 def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
     """One row per training run: config, gpus, tp, dp, TFLOP/s per device, label, provenance.
 
-    `throughput(run_id)` returns the run's sustained TFLOP/s per device."""
+    `throughput(run_id)` returns the run's sustained TFLOP/s per device and which FLOPs it counts."""
     rows = []
     for _, run in runs.iterrows():
         config = _config(run)
+        tflops, counted = throughput(run["run_id"])
         rows.append({"config": config, "gpus": int(R.get(run, "params.world_size", 1)),
                      "tp": int(R.get(run, "params.tp", 1)), "dp": int(R.get(run, "params.dp", 1)),
                      "device": R.get(run, "params.device_name", "n/a"),
                      "precision": R.get(run, "params.precision", "n/a"),
                      "baseline_model": "scaling-1.2b" if config in CONFIGS else _shape(run),
-                     "tflops_per_device": throughput(run["run_id"]), "label": R.run_label(run),
+                     "tflops_per_device": tflops, "flops_counted": counted, "label": R.run_label(run),
                      "provenance": R.provenance(run), "run_id": run["run_id"],
                      "start_time": run.get("start_time", 0)})
     return pd.DataFrame(rows)
@@ -72,7 +83,8 @@ def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
     out["aggregate_pflops"] = out["tflops_per_device"] * out["gpus"] / 1000.0
     out["efficiency"] = float("nan")
     out["baseline_run_id"] = ""
-    for _, group in out.groupby(["device", "precision", "baseline_model"], dropna=False):
+    series = ["device", "precision", "baseline_model"] + (["flops_counted"] if "flops_counted" in out else [])
+    for _, group in out.groupby(series, dropna=False):
         base = group[group["gpus"] == 1]
         if "config" in base and (base["config"] == "scaling-1.2b").any():
             base = base[base["config"] == "scaling-1.2b"]
@@ -134,8 +146,8 @@ def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.Da
 
 def _measured_cells(row) -> list[str]:
     if R.get(row, "run_id") is None:
-        return [NOT_RUN] * 3 + ["", ""]
-    return [fmt(row["tflops_per_device"], 4), fmt(row["aggregate_pflops"], 6),
+        return [NOT_RUN, "", NOT_RUN, NOT_RUN, "", ""]
+    return [fmt(row["tflops_per_device"], 4), R.get(row, "flops_counted", "model"), fmt(row["aggregate_pflops"], 6),
             fmt(row["efficiency"], 1, pct=True) if R.get(row, "efficiency") is not None else "no 1-device baseline",
             row["label"], row["provenance"]]
 
@@ -143,7 +155,7 @@ def _measured_cells(row) -> list[str]:
 def display(table: pd.DataFrame) -> pd.DataFrame:
     """The Markdown view: paper, analytic model and measured side by side, measured labelled."""
     cols = ["config", "mode", "GPUs", "TP x DP", "paper eff.", "paper TFLOP/s/GPU", "model DGX-2H",
-            "model H200", "measured TFLOP/s/device", "measured PFLOP/s", "measured eff.", "measured on", "provenance"]
+            "model H200", "measured TFLOP/s/device", "FLOPs", "measured PFLOP/s", "measured eff.", "measured on", "provenance"]
     rows = []
     for _, r in table.iterrows():
         paper = R.get(r, "paper_efficiency")
@@ -194,7 +206,7 @@ def build(tracking_uri: str, experiment: str = "scaling", predicted="auto") -> p
     from repro.analysis.paper import paper_values
 
     runs = R.load_runs(tracking_uri, experiment)
-    measured = measured_points(runs, lambda rid: sustained_tflops(R.metric_history(tracking_uri, rid, "tflops_per_device")))
+    measured = measured_points(runs, lambda rid: run_throughput(tracking_uri, rid))
     measured = add_efficiency(measured) if len(measured) else measured
     return combine(paper_points(paper_values()), measured, predictions() if predicted == "auto" else predicted)
 
@@ -208,8 +220,11 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
     out_dir, predicted = Path(out_dir), predictions()
     table = build(tracking_uri, experiment, predicted)
     notes = ["Efficiency = sustained FLOP/s per device / the 1-device baseline's (paper: config 1 on one V100). "
-             "Measured TFLOP/s per device: median of the logged intervals (`tflops_per_device`, first interval "
-             "dropped as warm-up), FLOPs by the trainer's `flop_formula` param. 'model' columns: the analytic "
+             "Measured TFLOP/s per device: median of the logged intervals (first interval dropped as warm-up) of "
+             "`hw_tflops_per_device`, which counts FLOPs as the paper's 39 TFLOP/s and the analytic model do "
+             "(96 B s l h^2 (1 + s/6h + V/16lh) with activation recomputation when the run checkpointed, the 72 "
+             "form without; the trainer's `hw_flop_formula` param), or of the model FLOPs `tflops_per_device` "
+             "for runs that predate it ('FLOPs' column). Efficiency is a ratio of the same count. 'model' columns: the analytic "
              "prediction of repro/perf/scaling_model.py (see results/scaling_model/) "
              + ("" if predicted is not None else "— NOT AVAILABLE (module missing) "),
              "Rows marked CPU or reduced size are plumbing checks of this code on small models, "

@@ -29,6 +29,8 @@ from repro.train.objectives import build_dataset, data_loader
 from repro.train.step import evaluate, train_step
 
 FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
+HW_FLOP_FORMULA = ("Narayanan et al. 2021: 96 B s l h^2 (1 + s/6h + V/16lh) with activation checkpointing "
+                   "(the forward recomputed), else the 72 form")
 
 
 @dataclass
@@ -74,6 +76,7 @@ def run_params(cfg: RunConfig, eng: Engine) -> dict[str, str]:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
             "grad_accum_steps": str(eng.derived.grad_accum_steps),
             "padded_vocab_size": str(eng.derived.padded_vocab_size), "flop_formula": FLOP_FORMULA,
+            "hw_flop_formula": HW_FLOP_FORMULA,
             "torch_version": torch.__version__}
 
 
@@ -184,6 +187,7 @@ class _Interval:
         return {**_step_metrics(result, self.skipped_total),
                 "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],
                 "tflops_per_device": tp["model_tflops_per_device"], "mfu": tp["mfu"],
+                "hw_tflops_per_device": tp["hardware_tflops_per_device"], "hfu": tp["hfu"],
                 "memory_gb": _memory_gb(eng.device)}
 
 

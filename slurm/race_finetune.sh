@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Table 5: RACE fine-tuning of a pretrained BERT (a run of experiments/bert/bert_336m.yaml by default) on
 # one 8-GPU node with the paper's batch/lr for REPRO_RACE_SIZE (default bert-336m), TP x DP from
-# REPRO_RACE_TP (default 1); median over 5 seeds. No resume and no USR1 warning signal
+# REPRO_RACE_TP (default 1); 5 seeds, the median by dev accuracy reported. No resume and no USR1 warning signal
 # (fine-tuning has no checkpoint to write): a preempted run restarts.
 # REPRO_BERT_CHECKPOINT: the BERT training run directory (or a file written by save_bert).
 #   REPRO_BERT_CHECKPOINT=RUNS/bert_336m-1234 REPRO_RACE_DIR=... sbatch slurm/race_finetune.sh [--epochs 3]

@@ -165,18 +165,40 @@ def test_finetune_cli_fits_the_fixture_and_logs_to_mlflow(tmp_path, tok, vocab_f
            "--seeds", "1", "2", "--run-dir", str(tmp_path / "run"), "--size", "tiny"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "median over 2 seeds" in out.stdout
+    assert "the median by dev total of 2 seeds" in out.stdout
     lines = {ln.split()[0]: ln for ln in out.stdout.splitlines() if re.match(r"\s+(train|dev|test)\s", ln)}
     assert set(lines) == {"train", "dev", "test"}
     assert re.search(r"middle\s+100.0\s+high\s+100.0\s+total\s+100.0", lines["train"]), out.stdout
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert all(s["accuracy"]["train"]["total"] == 100.0 for s in results["seeds"])
+    chosen = next(s for s in results["seeds"] if s["seed"] == results["median_seed"])
+    assert results["median"] == chosen["accuracy"] and results["selected_by"] == "dev total accuracy"
     import mlflow
 
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     runs = mlflow.search_runs(experiment_names=["bert"])
     assert len(runs) == 1 and runs["metrics.train/acc_total"].iloc[0] == 100.0
     assert {"metrics.dev/acc_middle", "metrics.dev/acc_high", "metrics.test/acc_total"} <= set(runs.columns)
+    assert runs["metrics.test/acc_total"].iloc[0] == chosen["accuracy"]["test"]["total"]
+    assert runs["params.precision"].iloc[0] == "fp32" and runs["params.world_size"].iloc[0] == "1"
+    assert runs["params.device_name"].iloc[0] and runs["params.git_sha"].iloc[0]
+
+
+def test_the_median_seed_by_dev_accuracy_reports_one_runs_numbers():
+    # per-cell medians would mix seeds (middle of one, high of another); the paper's median is a run
+    from repro.eval.race_finetune import FinetuneResult, median_seed
+
+    def result(seed, dev_total, test):
+        r = FinetuneResult(seed)
+        r.accuracy = {"dev": {"middle": 0.0, "high": 0.0, "total": dev_total},
+                      "test": dict(zip(("middle", "high", "total"), test))}
+        return r
+
+    runs = [result(1, 60.0, (90, 10, 50)), result(2, 62.0, (10, 90, 51)), result(3, 61.0, (50, 50, 49)),
+            result(4, 59.0, (0, 0, 0)), result(5, 63.0, (99, 99, 99))]
+    assert median_seed(runs).seed == 3 and median_seed(runs).accuracy["test"]["total"] == 49
+    assert median_seed(runs[:4]).seed == 1  # even count: the lower middle
+    assert median_seed([result(7, 50.0, (1, 2, 3)), result(6, 50.0, (4, 5, 6))]).seed == 6  # tie: smaller seed
 
 
 def test_real_bert_vocab_builds_the_inputs():

@@ -1,8 +1,8 @@
 """BERT: RACE accuracy and MLM validation perplexity (the paper's BERT results), layer-norm order (Fig. 7).
 
 RACE runs (repro/eval/race_cli.py, experiment "bert") carry params task=race, size, checkpoint, tp,
-dp and metrics `test/acc_{middle,high,total}` (percent, median over seeds). Fig. 7 runs are trainer
-runs (`repro train`, or repro/models/bert_ablation.py at CPU size) with the params
+dp and metrics `test/acc_{middle,high,total}` (percent, of the seed with the median dev accuracy).
+Fig. 7 runs are trainer runs (`repro train`, or repro/models/bert_ablation.py at CPU size) with the params
 `model.layernorm_order`, `model.num_layers`, `model.hidden_size` and the per-step metric `mlm_loss`;
 runs of the earlier standalone ablation loop (params `layernorm_order`, ..., metric `loss/mlm`) are read too.
 """
@@ -146,7 +146,7 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "bert") -> 
     from repro.analysis.figures import plot_curves
 
     out_dir = Path(out_dir)
-    notes = ["RACE: test-set accuracy (%), median over the run's seeds. Paper MLM perplexity is on a 3% held-out "
+    notes = ["RACE: test-set accuracy (%) of the run's median seed by dev accuracy. Paper MLM perplexity is on a 3% held-out "
              "set; 'not logged' means the run has no MLM validation metric.",
              "Rows labelled reduced size / random init are pipeline checks on the hand-written RACE fixture "
              "(tests/fixtures/race), not the RACE dataset: not comparable to the paper."]

@@ -122,7 +122,7 @@ def _device():
 
 
 def run(args) -> int:
-    """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; print medians."""
+    """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; report the median seed."""
     from repro.eval.race_finetune import options_for, print_report, run_seed, write_results
 
     try:
@@ -136,7 +136,11 @@ def run(args) -> int:
     pg = _groups(args.tp)
     device = _device()
     log = RunLog(Path(args.run_dir), not args.no_mlflow, f"race-{args.size}", pg.rank == 0)
-    log.params({"task": "race", "size": args.size, "device": str(device), "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
+    from repro.train.loop import device_name, git_sha
+
+    log.params({"task": "race", "size": args.size, "device": str(device), "device_name": device_name(device),
+                "world_size": pg.tp_size * pg.dp_size, "precision": "fp32", "git_sha": git_sha(),
+                "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
                 "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
                 "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
                 "train_questions": len(splits["train"])})
@@ -147,9 +151,10 @@ def run(args) -> int:
                        device)
         log.metrics({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
         results.append(res)
-    med = print_report(results) if pg.rank == 0 else None
+    chosen = print_report(results) if pg.rank == 0 else None
     if pg.rank == 0:
-        log.metrics({f"{sp}/acc_{lv}": v for sp, acc in med.items() for lv, v in acc.items()})
-        print(f"results: {write_results(Path(args.run_dir), results, med)}")
+        log.metrics({f"{sp}/acc_{lv}": v for sp, acc in chosen.accuracy.items() for lv, v in acc.items()})
+        log.metrics({"median_seed": chosen.seed})
+        print(f"results: {write_results(Path(args.run_dir), results, chosen)}")
     log.close()
     return 0

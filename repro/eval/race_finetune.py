@@ -11,7 +11,6 @@ the steps then linear decay, weight decay 0.1, clipping 1.0 (the 2020 Megatron R
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -161,20 +160,24 @@ def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: Finet
     return result
 
 
-def median_accuracy(results: list[FinetuneResult]) -> dict[str, dict[str, float]]:
-    """Per split and level, the median over seeds (the paper reports the median of 5)."""
-    splits = results[0].accuracy
-    return {s: {k: statistics.median(r.accuracy[s][k] for r in results) for k in splits[s]} for s in splits}
+def median_seed(results: list[FinetuneResult]) -> FinetuneResult:
+    """The seed whose dev total accuracy is the median (the paper reports the median of 5 by dev).
+
+    All its numbers come from that one run, so middle, high and total stay consistent; with an even
+    count the lower middle is taken, and ties go to the smaller seed."""
+    ranked = sorted(results, key=lambda r: (r.accuracy["dev"]["total"], r.seed))
+    return ranked[(len(ranked) - 1) // 2]
 
 
-def print_report(results: list[FinetuneResult]) -> dict[str, dict[str, float]]:
-    """Print middle/high/total per split (median over seeds when several) and return it."""
-    med = median_accuracy(results)
-    label = f"median over {len(results)} seeds" if len(results) > 1 else f"seed {results[0].seed}"
+def print_report(results: list[FinetuneResult]) -> FinetuneResult:
+    """Print middle/high/total per split of the median seed and return that seed's result."""
+    chosen = median_seed(results)
+    label = (f"seed {chosen.seed}, the median by dev total of {len(results)} seeds" if len(results) > 1
+             else f"seed {chosen.seed}")
     print(f"RACE accuracy (%), {label}:")
-    for split, acc in med.items():
+    for split, acc in chosen.accuracy.items():
         print("  " + format_accuracy(split, acc))
-    return med
+    return chosen
 
 
 def options_for(size: str, batch_size: int | None, lr: float | None, epochs: int, seed: int) -> FinetuneOptions:
@@ -183,11 +186,14 @@ def options_for(size: str, batch_size: int | None, lr: float | None, epochs: int
     return replace(FinetuneOptions(), batch_size=batch_size or batch, lr=lr or rate, epochs=epochs, seed=seed)
 
 
-def write_results(run_dir: Path, results: list[FinetuneResult], med: dict) -> Path:
-    """results.json beside the run's metrics.jsonl."""
+def write_results(run_dir: Path, results: list[FinetuneResult], chosen: FinetuneResult) -> Path:
+    """results.json beside the run's metrics.jsonl (written atomically): the median seed, then all."""
+    from repro.train.checkpoint import write_atomic
+
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "results.json"
-    path.write_text(json.dumps({"median": med, "seeds": [{"seed": r.seed, "accuracy": r.accuracy,
-                                                           "final_loss": r.losses[-1]} for r in results]},
-                               indent=2))
+    seeds = [{"seed": r.seed, "accuracy": r.accuracy, "final_loss": r.losses[-1]} for r in results]
+    record = {"median": chosen.accuracy, "median_seed": chosen.seed, "selected_by": "dev total accuracy",
+              "seeds": seeds}
+    write_atomic(path, json.dumps(record, indent=2).encode())
     return path

@@ -98,6 +98,33 @@ def test_scaling_table_from_a_synthetic_store(synthetic_store):
     assert "git=abc123" in shown.loc[2, "provenance"] and ids["scaling-2.5b"][:8] in shown.loc[2, "provenance"]
 
 
+def test_appendix_d_heads_and_strong_scaling_from_runs(tmp_path):
+    """Table 7 (heads) and Table 8 (strong scaling) read from runs of the appendix configs."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    common = {"device_type": "cuda", "device_name": "Synthetic GPU", "precision": "fp16", "git_sha": "abc123"}
+    for size, gpus, tflops in (("scaling-1.2b", 1, 100.0), ("scaling-1.2b", 2, 80.0), ("scaling-8.3b-16h", 8, 82.0)):
+        _log_run(mlflow, "scaling", f"{size}-{gpus}", {**common, "model_size": size, "tp": gpus, "dp": 1,
+                                                        "world_size": gpus},
+                 {"hw_tflops_per_device": [1.0, tflops, tflops]})
+    mlflow.set_tracking_uri(None)
+    table = scaling.appendix_d(paper_values(), scaling.measured_runs(uri)).set_index("setting")
+    assert table.loc["8.3B, 16 heads, 8-way TP", "measured"] == pytest.approx(0.82)
+    assert table.loc["8.3B, 16 heads, 8-way TP", "paper"] == 0.82
+    assert table.loc["1.2B, batch 8, 2-way TP", "measured"] == pytest.approx(1.6)  # 2 x 80 / 100
+    assert table.loc["1.2B, batch 8, 2-way TP", "paper"] == 1.64
+    assert table.loc["1.2B, batch 8, 1-way TP", "measured"] == pytest.approx(1.0)
+    shown = scaling.appendix_display(table.reset_index()).set_index("setting")
+    assert shown.loc["8.3B, 24 heads, 8-way TP", "measured"] == NOT_RUN
+    assert shown.loc["1.2B, batch 8, 2-way TP", "measured"] == "1.60x"
+    assert shown.loc["8.3B, 16 heads, 8-way TP", "measured"] == "82.0%"
+    scaling.report(uri, tmp_path / "out", bench_dir=tmp_path / "no-bench")
+    text = (tmp_path / "out" / "scaling_appendix_d.md").read_text()
+    assert "Table 7" in text and "2.98x" in text and "1.60x" in text
+
+
 def test_missing_experiments_give_not_run_rows(synthetic_store, tmp_path):
     """No 'zero-shot' and no 'bert' experiment in the store: every paper row says 'not run'."""
     uri, _ = synthetic_store

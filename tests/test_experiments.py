@@ -28,6 +28,7 @@ def test_every_paper_experiment_has_a_config():
     names = {p.stem for p in CONFIGS}
     wanted = {f"scale_{b}" for b in ("1b", "2b", "4b", "8b")} | set(PAPER_GPUS)
     wanted |= {"scale_1b_dp64", "scale_2b_dp128", "scale_4b_dp256", "scale_8b_dp512"}
+    wanted |= {"heads_8b_16", "heads_8b_24", "strong_1b_tp2", "strong_1b_tp4", "strong_1b_tp8"}  # Appendix D
     assert wanted <= names, wanted - names
 
 

@@ -23,7 +23,7 @@ SHELL = sorted((ROOT / "slurm").glob("*.sh")) + sorted((ROOT / "scripts").glob("
 def test_every_paper_experiment_has_a_script():
     names = {s.path.stem for s in SCRIPTS}
     assert names == {n for table in TABLES.values() for n in table}
-    assert len(SCRIPTS) == 16  # 8 scaling, 3 GPT-2, 3 BERT, RACE, zero-shot
+    assert len(SCRIPTS) == 21  # 8 scaling, 3 GPT-2, 3 BERT, RACE, zero-shot, 5 Appendix D (2 heads, 3 strong)
 
 
 def test_scripts_are_valid_bash_and_shellcheck_clean():

@@ -19,11 +19,18 @@ def _plt():
 
 
 def _save(fig, path: Path) -> Path:
+    """PNG written atomically: a reader never sees half a figure."""
+    import io
+
+    from repro.train.checkpoint import write_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     _plt().close(fig)
+    write_atomic(path, buf.getvalue())
     return path
 
 

@@ -21,6 +21,8 @@ from repro.analysis.tables import NOT_RUN, fmt, write_table
 
 CONFIGS = ("scaling-1.2b", "scaling-2.5b", "scaling-4.2b", "scaling-8.3b")
 MODES = (("TP", "tp"), ("TP+DP", "tpdp"))
+HEADS = (("scaling-8.3b-16h", 16), ("scaling-8.3b-24h", 24), ("scaling-8.3b", 32))  # Appendix D Table 7
+STRONG_GPUS = (1, 2, 4, 8)  # Appendix D Table 8: the 1.2B model at batch 8 on 1-8 GPUs
 
 
 def run_throughput(uri: str, run_id: str) -> tuple[float, str]:
@@ -70,7 +72,7 @@ def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
                      "tp": int(R.get(run, "params.tp", 1)), "dp": int(R.get(run, "params.dp", 1)),
                      "device": R.get(run, "params.device_name", "n/a"),
                      "precision": R.get(run, "params.precision", "n/a"),
-                     "baseline_model": "scaling-1.2b" if config in CONFIGS else _shape(run),
+                     "baseline_model": "scaling-1.2b" if config.startswith("scaling-") else _shape(run),
                      "tflops_per_device": tflops, "flops_counted": counted, "label": R.run_label(run),
                      "provenance": R.provenance(run), "run_id": run["run_id"],
                      "start_time": run.get("start_time", 0)})
@@ -168,6 +170,53 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+def _newest(measured: pd.DataFrame, **match):
+    """The newest measured run with these column values, or None."""
+    hit = measured
+    for key, value in match.items():
+        hit = hit[hit[key] == value] if len(hit) else hit
+    return hit.sort_values("start_time", ascending=False).iloc[0] if len(hit) else None
+
+
+def appendix_d(paper: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
+    """Appendix D: Table 7 (8.3B at 8-way TP with 16/24/32 heads: weak-scaling efficiency against config
+    1 on one device) and Table 8 (1.2B at batch 8 on 1/2/4/8 devices: speed-up = efficiency x devices)."""
+    rows = []
+    for size, heads in HEADS:
+        run = _newest(measured, config=size, gpus=8, tp=8)
+        rows.append({"table": "Table 7", "setting": f"8.3B, {heads} heads, 8-way TP", "gpus": 8,
+                     "metric": "efficiency", "paper": paper_value(paper, "appendix_d", size, "efficiency_tp"),
+                     "measured": R.get(run, "efficiency") if run is not None else None, "run": run})
+    for gpus in STRONG_GPUS:
+        run = _newest(measured, config="scaling-1.2b", gpus=gpus, tp=gpus)
+        eff = R.get(run, "efficiency") if run is not None else None
+        rows.append({"table": "Table 8", "setting": f"1.2B, batch 8, {gpus}-way TP", "gpus": gpus,
+                     "metric": "speed-up", "paper": paper_value(paper, "appendix_d", f"strong-{gpus}gpu", "speedup"),
+                     "measured": eff * gpus if eff is not None else None, "run": run})
+    for row in rows:
+        run = row.pop("run")
+        row.update(run_id=R.get(run, "run_id", "") if run is not None else "",
+                   label=R.get(run, "label", "") if run is not None else "",
+                   provenance=R.get(run, "provenance", "") if run is not None else "")
+    return pd.DataFrame(rows)
+
+
+def appendix_display(table: pd.DataFrame) -> pd.DataFrame:
+    """The Markdown view of appendix_d(): paper beside measured, 'not run' where no run matches."""
+    def cell(value, metric, run_id):
+        if not run_id:
+            return NOT_RUN
+        if value is None or value != value:
+            return "no 1-device baseline"
+        return fmt(value, 1, pct=True) if metric == "efficiency" else f"{value:.2f}x"
+
+    rows = [[r["table"], r["setting"], int(r["gpus"]), r["metric"],
+             cell(r["paper"], r["metric"], "paper"), cell(r["measured"], r["metric"], r["run_id"]),
+             r["label"], r["provenance"]] for _, r in table.iterrows()]
+    return pd.DataFrame(rows, columns=["table", "setting", "GPUs", "metric", "paper", "measured", "measured on",
+                                       "provenance"])
+
+
 def bench_baseline(bench_dir: Path) -> pd.DataFrame:
     """Single-device measurements of config 1 from results/bench/gpu_h200/*.json (not MLflow runs)."""
     rows = []
@@ -201,43 +250,59 @@ def baseline_display(bench: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
                                        "TFLOP/s per device", "fraction of peak", "provenance"])
 
 
+def measured_runs(tracking_uri: str, experiment: str = "scaling") -> pd.DataFrame:
+    """One row per run of `experiment`: throughput, aggregate PFLOP/s and efficiency."""
+    runs = R.load_runs(tracking_uri, experiment)
+    measured = measured_points(runs, lambda rid: run_throughput(tracking_uri, rid))
+    return add_efficiency(measured) if len(measured) else measured
+
+
 def build(tracking_uri: str, experiment: str = "scaling", predicted="auto") -> pd.DataFrame:
     """The combined scaling table from the runs of `experiment` in the store ("auto": predictions())."""
     from repro.analysis.paper import paper_values
 
-    runs = R.load_runs(tracking_uri, experiment)
-    measured = measured_points(runs, lambda rid: run_throughput(tracking_uri, rid))
-    measured = add_efficiency(measured) if len(measured) else measured
+    measured = measured_runs(tracking_uri, experiment)
     return combine(paper_points(paper_values()), measured, predictions() if predicted == "auto" else predicted)
 
 
 def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
            bench_dir: str | Path | None = None) -> str:
-    """Write scaling_table.{csv,md}, scaling_baseline.{csv,md} and fig_scaling.png; return the Markdown."""
+    """Write scaling_table, scaling_appendix_d and scaling_baseline (.csv, .md) and fig_scaling.png;
+    return the Markdown."""
     from repro.analysis.figures import plot_scaling
     from repro.analysis.paper import paper_values
 
-    out_dir, predicted = Path(out_dir), predictions()
-    table = build(tracking_uri, experiment, predicted)
+    out_dir, predicted, paper = Path(out_dir), predictions(), paper_values()
+    measured = measured_runs(tracking_uri, experiment)
+    table = combine(paper_points(paper), measured, predicted)
     notes = ["Efficiency = sustained FLOP/s per device / the 1-device baseline's (paper: config 1 on one V100). "
              "Measured TFLOP/s per device: median of the logged intervals (first interval dropped as warm-up) of "
              "`hw_tflops_per_device`, which counts FLOPs as the paper's 39 TFLOP/s and the analytic model do "
              "(96 B s l h^2 (1 + s/6h + V/16lh) with activation recomputation when the run checkpointed, the 72 "
              "form without; the trainer's `hw_flop_formula` param), or of the model FLOPs `tflops_per_device` "
-             "for runs that predate it ('FLOPs' column). Efficiency is a ratio of the same count. 'model' columns: the analytic "
-             "prediction of repro/perf/scaling_model.py (see results/scaling_model/) "
+             "for runs that predate it ('FLOPs' column). Efficiency is a ratio of the same count. "
+             "'model' columns: the analytic prediction of repro/perf/scaling_model.py (see results/scaling_model/) "
              + ("" if predicted is not None else "— NOT AVAILABLE (module missing) "),
              "Rows marked CPU or reduced size are plumbing checks of this code on small models, "
              "not measurements of the paper's configurations; their efficiency is against their own 1-device run."]
     text = write_table(display(table), table, out_dir, "scaling_table", "Weak scaling (Table 1, Fig. 1 and Fig. 5)",
                        notes, tracking_uri)
     plot_scaling(table, out_dir / "fig_scaling.png")
+    appendix = appendix_d(paper, measured)
+    text += "\n" + write_table(appendix_display(appendix), appendix, out_dir, "scaling_appendix_d",
+                               "Appendix D: attention heads (Table 7) and strong scaling (Table 8)",
+                               ["Table 7: weak-scaling efficiency of 8.3B at 8-way TP against config 1 on one device "
+                                "(slurm/heads_8b_{16,24}.sh, scale_8b.sh; `repro slurm sweep table7`). Table 8: "
+                                "speed-up of 1.2B at batch 8 over its one-device run = efficiency x devices "
+                                "(slurm/scale_1b.sh, strong_1b_tp{2,4,8}.sh; `repro slurm sweep table8`). Measured: "
+                                "the newest run of experiment `scaling` with that model and layout."],
+                               tracking_uri)
     from repro.tracking.store import project_root
 
     bench_dir = Path(bench_dir) if bench_dir else project_root() / "results" / "bench" / "gpu_h200"
     if bench_dir.is_dir():
         bench = bench_baseline(Path(bench_dir))
-        text += "\n" + write_table(baseline_display(bench, paper_values()), bench, out_dir, "scaling_baseline",
+        text += "\n" + write_table(baseline_display(bench, paper), bench, out_dir, "scaling_baseline",
                                    "One-device baseline of Table 1 config 1: paper V100 vs measured",
                                    [f"Measured rows from {bench_dir} (a benchmark, not an MLflow run; see its README). "
                                     "TFLOP/s there count 72 B s l h^2 (1 + s/6h + V/12lh), no recomputation."],

@@ -43,10 +43,13 @@ def stamp(tracking_uri: str) -> str:
 
 def write_table(display: pd.DataFrame, raw: pd.DataFrame, out_dir: Path, name: str, title: str,
                 notes: list[str], tracking_uri: str) -> str:
-    """Write NAME.csv (raw numbers) and NAME.md (display table, notes, provenance); return the Markdown."""
+    """Write NAME.csv (raw numbers) and NAME.md (display table, notes, provenance), each atomically;
+    return the Markdown."""
+    from repro.train.checkpoint import write_atomic
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    raw.to_csv(out_dir / f"{name}.csv", index=False)
+    write_atomic(out_dir / f"{name}.csv", raw.to_csv(index=False).encode())
     text = "\n\n".join([f"# {title}", to_markdown(display), *notes, stamp(tracking_uri)]) + "\n"
-    (out_dir / f"{name}.md").write_text(text)
+    write_atomic(out_dir / f"{name}.md", text.encode())
     return text

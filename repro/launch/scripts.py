@@ -17,6 +17,8 @@ TABLES: dict[str, tuple[str, ...]] = {
     "table3": ("zeroshot_eval",),
     "table4": ("bert_336m", "bert_1.3b", "bert_3.9b"),
     "table5": ("race_finetune",),
+    "table7": ("heads_8b_16", "heads_8b_24", "scale_8b"),  # Appendix D: 16 / 24 / 32 heads
+    "table8": ("scale_1b", "strong_1b_tp2", "strong_1b_tp4", "strong_1b_tp8"),  # Appendix D: strong scaling
 }
 TABLES["table1"] = TABLES["table1-tp"] + TABLES["table1-tpdp"]
 

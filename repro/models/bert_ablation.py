@@ -17,6 +17,7 @@ diverge: the paper's instability appears beyond 336M (experiments/bert/fig7_336m
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import signal
 import time
@@ -25,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from repro.train.checkpoint import write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_BERT = ROOT / "experiments" / "bert" / "tiny_cpu.yaml"
@@ -124,8 +127,10 @@ def plot(curves: dict[str, list[dict]], path: Path, size: str = "4 layers, h=128
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def run_ablation(opts: AblationOptions, out: Path) -> dict[str, dict]:
@@ -139,7 +144,7 @@ def run_ablation(opts: AblationOptions, out: Path) -> dict[str, dict]:
               "final_mlm_loss_last20": {o: tail_mean(r["curve"]) for o, r in runs.items()},
               "valid": {o: {k: v for k, v in r["final"].items() if k.startswith("valid_")} for o, r in runs.items()},
               "curves": {o: r["curve"] for o, r in runs.items()}}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    write_atomic(out.with_suffix(".json"), json.dumps(record, indent=1).encode())
     return runs
 
 

@@ -50,6 +50,8 @@ SIZES: dict[str, NamedSize] = {s.name: s for s in (
     _gpt("scaling-2.5b", "Table 1 config 2", "2.5B", 54, 1920, 20),
     _gpt("scaling-4.2b", "Table 1 config 3", "4.2B", 64, 2304, 24),
     _gpt("scaling-8.3b", "Table 1 config 4", "8.3B", 72, 3072, 32),
+    _gpt("scaling-8.3b-16h", "Table 7 (config 4 with 16 heads)", "8.3B", 72, 3072, 16),
+    _gpt("scaling-8.3b-24h", "Table 7 (config 4 with 24 heads)", "8.3B", 72, 3072, 24),
     _gpt("gpt2-355m", "Table 2", "355M", 24, 1024, 16),
     _gpt("gpt2-2.5b", "Table 2", "2.5B", 54, 1920, 20),
     _gpt("gpt2-8.3b", "Table 2", "8.3B", 72, 3072, 24),

@@ -113,3 +113,18 @@ def test_scaling_model_baseline_and_eight_points():
     cfg = scaling_model.get_size("scaling-1.2b").model_config()
     t = scaling_model.iteration_time(cfg, 8, 1, 1, scaling_model.DGX2H, rows[0]["gemm_efficiency"])
     assert flops.flops_per_iteration(cfg, 8, True) / t["total"] / 1e12 == pytest.approx(39.0)
+
+
+def test_scaling_model_appendix_d_out_of_sample():
+    """Same calibration, no refit: Table 7's head trend and Table 8's speed-ups, errors reported."""
+    rows = scaling_model.appendix_d(scaling_model.DGX2H)
+    heads = [r for r in rows if r["table"] == "Table 7"]
+    strong = [r for r in rows if r["table"] == "Table 8"]
+    assert [r["paper"] for r in heads] == [0.82, 0.80, 0.77] and len(strong) == 4
+    assert heads[0]["predicted"] > heads[1]["predicted"] > heads[2]["predicted"]  # fewer heads: less softmax
+    same = next(r for r in scaling_model.weak_scaling(scaling_model.DGX2H) if r["config"] == "scaling-8.3b"
+                and r["dp"] == 1)
+    assert heads[2]["predicted"] == pytest.approx(same["predicted"])  # 32 heads is Table 1 config 4
+    assert strong[0]["predicted"] == pytest.approx(1.0)
+    assert all(a["predicted"] < b["predicted"] for a, b in zip(strong, strong[1:]))
+    assert all(math.isfinite(r["error"]) for r in rows)

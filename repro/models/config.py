@@ -44,6 +44,13 @@ class ModelConfig:
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError for a layout these sizes cannot be split into."""
+        if tp < 1:
+            raise ConfigError(f"tp={tp} must be a positive integer: use tp=1 (no tensor parallelism) or "
+                              f"a divisor of num_attention_heads={self.num_attention_heads}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                     "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
         h, nh = self.hidden_size, self.num_attention_heads
         if h % nh:
             raise ConfigError(
@@ -55,9 +62,6 @@ class ModelConfig:
                 f"num_attention_heads={nh} is not divisible by tp={tp}: every TP rank must own whole "
                 f"heads; use a tp that divides {nh}"
             )
-        for name in ("num_layers", "seq_length", "vocab_size", "make_vocab_size_divisible_by"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -121,16 +123,42 @@ def resolve(path: str | Path) -> Path:
                           "or an iter_XXXXXXX directory with meta.json")
 
 
+def _damaged(path: Path, err: Exception) -> CheckpointError:
+    """The error for an unreadable file of checkpoint `path.parent`, naming the way back."""
+    ckpt, latest = path.parent, path.parent.parent / "latest"
+    earlier = sorted(p.name for p in ckpt.parent.glob("iter_*[0-9]")
+                     if p.name < ckpt.name and (p / "meta.json").exists())
+    fix = (f"use the previous checkpoint {earlier[-1]}: move {ckpt} aside and run "
+           f"`echo {earlier[-1]} > {latest}`" if earlier else
+           "there is no earlier checkpoint to go back to: start again in a new run_dir")
+    reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"checkpoint file {path} is damaged ({reason}): {fix}")
+
+
 def read_meta(ckpt: Path) -> dict:
-    return json.loads((Path(ckpt) / "meta.json").read_text())
+    """meta.json of a checkpoint directory (CheckpointError when missing or damaged)."""
+    path = Path(ckpt) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing: give an iter_XXXXXXX directory "
+                              "with meta.json, or a run directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _damaged(path, err) from None
+    if not isinstance(meta, dict) or "tp" not in meta:
+        raise _damaged(path, ValueError("not a checkpoint meta.json: no `tp`"))
+    return meta
 
 
 def load_file(path: Path) -> dict:
-    """torch.load(weights_only=True) with an error naming a missing file."""
+    """torch.load(weights_only=True) with an error naming a missing or damaged file."""
     if not path.exists():
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; "
                               "use an earlier one or re-save it")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+        raise _damaged(path, err) from None
 
 
 def checkpoint_run_id(ckpt: str | Path) -> str | None:
@@ -202,23 +230,46 @@ def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
     return meta, merge_shards(shards, partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size)
 
 
+def _check_new_dir(dst: Path) -> None:
+    """Refuse an output directory that holds anything (a run, a checkpoint, user files)."""
+    if dst.is_dir() and not any(dst.iterdir()):
+        return
+    if dst.exists():
+        raise CheckpointError(f"--out {dst} already exists: choose a new directory (nothing was written)")
+
+
+@contextmanager
+def new_directory(dst: Path):
+    """Yield a temporary sibling of the new (absent or empty) directory `dst`; rename it into place
+    when the block completes, remove it when the block fails. An occupied `dst` is refused."""
+    _check_new_dir(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _check_new_dir(dst)  # nothing appeared meanwhile
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
-    """Write a model-only copy of checkpoint `src` at TP degree `tp` (outputs unchanged)."""
+    """Write a model-only copy of checkpoint `src` at TP degree `tp` (outputs unchanged) into the
+    new directory `dst`, built in a temporary sibling and renamed into place when complete."""
+    dst = Path(dst)
+    _check_new_dir(dst)
     src = resolve(src)
-    meta, full = load_full_model_state(src)
+    meta = read_meta(src)
     cfg = ModelConfig(**meta["model"])
     cfg.validate(tp)
-    dst = Path(dst)
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    spec = partition_spec(cfg, meta.get("family", "gpt"))
-    for rank, shard in enumerate(split_full(full, spec, tp, cfg.padded_vocab_size(tp))):
-        torch.save(shard, tmp / f"model_tp{rank:02d}.pt")
-    new_meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "resharded_from": str(src), "model_only": True}
-    (tmp / "meta.json").write_text(json.dumps(new_meta, indent=1))
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
+    _, full = load_full_model_state(src)
+    with new_directory(dst) as tmp:
+        spec = partition_spec(cfg, meta.get("family", "gpt"))
+        for rank, shard in enumerate(split_full(full, spec, tp, cfg.padded_vocab_size(tp))):
+            torch.save(shard, tmp / f"model_tp{rank:02d}.pt")
+        new_meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "resharded_from": str(src), "model_only": True}
+        write_atomic(tmp / "meta.json", json.dumps(new_meta, indent=1).encode())
     return dst
 
 

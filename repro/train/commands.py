@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError", "DataError")
 
@@ -13,17 +15,22 @@ def train_rank(config_path: str | None, overrides: list[str]) -> dict:
     import torch.distributed as dist
 
     from repro.parallel.groups import ParallelDims, build_process_groups, discover_launch_env, init_distributed
-    from repro.train.config import load_config
+    from repro.train.config import derive, load_config
     from repro.train.loop import train
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(config_path, overrides)
     launch = discover_launch_env()
-    if dist.is_initialized():  # spawned by run_ranks
+    spawned = dist.is_initialized()  # by run_ranks
+    derive(cfg, dist.get_world_size() if spawned else launch.world_size)  # before any group or file
+    if spawned:
         pg = build_process_groups(ParallelDims.from_world(cfg.parallel.tp, dist.get_world_size()))
     else:
         pg = init_distributed(cfg.parallel.tp)
     return train(cfg, pg, launch.local_rank)
+
+
+_ERROR_LINE = re.compile(rf"(?:[\w.]+\.)?(?:{'|'.join(USER_ERRORS)}): ")
 
 
 def _as_user_error(err: Exception) -> Exception | None:
@@ -32,13 +39,32 @@ def _as_user_error(err: Exception) -> Exception | None:
 
     if type(err).__name__ in USER_ERRORS:
         return UserError(str(err))
-    if isinstance(err, RuntimeError) and any(name in str(err) for name in USER_ERRORS):
-        return UserError(str(err).strip().splitlines()[-1])
-    return None
+    lines = str(err).strip().splitlines() if isinstance(err, RuntimeError) else []
+    starts = [i for i, line in enumerate(lines) if _ERROR_LINE.match(line)]
+    if not starts:  # a rank's traceback ends with "module.Class: message" (the message may span lines)
+        return None
+    first = _ERROR_LINE.sub("", lines[starts[-1]], count=1)
+    return UserError("\n".join([first, *lines[starts[-1] + 1:]]))
+
+
+def _preflight(args, launched: bool) -> None:
+    """Refuse bad arguments, config and resume state in this process before spawning ranks."""
+    from repro.cli import UserError
+    from repro.train.config import derive, load_config
+    from repro.train.loop import resume_meta
+
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc}: give a positive number of ranks, e.g. --nproc 2 "
+                        "(or leave it out under torchrun/srun)")
+    if args.nproc and not launched:
+        cfg = load_config(args.config, args.set)
+        derive(cfg, args.nproc)
+        resume_meta(cfg, cfg.parallel.tp)
 
 
 def _train(args) -> int:
     launched = "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ  # torchrun / srun
+    _preflight(args, launched)
     if args.nproc and not launched:
         from repro.parallel.spawn import run_ranks
 
@@ -66,8 +92,9 @@ def _export_hf(args) -> int:
     from repro.models.config import ModelConfig
     from repro.models.gpt import GPT
     from repro.models.hf import to_hf_gpt2
-    from repro.train.checkpoint import CheckpointError, load_full_model_state, resolve
+    from repro.train.checkpoint import CheckpointError, load_full_model_state, new_directory, resolve
 
+    out = Path(args.out)
     meta, full = load_full_model_state(resolve(args.checkpoint))
     cfg = ModelConfig(**meta["model"])
     if meta.get("family", "gpt") != "gpt":
@@ -75,8 +102,9 @@ def _export_hf(args) -> int:
     model = GPT(cfg)
     full["transformer.wte.weight"] = _pad_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
     model.load_state_dict(full)
-    to_hf_gpt2(model).save_pretrained(args.out)
-    print(f"wrote a transformers.GPT2LMHeadModel to {args.out}")
+    with new_directory(out) as tmp:  # an existing non-empty --out is refused, a failure leaves nothing
+        to_hf_gpt2(model).save_pretrained(tmp)
+    print(f"wrote a transformers.GPT2LMHeadModel to {out}")
     return 0
 
 
@@ -104,7 +132,7 @@ def register(sub) -> None:
     p.add_argument("config", nargs="?", default=None, help="YAML config (experiments/...)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. --set train.train_iters=10 (repeatable)")
-    p.add_argument("--nproc", type=int, default=0, help="spawn N local ranks (when not under torchrun/srun)")
+    p.add_argument("--nproc", type=int, default=None, help="spawn N local ranks (when not under torchrun/srun)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds before spawned ranks are killed")
     p.set_defaults(func=_wrap(_train))
     c = sub.add_parser("checkpoint", help="checkpoint tools")

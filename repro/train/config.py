@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -146,15 +147,41 @@ class Derived:
     padded_vocab_size: int
 
 
+def _read_yaml(path: Path) -> dict:
+    """One YAML file as a dict; RunConfigError naming the file for anything else."""
+    if path.is_dir():
+        raise RunConfigError(f"config {path} is a directory: give a YAML file such as "
+                             "experiments/tiny/gpt_tiny.yaml")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise RunConfigError(f"config {path} is not valid YAML ({where}{err.problem or err.context}): "
+                             "fix the file's syntax") from None
+    except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as err:
+        raise RunConfigError(f"config {path} cannot be read ({str(err).splitlines()[0] if str(err) else err!r}): "
+                             "give a readable YAML file") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise RunConfigError(f"config {path} holds a YAML {type(raw).__name__}, not a mapping: its top level "
+                             "must be sections such as `model:` and `train:`")
+    return raw
+
+
 def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.exists():
         raise RunConfigError(f"config file {path} does not exist: check the path")
     if path in seen:
         raise RunConfigError(f"config {path} includes itself through {[str(s) for s in seen]}")
-    raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    raw = _read_yaml(path)
+    includes = raw.pop("include", []) or []
+    if not isinstance(includes, list):
+        raise RunConfigError(f"config {path}: include must be a list of paths, e.g. include: [base.yaml]")
     merged: dict = {}
-    for inc in raw.pop("include", []) or []:
-        merged = _merge(merged, _load_yaml((path.parent / inc).resolve(), seen + (path,)))
+    for inc in includes:
+        merged = _merge(merged, _load_yaml((path.parent / str(inc)).resolve(), seen + (path,)))
     return _merge(merged, raw)
 
 
@@ -176,25 +203,73 @@ def _size_defaults(raw: dict) -> dict:
     return _merge({"model": asdict(size.model_config())}, raw)
 
 
+def _dotted(overrides: list[str]) -> dict:
+    """`--set KEY=VALUE` overrides as a nested dict (RunConfigError for one without `=`)."""
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise RunConfigError(f"--set {item}: expected KEY=VALUE with a dotted key, "
+                                 "e.g. --set train.train_iters=10")
+    quoted = [f"{item}''" if item.endswith("=") else item for item in overrides]  # KEY= sets ""
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(quoted))
+    except OmegaConfBaseException as err:
+        raise RunConfigError(f"--set {' '.join(overrides)}: {str(err).splitlines()[0]}: "
+                             "give each as KEY=VALUE, e.g. --set train.train_iters=10") from None
+
+
+def _blame(err: OmegaConfBaseException, path, overrides: list[str]) -> RunConfigError:
+    """A type/key error naming the key and where it came from: the `--set` override or the file."""
+    key = getattr(err, "full_key", None) or ""
+    source = f"{path or 'config'}"
+    for item in overrides:
+        name = item.partition("=")[0].strip()
+        if key and (key == name or key.startswith(name + ".") or name.startswith(key + ".")):
+            source = f"--set {item}"
+    where = f"{key}: " if key else ""
+    return RunConfigError(f"{source}: {where}{str(err).splitlines()[0]} (fix the key or the value's type; "
+                          "repro/train/config.py lists every field)")
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Compose YAML (+ includes, + named size) with dotted overrides into a typed RunConfig."""
     raw = _load_yaml(Path(path).resolve()) if path else {}
+    dotted = _dotted(list(overrides))
     try:
-        dotted = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
         raw = _size_defaults(_merge(raw, dotted))
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
         run = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
-        msg = str(err).splitlines()[0]
-        raise RunConfigError(f"{path or 'config'}: {msg}. Fix the key or the value's type "
-                             "(see repro/train/config.py for every field)") from None
+        raise _blame(err, path, list(overrides)) from None
     if not run.run_dir:
         run.run_dir = str(Path("runs") / run.name)
     return run
 
 
+def _check_counts(cfg: RunConfig, world_size: int) -> None:
+    """Counts that must be >= 1 (divisors, loop bounds) and intervals that must be >= 0."""
+    if world_size < 1:
+        raise RunConfigError(f"world size {world_size}: launch at least one rank (--nproc, --ntasks, srun -n)")
+    t, o, p = cfg.train, cfg.optim, cfg.precision
+    positive = {"parallel.tp": cfg.parallel.tp, "train.micro_batch_size": t.micro_batch_size,
+                "train.global_batch_size": t.global_batch_size, "train.train_iters": t.train_iters,
+                "train.log_interval": t.log_interval, "train.eval_iters": t.eval_iters,
+                "precision.loss_scale_window": p.loss_scale_window, "precision.hysteresis": p.hysteresis}
+    if o.lr_decay_iters is not None:
+        positive["optim.lr_decay_iters"] = o.lr_decay_iters
+    for key, value in positive.items():
+        if value < 1:
+            raise RunConfigError(f"{key}={value} must be a positive integer: set {key} >= 1 "
+                                 f"(e.g. --set {key}=1)")
+    for key, value in {"train.save_interval": t.save_interval, "train.eval_interval": t.eval_interval,
+                       "optim.lr_warmup_iters": o.lr_warmup_iters}.items():
+        if value < 0:
+            raise RunConfigError(f"{key}={value} must be >= 0: set {key}=0 or more")
+
+
 def derive(cfg: RunConfig, world_size: int) -> Derived:
     """Validate the layout and batch arithmetic for `world_size` ranks; compute derived values."""
+    _check_counts(cfg, world_size)
     dims = ParallelDims.from_world(cfg.parallel.tp, world_size)
     cfg.model.validate(dims.tp)
     t = cfg.train
@@ -226,6 +301,44 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
 def to_yaml(cfg: RunConfig) -> str:
     """The resolved config as YAML (saved with checkpoints and to MLflow)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# Keys a resumed run may change: its length and reporting, where files live, and knobs that do not
+# change the math. With optim.lr_decay_iters unset the decay follows train.train_iters, so a longer
+# run also stretches the schedule; set optim.lr_decay_iters to keep it. data.* are locations: the
+# files must hold the same data (the position in it is the checkpoint's consumed_samples).
+RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
+               "train.eval_interval", "train.eval_iters", "train.compile", "model.activation_checkpointing",
+               "tracking.", "data.")
+
+
+def _flat(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def resume_differences(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
+    """`key -> (saved, new)` for every setting that differs from a checkpoint's resolved config
+    and is not in RESUME_SAFE (keys only one side knows, from another code version, are skipped)."""
+    saved = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
+    new = _flat(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
+    return {key: (saved[key], new[key]) for key in sorted(saved.keys() & new.keys())
+            if saved[key] != new[key] and not any(key == s or (s.endswith(".") and key.startswith(s))
+                                                  for s in RESUME_SAFE)}
+
+
+def check_resume(saved_yaml: str, cfg: RunConfig, ckpt: str) -> None:
+    """Refuse to resume checkpoint `ckpt` with settings that change the run (RESUME_SAFE aside)."""
+    diff = resume_differences(saved_yaml, cfg)
+    if diff:
+        lines = "".join(f"\n  {key}: {old!r} -> {new!r}" for key, (old, new) in diff.items())
+        raise RunConfigError(
+            f"{ckpt} was saved with a different config:{lines}\nresume with the saved config (drop those "
+            f"--set overrides or YAML edits; it is in {cfg.run_dir}/config.yaml), or start a new run with "
+            f"--set run_dir=NEW_DIR. Safe to change on resume: "
+            f"{', '.join(k + '*' if k.endswith('.') else k for k in RESUME_SAFE)}")
 
 
 def flat_params(cfg: RunConfig) -> dict[str, str]:

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from repro.parallel.groups import ProcessGroups
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
-from repro.tracking.logger import RunLogger
+from repro.tracking.logger import RunLogger, recorded_run_id
 from repro.tracking.store import project_root
 from repro.train import checkpoint as ck
-from repro.train.config import RunConfig, derive, flat_params, to_yaml
+from repro.train.config import RunConfig, check_resume, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
 from repro.train.objectives import build_dataset, data_loader
 from repro.train.step import evaluate, train_step
@@ -103,13 +103,29 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
     return ck.finish_save(root, state.iteration, pg)
 
 
+def resume_meta(cfg: RunConfig, tp: int) -> tuple[Path | None, dict]:
+    """The run's latest checkpoint and its meta, checked against this launch (nothing is loaded)."""
+    latest = ck.latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+    if latest is None:
+        return None, {}
+    meta = ck.read_meta(latest)
+    if meta.get("model_only"):
+        raise ck.CheckpointError(f"{latest} is a model-only (resharded) checkpoint without optimizer state: "
+                                 "it cannot be resumed; train in a new run_dir")
+    if meta["tp"] != tp:
+        ranks = f" on a multiple of {meta['tp']} ranks" if meta["tp"] > 1 else ""
+        raise ck.CheckpointError(
+            f"{latest} was saved at tp={meta['tp']} but this run has tp={tp}: a run resumes at its saved "
+            f"layout, so launch with --set parallel.tp={meta['tp']}{ranks}. `repro checkpoint reshard` "
+            "converts the model weights only (for evaluation, fine-tuning or export), not a run to resume")
+    if "config_yaml" in meta:
+        check_resume(meta["config_yaml"], cfg, str(latest))
+    return latest, meta
+
+
 def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     """Restore model, optimizer, schedule, scaler and data position; RNG states go in meta["rng"]."""
     meta, pg = ck.read_meta(path), eng.pg
-    if meta["tp"] != pg.tp_size:
-        raise ck.CheckpointError(
-            f"{path} was saved at tp={meta['tp']} but this run has tp={pg.tp_size}: run "
-            f"`repro checkpoint reshard {path} --tp {pg.tp_size} --out DIR` or set parallel.tp={meta['tp']}")
     model_state = ck.load_file(path / f"model_tp{pg.tp_rank:02d}.pt")
     if eng.masters is not None:
         eng.masters.load_state_dict(eng.model, model_state)
@@ -196,14 +212,18 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     derived = derive(cfg, pg.dims.world_size)
     if not cfg.data.train_prefix:
         raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it")
+    latest, saved = resume_meta(cfg, pg.tp_size)
+    if saved and saved["iteration"] >= cfg.train.train_iters:
+        return _nothing_to_train(cfg, saved, pg.rank)
     eng = build_engine(cfg, derived, pg, local_rank)
     state, meta = TrainState(), {}
-    latest = ck.latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
     if latest is not None:
         state, meta = load(eng, latest)
     loader = iter(data_loader(cfg, pg, build_dataset(cfg, cfg.data.train_prefix), state.consumed_samples))
     valid = _valid_loader(cfg, pg)
-    logger = _logger(cfg, eng, meta.get("mlflow_run_id"), tags or {}) if pg.rank == 0 else None
+    # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
+    resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
+    logger = _logger(cfg, eng, resume_id, tags or {}) if pg.rank == 0 else None
     peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
     stop, interval, final = StopSignal(), _Interval(), {}
     if "rng" in meta:
@@ -216,7 +236,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             interval.steps += 1
             interval.skipped_total += int(result.skipped)
             final = _after_step(eng, state, result, interval, peak, logger, valid)
-            if stop.agreed(eng.device):
+            if stop.agreed(eng.device) and state.iteration < cfg.train.train_iters:  # the last step finishes
                 save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
                 _log(logger, {"preempted": 1.0}, state.iteration)
                 if logger:  # sends queued metrics; the resumed launch reopens the same MLflow run
@@ -229,6 +249,17 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         if logger:
             logger.close("FAILED")
         raise
+
+
+def _nothing_to_train(cfg: RunConfig, saved: dict, rank: int) -> dict:
+    """A finished run launched again: say so and leave its checkpoints, metrics and MLflow run alone."""
+    if rank == 0:
+        print(f"run {cfg.run_dir} is already at iteration {saved['iteration']} (train.train_iters="
+              f"{cfg.train.train_iters}): nothing to train; raise train.train_iters to continue", flush=True)
+    path = Path(cfg.run_dir) / "final_metrics.json"
+    final = json.loads(path.read_text()) if rank == 0 and path.exists() else {}
+    return {**final, "iteration": saved["iteration"], "consumed_samples": saved["consumed_samples"],
+            "nothing_to_train": True}
 
 
 def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags) -> RunLogger:

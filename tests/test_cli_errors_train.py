@@ -1,0 +1,200 @@
+"""Bad input to `repro train` and `repro checkpoint`: exit 2, a message naming the problem and the fix,
+and nothing already written changed (file bytes and mtimes compared before and after)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from repro.cli import main
+from repro.parallel.spawn import run_ranks
+from repro.train.commands import train_rank
+from repro.train.config import load_config, resume_differences, to_yaml
+from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
+DONE = {"train.train_iters": 2, "train.save_interval": 1, "train.log_interval": 1, "train.eval_iters": 1}
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every file's bytes and mtime and every directory under root."""
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def _train(capfd, corpus, run_dir: Path, *args: str, **extra) -> tuple[int, str]:
+    """`repro train TINY --set ...` in this process (with --nproc, ranks are spawned): (rc, output)."""
+    sets = [a for o in tiny_overrides(corpus, run_dir, **{**DONE, **extra}) for a in ("--set", o)]
+    rc = main(["train", TINY, *sets, *args])
+    out, err = capfd.readouterr()
+    return rc, out + err
+
+
+@pytest.fixture(scope="module")
+def finished(corpus, tmp_path_factory) -> Path:
+    """A run trained to its train_iters=2, with checkpoints at iterations 1 and 2."""
+    run_dir = tmp_path_factory.mktemp("finished")
+    run_ranks(train_rank, 1, TINY, tiny_overrides(corpus, run_dir, **DONE))
+    return run_dir
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    """A private copy of the finished run (tests may damage it)."""
+    return Path(shutil.copytree(finished, tmp_path / "run"))
+
+
+# ---- 1: reshard never destroys an existing directory; tp >= 1 ----------------------------------
+
+def test_reshard_refuses_an_existing_out_and_a_bad_tp(run, tmp_path, capfd):
+    user_dir = tmp_path / "mine"
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("keep me")
+    before = _snapshot(tmp_path)
+    for out in (run, run / "checkpoints" / "iter_0000002", user_dir):
+        assert main(["checkpoint", "reshard", str(run), "--tp", "2", "--out", str(out)]) == 2
+        err = capfd.readouterr().err
+        assert f"--out {out} already exists: choose a new directory" in err, err
+    for tp in ("-2", "0"):
+        assert main(["checkpoint", "reshard", str(run), "--tp", tp, "--out", str(tmp_path / "new")]) == 2
+        assert f"tp={tp} must be a positive integer" in capfd.readouterr().err
+    assert _snapshot(tmp_path) == before
+    assert main(["checkpoint", "reshard", str(run), "--tp", "2", "--out", str(tmp_path / "new")]) == 0
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["meta.json", "model_tp00.pt", "model_tp01.pt"]
+    assert not list(tmp_path.glob(".new*")), "the temporary sibling was left behind"
+
+
+def test_export_hf_refuses_an_occupied_out(run, tmp_path, capfd):
+    user_dir = tmp_path / "mine"
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("keep me")
+    before = _snapshot(tmp_path)
+    assert main(["checkpoint", "export-hf", str(run), "--out", str(user_dir)]) == 2
+    assert f"--out {user_dir} already exists" in capfd.readouterr().err
+    assert _snapshot(tmp_path) == before
+    assert main(["checkpoint", "export-hf", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file() and not list(tmp_path.glob(".hf*"))
+
+
+# ---- 2: a finished run launched again is a no-op that says so -------------------------------------
+
+def test_finished_run_trains_nothing_and_keeps_its_files(run, corpus, capfd):
+    before = _snapshot(run)
+    rc, out = _train(capfd, corpus, run, "--nproc", "1")
+    assert rc == 0, out
+    assert "already at iteration 2 (train.train_iters=2): nothing to train; raise train.train_iters" in out
+    assert _snapshot(run) == before
+
+
+# ---- 3, 4, 9: resume refuses a changed config or TP degree, naming every key ---------------------
+
+@pytest.mark.parametrize("sets, lines", [
+    ({"train.global_batch_size": 8, "optim.lr": 5e-3},
+     ["optim.lr: 0.001 -> 0.005", "train.global_batch_size: 4 -> 8"]),
+    ({"model.hidden_size": 128}, ["model.hidden_size: 64 -> 128"]),  # 9: no size-mismatch traceback
+])
+def test_resume_with_a_changed_config_is_refused(run, corpus, capfd, sets, lines):
+    before = _snapshot(run)
+    rc, out = _train(capfd, corpus, run, "--nproc", "1", **{**sets, "train.train_iters": 4})
+    assert rc == 2, out
+    assert "was saved with a different config" in out and all(line in out for line in lines), out
+    assert "resume with the saved config" in out and "--set run_dir=NEW_DIR" in out
+    assert "Traceback" not in out and _snapshot(run) == before
+
+
+def test_resume_may_change_length_reporting_and_locations(run, corpus):
+    saved = load_config(TINY, tiny_overrides(corpus, run, **DONE))
+    moved = load_config(TINY, tiny_overrides(corpus, run / "elsewhere", **{
+        **DONE, "train.train_iters": 50, "train.log_interval": 7, "train.eval_interval": 5,
+        "tracking.paper_ref": "again", "name": "renamed"}))
+    assert resume_differences(to_yaml(saved), moved) == {}
+
+
+def test_resume_at_another_tp_names_the_saved_tp_not_reshard(run, corpus, capfd):
+    before = _snapshot(run)
+    rc, out = _train(capfd, corpus, run, "--nproc", "2", **{"parallel.tp": 2, "train.train_iters": 4})
+    assert rc == 2, out
+    assert "saved at tp=1 but this run has tp=2" in out and "--set parallel.tp=1" in out, out
+    assert "model weights only" in out and "--out DIR" not in out
+    assert _snapshot(run) == before
+
+
+# ---- 5, 6: counts are validated before anything is written ---------------------------------------
+
+@pytest.mark.parametrize("key, value, args", [
+    ("train.train_iters", -1, ()), ("train.log_interval", 0, ()), ("train.global_batch_size", 0, ()),
+    ("parallel.tp", 0, ()), ("parallel.tp", 0, ("--nproc", "2")),
+])
+def test_non_positive_counts_are_refused_before_anything_is_written(corpus, tmp_path, capfd, key, value, args):
+    run_dir = tmp_path / "fresh"
+    rc, out = _train(capfd, corpus, run_dir, *args, **{key: value})
+    assert rc == 2, out
+    assert f"{key}={value} must be a positive integer: set {key} >= 1" in out, out
+    assert not run_dir.exists()
+
+
+def test_slurm_check_refuses_zero_tasks(capfd):
+    assert main(["slurm", "check", TINY, "--ntasks", "0"]) == 2
+    assert "world size 0: launch at least one rank" in capfd.readouterr().err
+
+
+def test_negative_nproc_is_refused(corpus, tmp_path, capfd):
+    rc, out = _train(capfd, corpus, tmp_path / "fresh", "--nproc", "-1")
+    assert rc == 2 and "--nproc -1: give a positive number of ranks" in out, out
+    assert not (tmp_path / "fresh").exists()
+
+
+# ---- 7, 8: config files and overrides ------------------------------------------------------------
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("bad.yaml", "train:\n  a: [1\n b: 2\n", "is not valid YAML (line 3, column 3"),
+    ("list.yaml", "- a\n- b\n", "holds a YAML list, not a mapping"),
+    ("dir.yaml", None, "is a directory: give a YAML file"),
+    ("wrong.yaml", "train:\n  train_iters: ten\n", "train.train_iters: Value 'ten'"),
+])
+def test_config_file_errors_name_the_file_and_problem(tmp_path, capfd, name, text, needle):
+    path = tmp_path / name
+    path.mkdir() if text is None else path.write_text(text)
+    assert main(["train", str(path)]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"error: {path}") or f"config {path}" in err, err
+    assert needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.train_iters=ten", "--set train.train_iters=ten: train.train_iters: Value 'ten'"),
+    ("train.trian_iters=3", "--set train.trian_iters=3: train.trian_iters: Key 'trian_iters' not in"),
+    ("train.train_iters", "--set train.train_iters: expected KEY=VALUE"),
+])
+def test_override_errors_name_the_override(capfd, override, needle):
+    assert main(["train", TINY, "--set", override, "--nproc", "2"]) == 2
+    err = capfd.readouterr().err
+    assert needle in err and "RunConfigError" not in err, err
+
+
+# ---- 10: damaged checkpoint files ----------------------------------------------------------------
+
+def test_damaged_meta_json_names_the_file_and_the_way_back(run, corpus, capfd):
+    meta = run / "checkpoints" / "iter_0000002" / "meta.json"
+    meta.write_bytes(meta.read_bytes()[:100])
+    before = _snapshot(run)
+    rc, out = _train(capfd, corpus, run, "--nproc", "1", **{"train.train_iters": 4})
+    assert rc == 2, out
+    assert f"checkpoint file {meta} is damaged" in out, out
+    assert f"echo iter_0000001 > {run / 'checkpoints' / 'latest'}" in out
+    assert _snapshot(run) == before
+
+
+def test_damaged_model_file_from_a_rank_reads_as_a_plain_message(run, corpus, capfd):
+    model = run / "checkpoints" / "iter_0000002" / "model_tp00.pt"
+    model.write_bytes(model.read_bytes()[:1000])
+    before = _snapshot(run)
+    rc, out = _train(capfd, corpus, run, "--nproc", "1", **{"train.train_iters": 4})
+    assert rc == 2, out
+    err = out.splitlines()[-1]
+    assert err.startswith(f"error: checkpoint file {model} is damaged (PytorchStreamReader"), out
+    assert "CheckpointError" not in err and "echo iter_0000001 >" in err
+    assert _snapshot(run) == before

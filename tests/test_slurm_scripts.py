@@ -78,7 +78,8 @@ def test_sweep_dry_run_submits_a_table_with_the_cluster_partition(tmp_path):
     import os
 
     env_file = tmp_path / "cluster.env"
-    env_file.write_text("REPRO_PARTITION=gpu\nREPRO_ACCOUNT=proj42\n")
+    env_file.write_text("REPRO_PARTITION=gpu\nREPRO_ACCOUNT=proj42\nREPRO_RUNS_DIR=/shared/runs\n"
+                        "REPRO_DATA_DIR=/shared/data\n")
     out = _repro("slurm", "sweep", "table1-tp", "--dry-run", env={**os.environ, "REPRO_CLUSTER_ENV": str(env_file)})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

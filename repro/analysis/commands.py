@@ -37,12 +37,15 @@ def run_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:
 
 def _report(args) -> int:
     from repro.analysis.notebook import NOTEBOOKS, NotebookError
-    from repro.analysis.runs import resolve_uri, run_counts
+    from repro.analysis.runs import StoreError, resolve_uri, run_counts
     from repro.cli import UserError
     from repro.tracking.store import project_root
 
     uri = resolve_uri(args.tracking_uri)
-    counts = run_counts(uri)
+    try:
+        counts = run_counts(uri)
+    except StoreError as err:
+        raise UserError(str(err)) from None
     if not any(counts.values()):
         raise UserError(empty_store_message(uri, counts))
     print(f"tracking store {uri}: " + ", ".join(f"{k} {v} run(s)" for k, v in counts.items()))

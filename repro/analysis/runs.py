@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 import pandas as pd
 
@@ -13,6 +14,34 @@ from repro.models.sizes import SIZES
 
 FAMILY_EXPERIMENTS = ("scaling", "gpt2", "zero-shot", "bert")
 PROVENANCE_KEYS = ("device_name", "world_size", "precision", "git_sha")
+SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "file", "databricks")
+URI_FIX = "use sqlite:///PATH/mlflow.db or http://HOST:PORT (--tracking-uri or MLFLOW_TRACKING_URI)"
+
+
+class StoreError(RuntimeError):
+    """A tracking URI that cannot be read; the message names it and the fix."""
+
+
+def check_uri(uri: str) -> None:
+    """A StoreError for a plain path or a scheme MLflow has no store for."""
+    if "://" not in uri:
+        raise StoreError(f"tracking URI {uri!r} is a path, not a URI. Fix: sqlite:///{Path(uri).resolve()} "
+                         f"for a sqlite store file, or {URI_FIX}")
+    scheme = uri.split("://", 1)[0].split("+", 1)[0]
+    if scheme not in SCHEMES:
+        raise StoreError(f"tracking URI {uri!r} has the unknown scheme {scheme}://. Fix: {URI_FIX}")
+
+
+@contextmanager
+def store_errors(uri: str):
+    """MLflow and connection failures as a StoreError naming the store (fails within ~15 s)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except (MlflowException, OSError) as err:
+        raise StoreError(f"tracking store {uri} could not be read: {str(err)[:300]}. Fix: start the "
+                         f"server, or {URI_FIX} naming a reachable store") from None
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -29,9 +58,14 @@ def _sqlite_file(uri: str) -> Path | None:
 
 
 def client(uri: str):
-    """An MlflowClient for `uri` (does not create a missing sqlite file: check store_exists first)."""
+    """An MlflowClient for `uri` (does not create a missing sqlite file: check store_exists first);
+    an unreachable server fails after one quick retry instead of minutes of them."""
     from mlflow import MlflowClient
 
+    from repro.tracking.logger import _quiet_http_retries
+
+    check_uri(uri)
+    _quiet_http_retries()
     return MlflowClient(tracking_uri=uri)
 
 
@@ -42,14 +76,17 @@ def store_exists(uri: str) -> bool:
 
 
 def run_counts(uri: str, experiments: tuple[str, ...] = FAMILY_EXPERIMENTS) -> dict[str, int]:
-    """Runs per experiment name (0 when the experiment or the store does not exist)."""
+    """Runs per experiment name (0 when the experiment or the store does not exist); a StoreError
+    for a bad URI or an unreachable store."""
+    check_uri(uri)
     if not store_exists(uri):
         return {name: 0 for name in experiments}
     mc = client(uri)
     counts = {}
-    for name in experiments:
-        exp = mc.get_experiment_by_name(name)
-        counts[name] = len(mc.search_runs([exp.experiment_id], max_results=1000)) if exp else 0
+    with store_errors(uri):
+        for name in experiments:
+            exp = mc.get_experiment_by_name(name)
+            counts[name] = len(mc.search_runs([exp.experiment_id], max_results=1000)) if exp else 0
     return counts
 
 

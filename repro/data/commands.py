@@ -23,8 +23,12 @@ def _fetch(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from repro.data.fetch import data_dir_from_env
     from repro.data.filters import FilterOptions
+    from repro.cli import UserError
     from repro.data.preprocess import PrepareOptions, prepare
 
+    if not 0 < args.dedup_threshold <= 1:
+        raise UserError(f"--dedup-threshold {args.dedup_threshold} is not a Jaccard similarity in (0, 1]. "
+                        "Fix: e.g. --dedup-threshold 0.7 (the default), or --no-dedup")
     filters = FilterOptions(min_tokens=args.min_tokens, dedup=not args.no_dedup,
                             dedup_threshold=args.dedup_threshold,
                             eval_overlap=not args.no_eval_filter, min_matches=args.eval_min_matches)
@@ -32,7 +36,8 @@ def _prepare(args: argparse.Namespace) -> int:
         input=Path(args.input), output_prefix=args.output_prefix, tokenizer=args.tokenizer,
         data_dir=Path(args.data_dir) if args.data_dir else data_dir_from_env(),
         workers=args.workers, input_format=args.format, json_key=args.json_key,
-        layout=args.layout, split=args.split, filters=filters, progress=not args.no_progress)
+        layout=args.layout, split=args.split, filters=filters, progress=not args.no_progress,
+        overwrite=args.overwrite)
     report = prepare(opts)
     print(f"documents {report.documents}: kept {report.kept}, under {filters.min_tokens} tokens "
           f"{report.too_short}, eval overlap {report.eval_overlap}, near-duplicates "
@@ -48,6 +53,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize, filter and split text into indexed datasets")
     p.add_argument("--input", required=True, help="JSON lines with a 'text' key, or plain text")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{train,valid,test}")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset at PREFIX (swapped in only once complete)")
     p.add_argument("--tokenizer", choices=("gpt2", "bert"), default="gpt2")
     p.add_argument("--data-dir", help=f"vocab and eval sets (REPRO_DATA_DIR, {DEFAULT_DATA_DIR})")
     p.add_argument("--workers", type=int, default=2)

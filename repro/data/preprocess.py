@@ -51,6 +51,7 @@ class PrepareOptions:
     filters: FilterOptions = field(default_factory=FilterOptions)
     progress: bool = True
     chunk_docs: int = 16  # documents per task sent to a worker
+    overwrite: bool = False  # replace an existing dataset at output_prefix
 
 
 @dataclass
@@ -207,32 +208,60 @@ def _check_kept(opts: PrepareOptions, report: PrepareReport) -> None:
                         "near-duplicates). Fix: lower --min-tokens or disable a filter")
 
 
+def output_files(prefix: str) -> list[Path]:
+    """Every file `prepare` writes for PREFIX."""
+    return [Path(f"{prefix}_{n}{x}") for n in SPLIT_NAMES for x in (".bin", ".idx")] + [Path(f"{prefix}_prepare.json")]
+
+
+def _check_input(opts: PrepareOptions) -> None:
+    if opts.input.is_dir():
+        raise DataError(f"--input {opts.input} is a directory, not a file. Fix: give one JSON-lines or "
+                        f"text file, e.g. `cat {opts.input}/*.jsonl > corpus.jsonl`")
+    read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)
+
+
+def _check_outputs(opts: PrepareOptions) -> None:
+    existing = [str(p) for p in output_files(opts.output_prefix) if p.exists()]
+    if existing and not opts.overwrite:
+        raise DataError(f"--output-prefix {opts.output_prefix}: a dataset is already there "
+                        f"({', '.join(existing)}). Fix: choose another --output-prefix, or pass "
+                        "--overwrite to replace it")
+
+
 def prepare(opts: PrepareOptions) -> PrepareReport:
-    """Tokenize, filter and split opts.input into PREFIX_{train,valid,test}.{bin,idx}."""
+    """Tokenize, filter and split opts.input into PREFIX_{train,valid,test}.{bin,idx}.
+
+    Everything is written under temporary names and renamed into place at the end, so a failure
+    leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite)."""
     weights = parse_split(opts.split)
-    read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)  # input errors first
+    _check_input(opts)  # input errors first
+    _check_outputs(opts)
     tokenizer = build_tokenizer(opts.tokenizer, opts.data_dir)
     Path(opts.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{os.getpid()}"
+    staged = f"{opts.output_prefix}.tmp{os.getpid()}"
     try:
         report = _tokenize_all(opts, tokenizer, tmp_prefix)
         _check_kept(opts, report)
         unsplit = IndexedDataset(tmp_prefix)
         bounds = split_bounds(weights, unsplit.num_documents)
         for name, lo, hi in zip(SPLIT_NAMES, bounds, bounds[1:]):
-            copy_documents(unsplit, lo, hi, f"{opts.output_prefix}_{name}")
+            copy_documents(unsplit, lo, hi, f"{staged}_{name}")
             report.outputs[f"{opts.output_prefix}_{name}"] = hi - lo
         del unsplit
+        _write_report(opts, report, Path(f"{staged}_prepare.json"))
+        for src, dst in zip(output_files(staged), output_files(opts.output_prefix)):
+            os.replace(src, dst)
     finally:
-        for suffix in (".bin", ".idx"):
-            Path(tmp_prefix + suffix).unlink(missing_ok=True)
-    _write_report(opts, report)
+        for path in [Path(tmp_prefix + ".bin"), Path(tmp_prefix + ".idx"), *output_files(staged)]:
+            path.unlink(missing_ok=True)
     return report
 
 
-def _write_report(opts: PrepareOptions, report: PrepareReport) -> None:
+def _write_report(opts: PrepareOptions, report: PrepareReport, path: Path) -> None:
+    from repro.train.checkpoint import write_atomic
+
     record = {"options": {k: str(v) for k, v in asdict(opts).items() if k != "filters"},
               "filters": asdict(opts.filters), "report": asdict(report),
               "tokens_per_s": report.tokens_per_s}
-    path = Path(f"{opts.output_prefix}_prepare.json")
-    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_atomic(path, (json.dumps(record, indent=2) + "\n").encode())

@@ -90,7 +90,36 @@ def _process_groups(tp: int):
     return ProcessGroups.single()
 
 
-def _load(checkpoint: Path, pg):
+def _checkpoint(path: Path) -> Path:
+    """The GPT checkpoint directory `path` names; a UserError for none or another family's."""
+    from repro.train.checkpoint import CheckpointError, read_meta, resolve
+
+    try:
+        ckpt = resolve(path)
+        family = read_meta(ckpt).get("family", "gpt")
+    except CheckpointError as err:
+        raise UserError(str(err)) from err
+    if family != "gpt":
+        raise UserError(f"{path} is a {family.upper()} checkpoint; zero-shot eval needs a GPT. "
+                        f"BERT is evaluated by `repro finetune race --checkpoint {path} ...`")
+    return ckpt
+
+
+def _out_path(out: str | None, ckpt: Path) -> Path:
+    """--out, else zero_shot.jsonl in the training run's directory; checked before evaluating."""
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+    path = Path(out) if out else run_dir / "zero_shot.jsonl"
+    if path.is_dir():
+        raise UserError(f"--out {path} is a directory: give a file, e.g. --out {path / 'zero_shot.jsonl'}")
+    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if parent != path.absolute() and not parent.is_dir():
+        raise UserError(f"--out {path}: {parent} is a file, not a directory. Fix: give a path in a directory")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"--out {path}: {parent} is not writable. Fix: give a writable path")
+    return path
+
+
+def _load(ckpt: Path, pg):
     """The model and its training run id, through the trainer's checkpoint module."""
     import torch
 
@@ -98,7 +127,7 @@ def _load(checkpoint: Path, pg):
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        return load_model_for_eval(checkpoint, pg, device).eval(), checkpoint_run_id(checkpoint)
+        return load_model_for_eval(ckpt, pg, device).eval(), checkpoint_run_id(ckpt)
     except CheckpointError as err:
         raise UserError(str(err)) from err
 
@@ -117,7 +146,9 @@ def _handle(args) -> int:
     from repro.data.tokenizers import build_tokenizer
 
     opts, pg = _options(args), _process_groups(args.tp)
-    model, run_id = _load(Path(args.checkpoint), pg)
+    ckpt = _checkpoint(Path(args.checkpoint))
+    out = _out_path(args.out, ckpt)
+    model, run_id = _load(ckpt, pg)
     runner = run_wikitext if args.task == "wikitext" else run_lambada
     try:
         record = runner(model, pg, build_tokenizer("gpt2", opts.data_dir), opts)
@@ -127,10 +158,21 @@ def _handle(args) -> int:
     record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
     if pg.rank == 0:
         print(format_table(record))
-        write_json(record, Path(args.out) if args.out else Path(args.checkpoint) / "zero_shot.jsonl")
+        write_json(record, out)
         if not args.no_mlflow:
-            print(f"mlflow run {log_to_mlflow(record)} (experiment zero-shot)")
+            print(f"mlflow run {_log(record, out)} (experiment zero-shot)")
     return 0
+
+
+def _log(record: EvalRecord, out: Path) -> str:
+    from repro.tracking.logger import TrackingError
+
+    try:
+        return log_to_mlflow(record)
+    except TrackingError as err:
+        raise UserError(f"{err}. The results are saved in {out}. To retry, start the server (or set "
+                        "MLFLOW_TRACKING_URI to a reachable store) and rerun this command (it appends "
+                        "one more line to that file), or add --no-mlflow to skip tracking") from None
 
 
 def register(subparsers) -> None:
@@ -154,6 +196,7 @@ def register(subparsers) -> None:
     parser.add_argument("--megatron-split", action="store_true",
                         help="lambada: last word = text.split()[-1] (Megatron code) instead of the jsonl's")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--out", default=None, help="JSON-lines file (default: CHECKPOINT/zero_shot.jsonl)")
+    parser.add_argument("--out", default=None,
+                        help="JSON-lines file, appended to (default: zero_shot.jsonl in the training run's directory)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     parser.set_defaults(func=_handle)

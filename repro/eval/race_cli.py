@@ -80,17 +80,30 @@ def model_config(args, vocab_size: int) -> tuple[BertConfig, dict | None]:
     if args.model_config:
         from omegaconf import OmegaConf
 
+        if not Path(args.model_config).is_file():
+            raise UserError(f"--model-config {args.model_config} does not exist. Fix: give a YAML file with "
+                            "a model: block, e.g. experiments/bert/tiny_cpu.yaml")
         block = OmegaConf.to_container(OmegaConf.load(args.model_config).get("model", {}))
         known = {f.name for f in fields(BertConfig)}
         cfg = BertConfig(**{k: v for k, v in block.items() if k in known})
     else:
-        from repro.models.sizes import get_size
-
-        cfg = BertConfig(**get_size(args.size).model_config().__dict__)
+        cfg = BertConfig(**_bert_size(args.size).model_config().__dict__)
     cfg.vocab_size = vocab_size
     print(f"warning: no --checkpoint: fine-tuning a randomly initialised BERT ({cfg.num_layers} layers, "
           f"hidden {cfg.hidden_size})")
     return cfg, None
+
+
+def _bert_size(name: str):
+    """The named BERT size, or a UserError listing them (--size builds the model only without
+    --checkpoint and --model-config; otherwise it is a label and picks the paper's batch/lr)."""
+    from repro.models.sizes import SIZES
+
+    berts = [n for n, s in SIZES.items() if s.family == "bert"]
+    if name not in berts:
+        raise UserError(f"--size {name} is not a BERT size. Fix: choose one of {', '.join(berts)}, "
+                        "or give --checkpoint or --model-config for another model")
+    return SIZES[name]
 
 
 def shorten(cfg: BertConfig, state: dict | None, seq_length: int) -> tuple[BertConfig, dict | None]:
@@ -124,6 +137,7 @@ def _device():
 def run(args) -> int:
     """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; report the median seed."""
     from repro.eval.race_finetune import options_for, print_report, run_seed, write_results
+    from repro.train.checkpoint import CheckpointError
 
     try:
         root = race_dir_from_env(args.race_dir)
@@ -132,6 +146,9 @@ def run(args) -> int:
         cfg, state = shorten(*model_config(args, tok.vocab_size), args.seq_length)
     except (RaceFormatError, FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
+    except CheckpointError as err:
+        raise UserError(f"--checkpoint {args.checkpoint}: {err} (fine-tuning needs a BERT `repro train` "
+                        "run)") from None
     splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
     pg = _groups(args.tp)
     device = _device()

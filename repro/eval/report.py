@@ -71,18 +71,26 @@ def _link_tags(mlflow, training_run_id: str | None, experiment_id: str) -> dict[
 
 
 def log_to_mlflow(record: EvalRecord, tracking_uri: str | None = None) -> str:
-    """Log the record as a run of the "zero-shot" experiment; returns the run id."""
+    """Log the record as a run of the "zero-shot" experiment; returns the run id. An unreachable or
+    failing store is a TrackingError naming the URI within seconds (one quick HTTP retry)."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
+    from repro.tracking.logger import TrackingError, _quiet_http_retries
     from repro.tracking.store import default_tracking_uri
 
-    mlflow.set_tracking_uri(tracking_uri or default_tracking_uri())
-    experiment_id = _experiment_id(mlflow)
-    tags = {"task": record.task, **_link_tags(mlflow, record.training_run_id, experiment_id)}
-    with mlflow.start_run(experiment_id=experiment_id, run_name=f"{record.task}", tags=tags) as run:
-        mlflow.log_params({k: str(v) for k, v in record.params.items()})
-        mlflow.log_metrics({_metric_name(record.task, k): float(v) for k, v in record.metrics.items()})
-        return run.info.run_id
+    uri = tracking_uri or default_tracking_uri()
+    _quiet_http_retries()
+    try:
+        mlflow.set_tracking_uri(uri)
+        experiment_id = _experiment_id(mlflow)
+        tags = {"task": record.task, **_link_tags(mlflow, record.training_run_id, experiment_id)}
+        with mlflow.start_run(experiment_id=experiment_id, run_name=f"{record.task}", tags=tags) as run:
+            mlflow.log_params({k: str(v) for k, v in record.params.items()})
+            mlflow.log_metrics({_metric_name(record.task, k): float(v) for k, v in record.metrics.items()})
+            return run.info.run_id
+    except (MlflowException, OSError) as err:
+        raise TrackingError(f"logging to MLflow at {uri} failed: {str(err)[:300]}") from None
 
 
 def _metric_name(task: str, key: str) -> str:

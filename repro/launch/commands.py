@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from repro.launch.scripts import TABLES, cluster_settings, table_scripts
+from repro.launch.scripts import TABLES, ClusterEnvError, check_required, cluster_settings, table_scripts
 
 
 def _user_error(msg: str):
@@ -70,11 +70,21 @@ def sbatch_command(script: Path, extra: list[str], settings: dict[str, str]) -> 
     return cmd + [str(script), *extra]
 
 
+def _settings() -> dict[str, str]:
+    """The cluster settings, complete enough for launch.sh, or a UserError naming the fix."""
+    try:
+        settings = cluster_settings()
+        check_required(settings)
+    except ClusterEnvError as err:
+        raise _user_error(str(err)) from None
+    return settings
+
+
 def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
     """Submit one job script from the repository root; returns the job id ('' on a dry run)."""
     if not script.exists():
         raise _user_error(f"{script} does not exist: see `ls slurm/`")
-    settings = cluster_settings()
+    settings = _settings()
     cmd = sbatch_command(script, extra, settings)
     print(" ".join(cmd))
     if dry_run:
@@ -142,7 +152,7 @@ def register(sub) -> None:
     s.add_argument("--dry-run", action="store_true", help="print the sbatch command only")
     s.set_defaults(func=_submit)
     w = ssub.add_parser("sweep", help=f"submit every run of a paper table: {', '.join(sorted(TABLES))}")
-    w.add_argument("table")
+    w.add_argument("table", help=f"one of {', '.join(sorted(TABLES))}")
     w.add_argument("args", nargs="*", help="passed to every script")
     w.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
     w.set_defaults(func=_sweep)

@@ -66,11 +66,38 @@ def table_scripts(table: str) -> list[Path]:
     return [slurm_dir() / f"{name}.sh" for name in TABLES[table]]
 
 
+class ClusterEnvError(ValueError):
+    """A cluster.env that launch.sh would refuse; the message names the file and the fix."""
+
+
 def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
-    """The environment as launch.sh sees it: os.environ plus slurm/cluster.env (sourced by bash)."""
-    path = env_file or Path(os.environ.get("REPRO_CLUSTER_ENV", slurm_dir() / "cluster.env"))
+    """The environment as launch.sh sees it: os.environ plus slurm/cluster.env, sourced by bash with
+    launch.sh's `set -eu`. A file named by REPRO_CLUSTER_ENV (or env_file) must exist; the default
+    slurm/cluster.env may be absent (everything then comes from the environment)."""
+    named = env_file or os.environ.get("REPRO_CLUSTER_ENV")
+    path = Path(named) if named else slurm_dir() / "cluster.env"
     if not path.exists():
+        if named:
+            raise ClusterEnvError(f"REPRO_CLUSTER_ENV={path} does not exist. Fix: "
+                                  f"`cp slurm/cluster.env.example {path}` and edit it, or unset REPRO_CLUSTER_ENV")
         return dict(os.environ)
-    out = subprocess.run(["bash", "-c", 'set -a; source "$1"; env -0', "_", str(path)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(["bash", "-c", 'set -eu; set -a; source "$1"; set +a; env -0', "_", str(path)],
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise ClusterEnvError(f"{path} failed when sourced by bash (exit {out.returncode}): "
+                              f"{out.stderr.strip() or 'no message'}. Fix: correct that line; "
+                              "slurm/cluster.env.example shows the format")
     return dict(item.split("=", 1) for item in out.stdout.split("\0") if "=" in item)
+
+
+REQUIRED = {"REPRO_RUNS_DIR": "the shared directory for run directories",
+            "REPRO_DATA_DIR": "the shared data directory filled by `repro data fetch`"}
+
+
+def check_required(settings: dict[str, str]) -> None:
+    """A ClusterEnvError naming what launch.sh needs (`need ...`) and the settings lack."""
+    missing = [f"{k} ({what})" for k, what in REQUIRED.items() if not settings.get(k)]
+    if missing:
+        raise ClusterEnvError(f"{'; '.join(missing)} not set: every job would fail in launch.sh. Fix: "
+                              "`cp slurm/cluster.env.example slurm/cluster.env` and set them there "
+                              "(or export them before submitting)")

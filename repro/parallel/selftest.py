@@ -74,6 +74,10 @@ def _run(args) -> int:
             return 0
         rows, world = merge(gathered), pg.dims.world_size
     else:
+        if args.nproc < 1:
+            from repro.cli import UserError
+
+            raise UserError(f"--nproc {args.nproc}: spawn at least one rank. Fix: e.g. --nproc 2")
         world = args.nproc
         rows = merge(run_ranks(rank_main, world, world, timeout=args.timeout, backend=backend))
     print_table(rows, f"repro selftest: {world} ranks, {backend}, torch {torch.__version__}")

@@ -37,7 +37,12 @@ def _bench(args) -> int:
 
 
 def _scaling(args) -> int:
+    from repro.cli import UserError
     from repro.perf.scaling_model import write_tables
 
+    blocking = next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"--out {args.out}: {blocking} is a file, not a directory (the tables are written "
+                        "into a directory). Fix: give a directory path, e.g. --out results/scaling_model")
     print(write_tables(args.out))
     return 0

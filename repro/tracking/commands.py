@@ -5,20 +5,26 @@ from __future__ import annotations
 
 def _sync(args) -> int:
     from repro.cli import UserError
-    from repro.tracking.logger import sync_run
-    from repro.tracking.store import default_tracking_uri
+    from repro.tracking.logger import TrackingError, sync_run
 
     try:
-        run_id = sync_run(args.run_dir)
-    except FileNotFoundError as err:
+        result = sync_run(args.run_dir)
+    except TrackingError as err:
         raise UserError(str(err)) from None
-    print(f"uploaded {args.run_dir} as MLflow run {run_id} to {default_tracking_uri()}")
+    if result.note:
+        print(f"note: {result.note}; uploading as a new run")
+    if result.action == "up to date":
+        print(f"{args.run_dir} is already in MLflow run {result.run_id} at {result.uri}: nothing to sync")
+    else:
+        print(f"{result.action} MLflow run {result.run_id} at {result.uri} from {args.run_dir} "
+              f"({result.metrics_sent} metric values sent)")
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser("tracking", help="MLflow tracking utilities")
     tsub = p.add_subparsers(dest="tracking_command", required=True)
-    s = tsub.add_parser("sync", help="upload a run directory's params, metrics and artifacts")
+    s = tsub.add_parser("sync", help="upload a run directory's params, metrics and artifacts "
+                                     "(into its MLflow run when the store has it; never twice)")
     s.add_argument("run_dir")
     s.set_defaults(func=_sync)

@@ -11,9 +11,41 @@ import json
 import os
 import time
 import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from repro.tracking.store import default_artifact_location, default_tracking_uri
+
+RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
+UNSYNCED_FILE = "tracking_unsynced"  # present while metrics.jsonl holds rows MLflow may lack
+
+
+class TrackingError(RuntimeError):
+    """A run directory or tracking store that cannot be used; the message names it and the fix."""
+
+
+def _write_text(path: Path, text: str) -> None:
+    from repro.train.checkpoint import write_atomic
+
+    write_atomic(path, text.encode())
+
+
+def recorded_run_id(run_dir: str | Path) -> str | None:
+    """The MLflow run id named by `<run_dir>/mlflow_run_id` (written by the logger and by sync)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def _drop_partial_row(path: Path) -> None:
+    """Cut a killed run's unfinished last line, so a resumed run appends whole rows after it."""
+    data = path.read_bytes() if path.exists() else b""
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        warnings.warn(f"{path}: dropped an unfinished last line ({len(data) - cut} bytes) left by a "
+                      "killed run", stacklevel=3)
+        with open(path, "r+b") as handle:
+            handle.truncate(cut)
 
 
 def _quiet_http_retries() -> None:
@@ -50,9 +82,10 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        (self.run_dir / "params.json").write_text(json.dumps(params, indent=1, sort_keys=True))
-        (self.run_dir / "tags.json").write_text(json.dumps({**tags, "experiment": experiment,
-                                                            "run_name": run_name}, indent=1))
+        _drop_partial_row(self.metrics_path)
+        _write_text(self.run_dir / "params.json", json.dumps(params, indent=1, sort_keys=True))
+        _write_text(self.run_dir / "tags.json", json.dumps({**tags, "experiment": experiment,
+                                                           "run_name": run_name}, indent=1))
         self.run_id: str | None = None
         self._mlflow = None
         self._pending: list = []  # MLflow Metric rows not yet sent
@@ -72,7 +105,7 @@ class RunLogger:
                 run = start_mlflow_run(experiment, run_name, tags)
                 mlflow.log_params(params)
             self._mlflow, self.run_id = mlflow, run.info.run_id
-            (self.run_dir / "mlflow_run_id").write_text(self.run_id)
+            _write_text(self.run_dir / RUN_ID_FILE, self.run_id)
         except Exception as err:  # tracking must never stop training
             self._disable(err)
 
@@ -81,7 +114,7 @@ class RunLogger:
                       f"metrics continue in {self.metrics_path}; upload later with "
                       f"`repro tracking sync {self.run_dir}`", stacklevel=3)
         self._mlflow = None
-        (self.run_dir / "tracking_unsynced").write_text(str(err)[:1000])
+        (self.run_dir / UNSYNCED_FILE).write_text(str(err)[:1000])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Append to metrics.jsonl now; queue for MLflow, sent in batches every `FLUSH_SECONDS`
@@ -141,29 +174,158 @@ def send_metrics(client, run_id: str, metrics: list, chunk: int = 1000) -> None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """Every line of a run directory's metrics.jsonl."""
+    """Every row of a run directory's metrics.jsonl ([] without one). A truncated last line (what a
+    killed run leaves) is skipped with a warning; a bad line before it is a TrackingError."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for n, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if n != lines[-1][0]:
+                raise TrackingError(f"{path}:{n} is not JSON ({err}). Fix: delete or repair that line; "
+                                    "every line must be one JSON object") from None
+            warnings.warn(f"{path}:{n}: skipped a truncated last line (the run was killed while "
+                          "writing it)", stacklevel=2)
+    return rows
 
 
-def sync_run(run_dir: str | Path) -> str:
-    """Upload a run directory that was logged while MLflow was unreachable; returns the run id."""
-    import mlflow
+@dataclass(frozen=True)
+class SyncResult:
+    """What `sync_run` did: `created` a run, `updated` the named one, or found it `up to date`."""
+
+    run_id: str
+    action: str
+    metrics_sent: int
+    uri: str
+    note: str = ""
+
+
+def _load_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise TrackingError(f"{path} is missing: it holds the run's {what}. Fix: give the run directory "
+                            "written by `repro train` (params.json, tags.json, metrics.jsonl)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise TrackingError(f"{path} is not valid JSON ({err}). Fix: restore it from the run's "
+                            "artifacts/ or rerun `repro train` in that directory") from None
+
+
+def _read_run_dir(run_dir: Path) -> tuple[dict, dict, list[dict]]:
+    """params, tags and metric rows, all checked before MLflow is contacted."""
+    if not run_dir.is_dir():
+        raise TrackingError(f"{run_dir} is not a directory: give the run directory of `repro train`")
+    params = _load_json(run_dir / "params.json", "parameters")
+    tags = _load_json(run_dir / "tags.json", "experiment and run name")
+    missing = [k for k in ("experiment", "run_name") if k not in tags]
+    if missing:
+        raise TrackingError(f"{run_dir / 'tags.json'} lacks {', '.join(missing)}. Fix: add them, e.g. "
+                            '{"experiment": "scaling", "run_name": "scale_1b"}')
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise TrackingError(f"{run_dir / 'metrics.jsonl'} is missing: there are no metrics to upload. "
+                            "Fix: give a run directory whose training logged at least one step")
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise TrackingError(f"{run_dir / 'metrics.jsonl'} holds no metrics: nothing to upload")
+    return params, tags, rows
+
+
+@contextmanager
+def _tracking_errors(uri: str, run_dir: Path):
+    """MLflow and connection failures as a TrackingError naming the store and the retry."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except (MlflowException, OSError) as err:
+        raise TrackingError(f"MLflow tracking store {uri} failed: {str(err)[:300]}. Fix: start the "
+                            "server or set MLFLOW_TRACKING_URI to a reachable store, then rerun "
+                            f"`repro tracking sync {run_dir}` (it does not upload a row twice)") from None
+
+
+def _existing_run(client, run_id: str | None):
+    """The named run when the store holds it (and it is not deleted), else None."""
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return None
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return None if run.info.lifecycle_stage == "deleted" else run
+
+
+def _create_run(client, run_dir: Path, tags: dict):
+    """A new run; its id is recorded (with the unsynced marker) first, so a broken sync resumes into it."""
+    experiment = tags["experiment"]
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        experiment, artifact_location=default_artifact_location(experiment))
+    rest = {k: str(v) for k, v in tags.items() if k not in ("experiment", "run_name")}
+    run = client.create_run(exp_id, run_name=tags["run_name"], tags={**rest, "synced_from": str(run_dir)})
+    _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
+    if not (run_dir / UNSYNCED_FILE).exists():
+        (run_dir / UNSYNCED_FILE).write_text("sync in progress")
+    return run
+
+
+def _metric_rows(rows: list[dict]) -> list:
     from mlflow.entities import Metric
 
+    return [Metric(clean_metric_name(k), float(v), int(row["time"] * 1000), row["step"])
+            for row in rows for k, v in row.items() if k not in ("step", "time")]
+
+
+def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> int:
+    """Log the params and metric rows the run lacks (a row = key, step, timestamp), and artifacts/."""
+    from mlflow.entities import Param
+
+    run_id = run.info.run_id
+    new_params = [Param(k, str(v)) for k, v in params.items() if k not in run.data.params]
+    for i in range(0, len(new_params), 100):  # MLflow's per-request limit for params
+        client.log_batch(run_id, params=new_params[i:i + 100])
+    metrics = _metric_rows(rows)
+    logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
+              for m in client.get_metric_history(run_id, key)}
+    new = [m for m in metrics if (m.key, m.step, m.timestamp) not in logged]
+    send_metrics(client, run_id, new)
+    if (run_dir / "artifacts").is_dir():
+        client.log_artifacts(run_id, str(run_dir / "artifacts"))
+    if run.data.tags.get("synced_from") == str(run_dir) and run.info.status != "FINISHED":
+        client.set_terminated(run_id, "FINISHED")  # a run this command created
+    return len(new)
+
+
+def sync_run(run_dir: str | Path) -> SyncResult:
+    """Upload a run directory logged while MLflow was unreachable (or with tracking off).
+
+    Safe to repeat, and never a duplicate: when `mlflow_run_id` names a run the store holds, that run
+    is used. Without a `tracking_unsynced` marker it is up to date and nothing is sent; with one, only
+    the params and metric rows it lacks are logged into it (a live run that lost its server is
+    completed, and a resumed run keeps one MLflow run). Otherwise a new run is created and its id
+    written to `mlflow_run_id` before the upload, so an interrupted sync resumes into it. The run
+    directory is read and checked completely before MLflow is contacted."""
     run_dir = Path(run_dir)
-    if not (run_dir / "params.json").exists():
-        raise FileNotFoundError(f"{run_dir} has no params.json: give the run directory of `repro train`")
-    params = json.loads((run_dir / "params.json").read_text())
-    tags = json.loads((run_dir / "tags.json").read_text())
-    experiment, run_name = tags.pop("experiment"), tags.pop("run_name")
-    with start_mlflow_run(experiment, run_name, {**tags, "synced_from": str(run_dir)}) as run:
-        mlflow.log_params(params)
-        metrics = [Metric(clean_metric_name(k), float(v), int(row["time"] * 1000), row["step"])
-                   for row in read_metrics(run_dir) for k, v in row.items() if k not in ("step", "time")]
-        send_metrics(mlflow.MlflowClient(), run.info.run_id, metrics)
-        if (run_dir / "artifacts").exists():
-            mlflow.log_artifacts(str(run_dir / "artifacts"))
-    (run_dir / "mlflow_run_id").write_text(run.info.run_id)
-    (run_dir / "tracking_unsynced").unlink(missing_ok=True)
-    return run.info.run_id
+    params, tags, rows = _read_run_dir(run_dir)
+    uri, named = default_tracking_uri(), recorded_run_id(run_dir)
+    _quiet_http_retries()
+    with _tracking_errors(uri, run_dir):
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        run = _existing_run(client, named)
+        if run is not None and not (run_dir / UNSYNCED_FILE).exists():
+            return SyncResult(run.info.run_id, "up to date", 0, uri)
+        note = f"{RUN_ID_FILE} named run {named}, which {uri} does not hold" if named and run is None else ""
+        action = "updated" if run is not None else "created"
+        run = run or _create_run(client, run_dir, tags)
+        sent = _upload(client, client.get_run(run.info.run_id), run_dir, params, rows)
+    (run_dir / UNSYNCED_FILE).unlink(missing_ok=True)
+    return SyncResult(run.info.run_id, action, sent, uri, note)

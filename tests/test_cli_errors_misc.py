@@ -1,0 +1,315 @@
+"""Bad input to the smaller commands (tracking sync, report, data prepare, slurm, selftest, eval,
+finetune race, scaling-model): exit code 2, a message naming the problem and the fix, nothing
+already written changed."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from eval_helpers import mirror
+
+ROOT = Path(__file__).resolve().parents[1]
+UNREACHABLE = "http://127.0.0.1:9"
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from repro.cli import main
+
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# --- repro tracking sync ---------------------------------------------------------------------------
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def _offline_run(run_dir: Path, steps: int = 3) -> Path:
+    """A run directory as `repro train` leaves it when MLflow was unreachable."""
+    from repro.tracking.logger import RunLogger
+
+    with pytest.warns(UserWarning, match="MLflow tracking unavailable"):
+        logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {"family": "gpt"},
+                           use_mlflow=False)
+        logger._disable(RuntimeError("server down"))
+    for step in range(1, steps + 1):
+        logger.log_metrics({"loss": 1.0 / step}, step)
+    logger.close()
+    return run_dir
+
+
+def _runs(uri: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("exp-sync")
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+def test_sync_twice_and_a_live_run_never_duplicate(tmp_path, store, capsys):
+    from mlflow import MlflowClient
+
+    from repro.tracking.logger import RunLogger
+
+    run_dir = _offline_run(tmp_path / "run")
+    assert _cli(capsys, "tracking", "sync", str(run_dir))[0] == 0
+    first = (run_dir / "mlflow_run_id").read_text()
+    rc, out, _ = _cli(capsys, "tracking", "sync", str(run_dir))
+    assert rc == 0 and "nothing to sync" in out and first in out
+    assert [r.info.run_id for r in _runs(store)] == [first] == [(run_dir / "mlflow_run_id").read_text()]
+    # a live run: already in the store, so sync changes nothing
+    with RunLogger(tmp_path / "live", "exp-sync", "live", {"lr": "0.1"}, {}) as live:
+        live.log_metrics({"loss": 2.0}, 1)
+    rc, out, _ = _cli(capsys, "tracking", "sync", str(tmp_path / "live"))
+    assert rc == 0 and "nothing to sync" in out and len(_runs(store)) == 2
+    # the live run lost its server after step 1: sync completes that run, sending only step 2
+    (tmp_path / "live" / "tracking_unsynced").write_text("down")
+    with open(tmp_path / "live" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "time": time.time(), "loss": 1.5}) + "\n")
+    rc, out, _ = _cli(capsys, "tracking", "sync", str(tmp_path / "live"))
+    assert rc == 0 and f"updated MLflow run {live.run_id}" in out and "1 metric values" in out
+    assert [m.step for m in MlflowClient(store).get_metric_history(live.run_id, "loss")] == [1, 2]
+    assert len(_runs(store)) == 2 and not (tmp_path / "live" / "tracking_unsynced").exists()
+
+
+def test_a_synced_run_resumes_into_the_same_mlflow_run(tmp_path, store, capsys):
+    """What repro.train.loop does on resume, given the id sync leaves in RUN_DIR/mlflow_run_id."""
+    from mlflow import MlflowClient
+
+    from repro.tracking.logger import RunLogger, recorded_run_id
+
+    run_dir = _offline_run(tmp_path / "run")
+    assert _cli(capsys, "tracking", "sync", str(run_dir))[0] == 0
+    with RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {}, resume_run_id=recorded_run_id(run_dir)) as resumed:
+        resumed.log_metrics({"loss": 0.2}, 4)
+    assert [r.info.run_id for r in _runs(store)] == [resumed.run_id] == [recorded_run_id(run_dir)]
+    assert [m.step for m in MlflowClient(store).get_metric_history(resumed.run_id, "loss")] == [1, 2, 3, 4]
+
+
+def test_sync_skips_a_truncated_last_line_and_names_a_bad_middle_line(tmp_path, store, capsys):
+    from mlflow import MlflowClient
+
+    run_dir = _offline_run(tmp_path / "run")
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "time": 1.0, "lo')  # a killed run's last line
+    with pytest.warns(UserWarning, match="truncated last line"):
+        assert _cli(capsys, "tracking", "sync", str(run_dir))[0] == 0
+    run_id = (run_dir / "mlflow_run_id").read_text()
+    assert MlflowClient(store).get_run(run_id).info.status == "FINISHED"
+    assert len(MlflowClient(store).get_metric_history(run_id, "loss")) == 3
+    bad = _offline_run(tmp_path / "bad")
+    lines = (bad / "metrics.jsonl").read_text().splitlines()
+    (bad / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    before = _snapshot(bad)
+    rc, _, err = _cli(capsys, "tracking", "sync", str(bad))
+    assert rc == 2 and "metrics.jsonl:2 is not JSON" in err and "Fix:" in err
+    assert _snapshot(bad) == before and len(_runs(store)) == 1
+
+
+def test_a_resumed_run_drops_the_killed_runs_unfinished_row(tmp_path):
+    from repro.tracking.logger import RunLogger, read_metrics
+
+    run_dir = _offline_run(tmp_path / "run")
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "time": 1.0, "lo')
+    with pytest.warns(UserWarning, match="dropped an unfinished last line"):
+        logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {}, use_mlflow=False)
+    logger.log_metrics({"loss": 0.2}, 4)
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("missing, needle", [("metrics.jsonl", "no metrics to upload"),
+                                             ("tags.json", "experiment and run name")])
+def test_sync_names_a_missing_file(tmp_path, store, capsys, missing, needle):
+    run_dir = _offline_run(tmp_path / "run")
+    (run_dir / missing).unlink()
+    before = _snapshot(run_dir)
+    rc, _, err = _cli(capsys, "tracking", "sync", str(run_dir))
+    assert rc == 2 and f"{missing} is missing" in err and needle in err and "Fix:" in err
+    assert _snapshot(run_dir) == before and _runs(store) == []
+
+
+def test_sync_to_an_unreachable_server_names_the_uri(tmp_path, monkeypatch, capsys):
+    run_dir = _offline_run(tmp_path / "run")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+    before, start = _snapshot(run_dir), time.monotonic()
+    rc, _, err = _cli(capsys, "tracking", "sync", str(run_dir))
+    assert rc == 2 and UNREACHABLE in err and "rerun `repro tracking sync" in err
+    assert _snapshot(run_dir) == before and time.monotonic() - start < 20
+
+
+# --- repro report ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("uri, needle", [(UNREACHABLE, "could not be read"), ("foo://bar", "unknown scheme foo://"),
+                                         ("mlruns/mlflow.db", "is a path, not a URI")])
+def test_report_names_a_bad_or_unreachable_store(tmp_path, capsys, uri, needle):
+    start = time.monotonic()
+    rc, _, err = _cli(capsys, "report", "--tracking-uri", uri, "--out", str(tmp_path / "out"))
+    assert rc == 2 and needle in err and uri in err and "Fix:" in err and "Traceback" not in err
+    assert time.monotonic() - start < 15 and not (tmp_path / "out").exists()
+
+
+# --- repro data prepare ----------------------------------------------------------------------------
+
+@pytest.fixture
+def data_dir() -> Path:
+    return mirror()
+
+
+def _prepare(capsys, data_dir: Path, src: Path, prefix: Path, *extra: str) -> tuple[int, str, str]:
+    return _cli(capsys, "data", "prepare", "--input", str(src), "--output-prefix", str(prefix), "--data-dir",
+                str(data_dir), "--workers", "1", "--split", "1,0,0", "--min-tokens", "0", "--no-dedup",
+                "--no-eval-filter", "--no-progress", *extra)
+
+
+def test_prepare_refuses_to_overwrite_and_overwrite_loses_nothing_on_failure(data_dir, tmp_path, capsys):
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document number {i} " * 5}) + "\n" for i in range(6)))
+    prefix = tmp_path / "out" / "c"
+    assert _prepare(capsys, data_dir, src, prefix)[0] == 0
+    first = _snapshot(tmp_path / "out")
+    rc, _, err = _prepare(capsys, data_dir, src, prefix)
+    assert rc == 2 and "already there" in err and "c_train.bin" in err and "--overwrite" in err
+    rc, _, err = _prepare(capsys, data_dir, src, prefix, "--overwrite", "--min-tokens", "100000")
+    assert rc == 2 and "none of its 6 documents survived" in err
+    assert _snapshot(tmp_path / "out") == first  # a failed overwrite leaves the old dataset whole
+    src.write_text(json.dumps({"text": "just one other document"}) + "\n")
+    assert _prepare(capsys, data_dir, src, prefix, "--overwrite")[0] == 0
+    assert json.loads((tmp_path / "out" / "c_prepare.json").read_text())["report"]["kept"] == 1
+    assert sorted(_snapshot(tmp_path / "out")) == sorted(first)  # no temporary files left behind
+
+
+@pytest.mark.parametrize("bad, needle", [("threshold", "--dedup-threshold 2.0 is not"), ("dir", "is a directory")])
+def test_prepare_names_a_bad_threshold_or_a_directory_input(data_dir, tmp_path, capsys, bad, needle):
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"text": "a document"}) + "\n")
+    argv = ["data", "prepare", "--input", str(tmp_path if bad == "dir" else src), "--output-prefix",
+            str(tmp_path / "out" / "c"), "--data-dir", str(data_dir), "--no-progress"]
+    rc, _, err = _cli(capsys, *argv, *(["--dedup-threshold", "2"] if bad == "threshold" else []))
+    assert rc == 2 and needle in err and "Fix:" in err and not (tmp_path / "out").exists()
+
+
+# --- repro slurm submit / sweep --------------------------------------------------------------------
+
+@pytest.mark.parametrize("env_text, needle", [
+    (None, "does not exist"),
+    ("REPRO_PARTITION=gpu\n", "REPRO_RUNS_DIR (the shared directory for run directories)"),
+    ("REPRO_RUNS_DIR=/shared/runs\nif then\n", "syntax error"),
+])
+def test_submit_refuses_cluster_settings_launch_sh_would_refuse(tmp_path, monkeypatch, capsys, env_text, needle):
+    env_file = tmp_path / "cluster.env"
+    if env_text is not None:
+        env_file.write_text(env_text)
+    monkeypatch.setenv("REPRO_CLUSTER_ENV", str(env_file))
+    monkeypatch.delenv("REPRO_RUNS_DIR", raising=False)
+    rc, out, err = _cli(capsys, "slurm", "submit", "--dry-run", str(ROOT / "slurm/gpt2_355m.sh"))
+    assert rc == 2 and needle in err and "cluster.env" in err and "sbatch" not in out
+    if env_text is not None:
+        assert str(env_file) in err or "cp slurm/cluster.env.example slurm/cluster.env" in err
+    rc, _, err = _cli(capsys, "slurm", "sweep", "table8", "--dry-run")
+    assert rc == 2 and needle in err
+
+
+def test_slurm_sweep_help_lists_every_table(capsys):
+    from repro.launch.scripts import TABLES
+
+    with pytest.raises(SystemExit):
+        _cli(capsys, "slurm", "sweep", "--help")
+    out = capsys.readouterr().out
+    assert all(name in out for name in TABLES)
+
+
+# --- repro selftest, repro scaling-model -----------------------------------------------------------
+
+def test_selftest_needs_a_rank(capsys):
+    rc, out, err = _cli(capsys, "selftest", "--nproc", "0")
+    assert rc == 2 and "--nproc 0" in err and "--nproc 2" in err and "checks passed" not in out
+
+
+def test_scaling_model_names_an_out_that_is_a_file(tmp_path, capsys):
+    out = tmp_path / "table.md"
+    out.write_text("mine")
+    rc, _, err = _cli(capsys, "scaling-model", "--out", str(out))
+    assert rc == 2 and "is a file, not a directory" in err and "Fix:" in err and out.read_text() == "mine"
+
+
+# --- repro eval, repro finetune race ---------------------------------------------------------------
+
+def _gpt_checkpoint(run_dir: Path, family: str = "gpt") -> Path:
+    """A trainer-format checkpoint of a tiny untrained GPT (meta.json only for another family)."""
+    import torch
+
+    from repro.models.config import ModelConfig
+    from repro.models.gpt import GPT
+    from repro.parallel.groups import ProcessGroups
+    from repro.train import checkpoint as ck
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=128,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    root, pg = run_dir / "checkpoints", ProcessGroups.single()
+    tmp = ck.begin_save(root, 5, pg)
+    if family == "gpt":
+        torch.save(GPT(cfg, seed=1).state_dict(), tmp / "model_tp00.pt")
+    meta = {"format": ck.FORMAT_VERSION, "family": family, "iteration": 5, "tp": 1, "dp": 1,
+            "world_size": 1, "model": cfg.__dict__, "mlflow_run_id": None}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    ck.finish_save(root, 5, pg)
+    return run_dir
+
+
+def _eval(capsys, ckpt: Path, *extra: str) -> tuple[int, str, str]:
+    return _cli(capsys, "eval", "lambada", "--checkpoint", str(ckpt), "--data-dir", str(mirror()),
+                "--max-examples", "2", "--batch-size", "2", *extra)
+
+
+def test_eval_refuses_a_bert_checkpoint(tmp_path, capsys):
+    run = _gpt_checkpoint(tmp_path / "b1", family="bert")
+    rc, _, err = _eval(capsys, run, "--no-mlflow")
+    assert rc == 2 and "is a BERT checkpoint; zero-shot eval needs a GPT" in err and "repro finetune race" in err
+
+
+def test_eval_default_out_is_the_run_dir_and_a_bad_out_fails_first(tmp_path, capsys):
+    run = _gpt_checkpoint(tmp_path / "g5")
+    assert _eval(capsys, run / "checkpoints" / "latest", "--no-mlflow")[0] == 0
+    assert json.loads((run / "zero_shot.jsonl").read_text())["task"] == "lambada"
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine")
+    rc, out, err = _eval(capsys, run, "--no-mlflow", "--out", str(blocker / "eval.jsonl"))
+    assert rc == 2 and "is a file, not a directory" in err and "Fix:" in err
+    assert "lambada" not in out and blocker.read_text() == "mine"  # refused before evaluating
+
+
+def test_eval_with_mlflow_unreachable_keeps_the_results_and_says_how_to_retry(tmp_path, monkeypatch, capsys):
+    run = _gpt_checkpoint(tmp_path / "g5")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+    start = time.monotonic()
+    rc, _, err = _eval(capsys, run, "--out", str(tmp_path / "eval.jsonl"))
+    assert rc == 2 and UNREACHABLE in err and "--no-mlflow" in err and str(tmp_path / "eval.jsonl") in err
+    assert json.loads((tmp_path / "eval.jsonl").read_text())["task"] == "lambada"
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--size", "bert-999"], "--size bert-999 is not a BERT size"),
+    (["--checkpoint", "EMPTY"], "no checkpoint at"),
+    (["--model-config", "nope.yaml"], "--model-config nope.yaml does not exist"),
+])
+def test_finetune_race_names_a_bad_model_choice(tmp_path, capsys, extra, needle):
+    extra = [str(tmp_path) if x == "EMPTY" else x for x in extra]
+    rc, _, err = _cli(capsys, "finetune", "race", "--race-dir", str(ROOT / "tests/fixtures/race"), "--data-dir",
+                      str(mirror()), "--run-dir", str(tmp_path / "run"), "--no-mlflow", *extra)
+    assert rc == 2 and needle in err and ("Fix:" in err or "give a run directory" in err), err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

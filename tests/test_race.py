@@ -182,6 +182,7 @@ def test_finetune_cli_fits_the_fixture_and_logs_to_mlflow(tmp_path, tok, vocab_f
     assert runs["metrics.test/acc_total"].iloc[0] == chosen["accuracy"]["test"]["total"]
     assert runs["params.precision"].iloc[0] == "fp32" and runs["params.world_size"].iloc[0] == "1"
     assert runs["params.device_name"].iloc[0] and runs["params.git_sha"].iloc[0]
+    assert runs["params.device_type"].iloc[0] in ("cpu", "cuda")
 
 
 def test_the_median_seed_by_dev_accuracy_reports_one_runs_numbers():

@@ -155,7 +155,8 @@ def run(args) -> int:
     log = RunLog(Path(args.run_dir), not args.no_mlflow, f"race-{args.size}", pg.rank == 0)
     from repro.train.loop import device_name, git_sha
 
-    log.params({"task": "race", "size": args.size, "device": str(device), "device_name": device_name(device),
+    log.params({"task": "race", "size": args.size, "device": str(device), "device_type": device.type,
+                "device_name": device_name(device),
                 "world_size": pg.tp_size * pg.dp_size, "precision": "fp32", "git_sha": git_sha(),
                 "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
                 "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),

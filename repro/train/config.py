@@ -313,6 +313,7 @@ RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "tr
 
 
 def _flat(node: dict, prefix: str = "") -> dict:
+    """A nested dict as `section.key -> value`."""
     out = {}
     for key, value in node.items():
         out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
@@ -343,14 +344,4 @@ def check_resume(saved_yaml: str, cfg: RunConfig, ckpt: str) -> None:
 
 def flat_params(cfg: RunConfig) -> dict[str, str]:
     """`section.key -> value` strings for MLflow params."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, node) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(f"{prefix}{key}.", value)
-            else:
-                out[f"{prefix}{key}"] = str(value)
-
-    walk("", asdict(cfg))
-    return out
+    return {key: str(value) for key, value in _flat(asdict(cfg)).items()}

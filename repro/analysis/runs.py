@@ -62,10 +62,10 @@ def client(uri: str):
     an unreachable server fails after one quick retry instead of minutes of them."""
     from mlflow import MlflowClient
 
-    from repro.tracking.logger import _quiet_http_retries
+    from repro.tracking.logger import quiet_http_retries
 
     check_uri(uri)
-    _quiet_http_retries()
+    quiet_http_retries()
     return MlflowClient(tracking_uri=uri)
 
 

@@ -76,11 +76,11 @@ def log_to_mlflow(record: EvalRecord, tracking_uri: str | None = None) -> str:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from repro.tracking.logger import TrackingError, _quiet_http_retries
+    from repro.tracking.logger import TrackingError, quiet_http_retries
     from repro.tracking.store import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri()
-    _quiet_http_retries()
+    quiet_http_retries()
     try:
         mlflow.set_tracking_uri(uri)
         experiment_id = _experiment_id(mlflow)

@@ -48,7 +48,7 @@ def _drop_partial_row(path: Path) -> None:
             handle.truncate(cut)
 
 
-def _quiet_http_retries() -> None:
+def quiet_http_retries() -> None:
     """Fail fast against an unreachable server instead of MLflow's minutes of retries."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -63,7 +63,7 @@ def start_mlflow_run(experiment: str, run_name: str, tags: dict[str, str]):
     """Create (or reuse) the experiment and start a run; returns the mlflow module's active run."""
     import mlflow
 
-    _quiet_http_retries()
+    quiet_http_retries()
     mlflow.set_tracking_uri(default_tracking_uri())
     if mlflow.get_experiment_by_name(experiment) is None:
         mlflow.create_experiment(experiment, artifact_location=default_artifact_location(experiment))
@@ -98,7 +98,7 @@ class RunLogger:
             import mlflow
 
             if resume_run_id:
-                _quiet_http_retries()
+                quiet_http_retries()
                 mlflow.set_tracking_uri(default_tracking_uri())
                 run = mlflow.start_run(run_id=resume_run_id)
             else:
@@ -315,7 +315,7 @@ def sync_run(run_dir: str | Path) -> SyncResult:
     run_dir = Path(run_dir)
     params, tags, rows = _read_run_dir(run_dir)
     uri, named = default_tracking_uri(), recorded_run_id(run_dir)
-    _quiet_http_retries()
+    quiet_http_retries()
     with _tracking_errors(uri, run_dir):
         from mlflow import MlflowClient
 

@@ -177,24 +177,15 @@ def test_override_errors_name_the_override(capfd, override, needle):
 
 # ---- 10: damaged checkpoint files ----------------------------------------------------------------
 
-def test_damaged_meta_json_names_the_file_and_the_way_back(run, corpus, capfd):
-    meta = run / "checkpoints" / "iter_0000002" / "meta.json"
-    meta.write_bytes(meta.read_bytes()[:100])
-    before = _snapshot(run)
-    rc, out = _train(capfd, corpus, run, "--nproc", "1", **{"train.train_iters": 4})
-    assert rc == 2, out
-    assert f"checkpoint file {meta} is damaged" in out, out
-    assert f"echo iter_0000001 > {run / 'checkpoints' / 'latest'}" in out
-    assert _snapshot(run) == before
-
-
-def test_damaged_model_file_from_a_rank_reads_as_a_plain_message(run, corpus, capfd):
-    model = run / "checkpoints" / "iter_0000002" / "model_tp00.pt"
-    model.write_bytes(model.read_bytes()[:1000])
+@pytest.mark.parametrize("name, keep, reason", [("meta.json", 100, ""),  # read here
+                                                ("model_tp00.pt", 1000, " (PytorchStreamReader")])  # by a rank
+def test_damaged_checkpoint_file_names_the_file_and_the_way_back(run, corpus, capfd, name, keep, reason):
+    damaged = run / "checkpoints" / "iter_0000002" / name
+    damaged.write_bytes(damaged.read_bytes()[:keep])
     before = _snapshot(run)
     rc, out = _train(capfd, corpus, run, "--nproc", "1", **{"train.train_iters": 4})
     assert rc == 2, out
     err = out.splitlines()[-1]
-    assert err.startswith(f"error: checkpoint file {model} is damaged (PytorchStreamReader"), out
-    assert "CheckpointError" not in err and "echo iter_0000001 >" in err
+    assert err.startswith(f"error: checkpoint file {damaged} is damaged{reason}"), out
+    assert "CheckpointError" not in err and f"echo iter_0000001 > {run / 'checkpoints' / 'latest'}" in out
     assert _snapshot(run) == before

@@ -258,7 +258,7 @@ def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
     """Write a model-only copy of checkpoint `src` at TP degree `tp` (outputs unchanged) into the
     new directory `dst`, built in a temporary sibling and renamed into place when complete."""
     dst = Path(dst)
-    _check_new_dir(dst)
+    _check_new_dir(dst)  # before the (long) load; new_directory checks again before the rename
     src = resolve(src)
     meta = read_meta(src)
     cfg = ModelConfig(**meta["model"])

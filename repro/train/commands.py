@@ -95,14 +95,14 @@ def _export_hf(args) -> int:
     from repro.train.checkpoint import CheckpointError, load_full_model_state, new_directory, resolve
 
     out = Path(args.out)
-    meta, full = load_full_model_state(resolve(args.checkpoint))
-    cfg = ModelConfig(**meta["model"])
-    if meta.get("family", "gpt") != "gpt":
-        raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
-    model = GPT(cfg)
-    full["transformer.wte.weight"] = _pad_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
-    model.load_state_dict(full)
-    with new_directory(out) as tmp:  # an existing non-empty --out is refused, a failure leaves nothing
+    with new_directory(out) as tmp:  # an occupied --out is refused before loading; a failure leaves nothing
+        meta, full = load_full_model_state(resolve(args.checkpoint))
+        cfg = ModelConfig(**meta["model"])
+        if meta.get("family", "gpt") != "gpt":
+            raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
+        model = GPT(cfg)
+        full["transformer.wte.weight"] = _pad_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
+        model.load_state_dict(full)
         to_hf_gpt2(model).save_pretrained(tmp)
     print(f"wrote a transformers.GPT2LMHeadModel to {out}")
     return 0

@@ -3,6 +3,7 @@ and nothing already written changed (file bytes and mtimes compared before and a
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -88,6 +89,24 @@ def test_finished_run_trains_nothing_and_keeps_its_files(run, corpus, capfd):
     assert "already at iteration 2 (train.train_iters=2): nothing to train; raise train.train_iters" in out
     assert _snapshot(run) == before
 
+
+
+def test_run_stopped_before_its_final_metrics_is_finished_without_training(run, corpus, capfd):
+    """Checkpoint at train_iters but no final_metrics.json (a crash in the final evaluation): a relaunch
+    evaluates and writes the final metrics, and leaves the checkpoints alone."""
+    final_path = run / "final_metrics.json"
+    first = json.loads(final_path.read_text())
+    final_path.unlink()
+    checkpoints = _snapshot(run / "checkpoints")
+    rc, out = _train(capfd, corpus, run, "--nproc", "1")
+    assert rc == 0, out
+    assert "has no final_metrics.json: it stopped before finishing" in out
+    assert "iteration      1/" not in out and "iteration      2/" not in out, "it trained again"
+    again = json.loads(final_path.read_text())
+    assert again["iteration"] == 2 and again["valid_loss"] == pytest.approx(first["valid_loss"], rel=1e-6)
+    assert _snapshot(run / "checkpoints") == checkpoints
+    rc, out = _train(capfd, corpus, run, "--nproc", "1")
+    assert rc == 0 and "nothing to train" in out, out
 
 # ---- 3, 4, 9: resume refuses a changed config or TP degree, naming every key ---------------------
 

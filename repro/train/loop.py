@@ -214,7 +214,9 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it")
     latest, saved = resume_meta(cfg, pg.tp_size)
     if saved and saved["iteration"] >= cfg.train.train_iters:
-        return _nothing_to_train(cfg, saved, pg.rank)
+        if (Path(cfg.run_dir) / "final_metrics.json").exists():
+            return _nothing_to_train(cfg, saved, pg.rank)
+        _say_finishing(cfg, saved, pg.rank)  # trained, but stopped before its final evaluation
     eng = build_engine(cfg, derived, pg, local_rank)
     state, meta = TrainState(), {}
     if latest is not None:
@@ -260,6 +262,13 @@ def _nothing_to_train(cfg: RunConfig, saved: dict, rank: int) -> dict:
     final = json.loads(path.read_text()) if rank == 0 and path.exists() else {}
     return {**final, "iteration": saved["iteration"], "consumed_samples": saved["consumed_samples"],
             "nothing_to_train": True}
+
+
+def _say_finishing(cfg: RunConfig, saved: dict, rank: int) -> None:
+    if rank == 0:
+        print(f"run {cfg.run_dir} is at iteration {saved['iteration']} (train.train_iters={cfg.train.train_iters}) "
+              "but has no final_metrics.json: it stopped before finishing; running only its held-out evaluation "
+              "and final metrics", flush=True)
 
 
 def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags) -> RunLogger:

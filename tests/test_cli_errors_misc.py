@@ -298,8 +298,43 @@ def test_eval_with_mlflow_unreachable_keeps_the_results_and_says_how_to_retry(tm
     start = time.monotonic()
     rc, _, err = _eval(capsys, run, "--out", str(tmp_path / "eval.jsonl"))
     assert rc == 2 and UNREACHABLE in err and "--no-mlflow" in err and str(tmp_path / "eval.jsonl") in err
+    assert f"repro tracking sync {tmp_path / 'eval.jsonl'}" in err
     assert json.loads((tmp_path / "eval.jsonl").read_text())["task"] == "lambada"
     assert time.monotonic() - start < 30
+
+
+def test_eval_records_sync_once_into_the_store_at_their_time(tmp_path, monkeypatch, capsys):
+    """The records an outage (or --no-mlflow) left in zero_shot.jsonl go up with `repro tracking sync`,
+    at the time they were evaluated, linked to the training run its directory names; never twice."""
+    from mlflow import MlflowClient
+
+    run = _gpt_checkpoint(tmp_path / "g5")
+    assert _eval(capsys, run, "--no-mlflow")[0] == 0
+    assert _eval(capsys, run, "--no-mlflow", "--max-examples", "3")[0] == 0
+    (run / "mlflow_run_id").write_text("0123abcd")  # what `repro tracking sync` of the training run leaves
+    with open(run / "zero_shot.jsonl", "a") as f:
+        f.write('{"task": "lamb')  # an append cut short
+    records = [json.loads(line) for line in (run / "zero_shot.jsonl").read_text().splitlines()[:2]]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.warns(UserWarning, match="truncated last line"):
+        rc, out, _ = _cli(capsys, "tracking", "sync", str(run))
+    assert rc == 0 and "2 evaluation record(s) logged" in out and "0 already there" in out, out
+    client = MlflowClient(uri)
+    runs = sorted(client.search_runs([client.get_experiment_by_name("zero-shot").experiment_id]),
+                  key=lambda r: r.info.start_time)
+    assert [r.info.start_time for r in runs] == [int(r["time"] * 1000) for r in records]
+    for run_, record in zip(runs, records):
+        assert run_.data.tags["training_run_id"] == "0123abcd" and run_.info.status == "FINISHED"
+        assert run_.data.metrics["lambada/accuracy"] == record["metrics"]["accuracy"]
+        assert run_.data.params["max_examples"] == str(record["params"]["max_examples"])
+    with pytest.warns(UserWarning, match="truncated last line"):
+        rc, out, _ = _cli(capsys, "tracking", "sync", str(run / "zero_shot.jsonl"))
+    assert rc == 0 and "0 evaluation record(s) logged" in out and "2 already there" in out
+    (run / "zero_shot.jsonl").write_text("{oops\n" + json.dumps(records[0]) + "\n")
+    rc, _, err = _cli(capsys, "tracking", "sync", str(run / "zero_shot.jsonl"))
+    assert rc == 2 and "zero_shot.jsonl:1 is not an evaluation record" in err and "Fix:" in err
+    assert len(client.search_runs([runs[0].info.experiment_id])) == 2
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -154,7 +154,7 @@ def _handle(args) -> int:
         record = runner(model, pg, build_tokenizer("gpt2", opts.data_dir), opts)
     except ValueError as err:
         raise UserError(str(err)) from err
-    record.training_run_id = run_id
+    record.training_run_id, record.time = run_id, time.time()
     record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
     if pg.rank == 0:
         print(format_table(record))
@@ -170,9 +170,9 @@ def _log(record: EvalRecord, out: Path) -> str:
     try:
         return log_to_mlflow(record)
     except TrackingError as err:
-        raise UserError(f"{err}. The results are saved in {out}. To retry, start the server (or set "
-                        "MLFLOW_TRACKING_URI to a reachable store) and rerun this command (it appends "
-                        "one more line to that file), or add --no-mlflow to skip tracking") from None
+        raise UserError(f"{err}. The results are saved in {out}. To upload them, start the server (or set "
+                        f"MLFLOW_TRACKING_URI to a reachable store) and run `repro tracking sync {out}`; "
+                        "add --no-mlflow to skip tracking") from None
 
 
 def register(subparsers) -> None:

@@ -8,6 +8,9 @@ run is in the same tracking store, so the UI nests it).
 from __future__ import annotations
 
 import json
+import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +26,7 @@ class EvalRecord:
     params: dict[str, str | int | float | bool]
     training_run_id: str | None = None
     paper: dict[str, float] = field(default_factory=dict)
+    time: float | None = None  # when it was evaluated (unix seconds): the MLflow run's start time
 
 
 def format_table(record: EvalRecord) -> str:
@@ -48,21 +52,42 @@ def write_json(record: EvalRecord, path: Path) -> None:
         handle.write(json.dumps(record.__dict__, sort_keys=True) + "\n")
 
 
-def _experiment_id(mlflow) -> str:
+def read_records(path: Path) -> list[EvalRecord]:
+    """The records of a JSON-lines file written by `write_json`; a killed write's partial last line is
+    skipped with a warning, any other bad line is a TrackingError naming it."""
+    from repro.tracking.logger import TrackingError
+
+    lines = path.read_text(encoding="utf-8").split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(EvalRecord(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError) as err:
+            if number == len(lines):  # no newline after it: an append that was cut short
+                warnings.warn(f"{path}: skipped a truncated last line (an append cut short)", stacklevel=2)
+                continue
+            raise TrackingError(f"{path}:{number} is not an evaluation record ({err}). Fix: give the "
+                                "zero_shot.jsonl that `repro eval` wrote, or delete that line") from None
+    return records
+
+
+def _experiment_id(client) -> str:
     from repro.tracking.store import default_artifact_location
 
-    found = mlflow.get_experiment_by_name(EXPERIMENT)
+    found = client.get_experiment_by_name(EXPERIMENT)
     if found is not None:
         return found.experiment_id
-    return mlflow.create_experiment(EXPERIMENT, artifact_location=default_artifact_location(EXPERIMENT))
+    return client.create_experiment(EXPERIMENT, artifact_location=default_artifact_location(EXPERIMENT))
 
 
-def _link_tags(mlflow, training_run_id: str | None, experiment_id: str) -> dict[str, str]:
+def _link_tags(client, training_run_id: str | None, experiment_id: str) -> dict[str, str]:
     if not training_run_id:
         return {}
     tags = {"training_run_id": training_run_id}
     try:
-        parent = mlflow.get_run(training_run_id)
+        parent = client.get_run(training_run_id)
     except Exception:  # the training run lives in another store: keep the id only
         return tags
     if parent.info.experiment_id == experiment_id:
@@ -70,27 +95,101 @@ def _link_tags(mlflow, training_run_id: str | None, experiment_id: str) -> dict[
     return tags
 
 
+def _mlflow_params(record: EvalRecord) -> dict[str, str]:
+    return {k: str(v) for k, v in record.params.items()}
+
+
+def _mlflow_metrics(record: EvalRecord) -> dict[str, float]:
+    return {_metric_name(record.task, k): float(v) for k, v in record.metrics.items()}
+
+
+def _log_record(client, experiment_id: str, record: EvalRecord) -> str:
+    """One FINISHED run holding the record, started at the record's time; returns its id."""
+    from mlflow.entities import Metric, Param
+
+    now = int(time.time() * 1000)
+    started = int(record.time * 1000) if record.time else now
+    tags = {"task": record.task, **_link_tags(client, record.training_run_id, experiment_id)}
+    run_id = client.create_run(experiment_id, start_time=started, tags=tags, run_name=record.task).info.run_id
+    client.log_batch(run_id, params=[Param(k, v) for k, v in _mlflow_params(record).items()],
+                     metrics=[Metric(k, v, started, 0) for k, v in _mlflow_metrics(record).items()])
+    client.set_terminated(run_id, "FINISHED", end_time=max(started, now))
+    return run_id
+
+
+def _logged_run_id(client, experiment_id: str, record: EvalRecord) -> str | None:
+    """The run of the experiment holding this record (same task, training run, params and metrics)."""
+    query = f"tags.task = '{record.task}'"
+    if record.training_run_id:
+        query += f" and tags.training_run_id = '{record.training_run_id}'"
+    params, metrics = _mlflow_params(record), _mlflow_metrics(record)
+    for run in client.search_runs([experiment_id], query, max_results=1000):
+        if params.items() <= run.data.params.items() and metrics.items() <= run.data.metrics.items():
+            return run.info.run_id
+    return None
+
+
+@contextmanager
+def _tracking_errors(uri: str, retry: str):
+    from mlflow.exceptions import MlflowException
+
+    from repro.tracking.logger import TrackingError
+
+    try:
+        yield
+    except (MlflowException, OSError) as err:
+        raise TrackingError(f"logging to MLflow at {uri} failed: {str(err)[:300]}{retry}") from None
+
+
+def _client(tracking_uri: str | None):
+    from mlflow import MlflowClient
+
+    from repro.tracking.logger import quiet_http_retries
+    from repro.tracking.store import default_tracking_uri
+
+    quiet_http_retries()
+    uri = tracking_uri or default_tracking_uri()
+    return MlflowClient(tracking_uri=uri), uri
+
+
 def log_to_mlflow(record: EvalRecord, tracking_uri: str | None = None) -> str:
     """Log the record as a run of the "zero-shot" experiment; returns the run id. An unreachable or
     failing store is a TrackingError naming the URI within seconds (one quick HTTP retry)."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
+    client, uri = _client(tracking_uri)
+    with _tracking_errors(uri, ""):
+        return _log_record(client, _experiment_id(client), record)
 
-    from repro.tracking.logger import TrackingError, quiet_http_retries
-    from repro.tracking.store import default_tracking_uri
 
-    uri = tracking_uri or default_tracking_uri()
-    quiet_http_retries()
-    try:
-        mlflow.set_tracking_uri(uri)
-        experiment_id = _experiment_id(mlflow)
-        tags = {"task": record.task, **_link_tags(mlflow, record.training_run_id, experiment_id)}
-        with mlflow.start_run(experiment_id=experiment_id, run_name=f"{record.task}", tags=tags) as run:
-            mlflow.log_params({k: str(v) for k, v in record.params.items()})
-            mlflow.log_metrics({_metric_name(record.task, k): float(v) for k, v in record.metrics.items()})
-            return run.info.run_id
-    except (MlflowException, OSError) as err:
-        raise TrackingError(f"logging to MLflow at {uri} failed: {str(err)[:300]}") from None
+@dataclass
+class EvalSyncResult:
+    """What `sync_records` did: runs created, records already in the store, the store."""
+
+    created: list[str]
+    already: int
+    uri: str
+
+
+def sync_records(path: Path, tracking_uri: str | None = None) -> EvalSyncResult:
+    """Upload the evaluation records of a zero_shot.jsonl that the store lacks (after an outage, or
+    an eval run with --no-mlflow). A record already there (same task, training run, params and
+    metrics) is not logged again, so this is safe to repeat. A record without a training run (its
+    training was not tracked then) takes the one its directory's `mlflow_run_id` names, if any."""
+    from repro.tracking.logger import recorded_run_id
+
+    records = read_records(path)  # the whole file is checked before MLflow is contacted
+    for record in records:
+        record.training_run_id = record.training_run_id or recorded_run_id(path.parent)
+    client, uri = _client(tracking_uri)
+    created, already = [], 0
+    with _tracking_errors(uri, f". Fix: start the server or set MLFLOW_TRACKING_URI to a reachable store, "
+                               f"then rerun `repro tracking sync {path}` (it never logs a record twice)"):
+        experiment_id = _experiment_id(client)
+        for record in records:
+            if _logged_run_id(client, experiment_id, record):
+                already += 1
+            else:
+                created.append(_log_record(client, experiment_id, record))
+    return EvalSyncResult(created, already, uri)
 
 
 def _metric_name(task: str, key: str) -> str:

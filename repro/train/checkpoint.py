@@ -162,8 +162,13 @@ def load_file(path: Path) -> dict:
 
 
 def checkpoint_run_id(ckpt: str | Path) -> str | None:
-    """The MLflow run id of the training run that wrote the checkpoint."""
-    return read_meta(resolve(ckpt)).get("mlflow_run_id")
+    """The MLflow run id of the training run that wrote the checkpoint; for a run trained while MLflow was
+    unreachable, the one `repro tracking sync` recorded in its run directory afterwards."""
+    from repro.tracking.logger import recorded_run_id
+
+    path = resolve(ckpt)
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return read_meta(path).get("mlflow_run_id") or recorded_run_id(run_dir)
 
 
 # ---- resharding -------------------------------------------------------------------------------

@@ -152,19 +152,25 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_finetune_cli_fits_the_fixture_and_logs_to_mlflow(tmp_path, tok, vocab_file):
-    """Tiny BERT (2 layers, h=64) saved as a checkpoint, fine-tuned by `repro finetune race`:
-    train accuracy must reach 100% (10 questions, lr 1e-3, 25 epochs: memorisation)."""
+def test_finetune_cli_fits_the_fixture_through_an_outage_and_syncs_to_mlflow(tmp_path, tok, vocab_file):
+    """Tiny BERT (2 layers, h=64) saved as a checkpoint, fine-tuned by `repro finetune race` with the
+    tracking server down: train accuracy must reach 100% (10 questions, lr 1e-3, 25 epochs:
+    memorisation), and `repro tracking sync` then puts the run into MLflow as if it had been up."""
     from repro.models.bert_checkpoint import save_bert
 
     ckpt = tmp_path / "tiny.pt"
     save_bert(BERT(BertConfig(vocab_size=tok.vocab_size, **TINY), seed=3), ckpt)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}
     cmd = [sys.executable, "-m", "repro.cli", "finetune", "race", "--race-dir", str(FIXTURE), "--vocab", str(vocab_file),
            "--checkpoint", str(ckpt), "--epochs", "25", "--batch-size", "5", "--lr", "1e-3", "--seq-length", "96",
            "--seeds", "1", "2", "--run-dir", str(tmp_path / "run"), "--size", "tiny"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "MLflow tracking unavailable" in out.stderr and f"repro tracking sync {tmp_path / 'run'}" in out.stderr
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sync = subprocess.run([sys.executable, "-m", "repro.cli", "tracking", "sync", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert sync.returncode == 0 and "created MLflow run" in sync.stdout, sync.stdout + sync.stderr
     assert "the median by dev total of 2 seeds" in out.stdout
     lines = {ln.split()[0]: ln for ln in out.stdout.splitlines() if re.match(r"\s+(train|dev|test)\s", ln)}
     assert set(lines) == {"train", "dev", "test"}
@@ -183,6 +189,7 @@ def test_finetune_cli_fits_the_fixture_and_logs_to_mlflow(tmp_path, tok, vocab_f
     assert runs["params.precision"].iloc[0] == "fp32" and runs["params.world_size"].iloc[0] == "1"
     assert runs["params.device_name"].iloc[0] and runs["params.git_sha"].iloc[0]
     assert runs["params.device_type"].iloc[0] in ("cpu", "cuda")
+    assert runs["status"].iloc[0] == "FINISHED" and runs["tags.task"].iloc[0] == "race"
 
 
 def test_the_median_seed_by_dev_accuracy_reports_one_runs_numbers():

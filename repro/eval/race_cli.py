@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -14,47 +12,6 @@ from repro.models.bert import BertConfig
 
 EXPERIMENT = "bert"
 POSITIONS = "embeddings.position.weight"
-
-
-class RunLog:
-    """Metrics to runs/.../metrics.jsonl always, and to MLflow when enabled (global rank 0 only)."""
-
-    def __init__(self, run_dir: Path, use_mlflow: bool, run_name: str, is_main: bool) -> None:
-        self.is_main, self.mlflow = is_main, None
-        if not is_main:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        if use_mlflow:
-            import mlflow
-
-            from repro.tracking.store import default_artifact_location, default_tracking_uri
-
-            mlflow.set_tracking_uri(default_tracking_uri())
-            if mlflow.get_experiment_by_name(EXPERIMENT) is None:
-                mlflow.create_experiment(EXPERIMENT, artifact_location=default_artifact_location(EXPERIMENT))
-            mlflow.set_experiment(EXPERIMENT)
-            self.mlflow = mlflow
-            self.run = mlflow.start_run(run_name=run_name)
-
-    def params(self, params: dict) -> None:
-        if self.is_main:
-            self.jsonl.write(json.dumps({"params": params}) + "\n")
-            if self.mlflow:
-                self.mlflow.log_params(params)
-
-    def metrics(self, metrics: dict, step: int | None = None) -> None:
-        if self.is_main:
-            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-            self.jsonl.flush()
-            if self.mlflow:
-                self.mlflow.log_metrics(metrics, step=step)
-
-    def close(self) -> None:
-        if self.is_main:
-            self.jsonl.close()
-            if self.mlflow:
-                self.mlflow.end_run()
 
 
 def _tokenizer(args):
@@ -136,7 +93,7 @@ def _device():
 
 def run(args) -> int:
     """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; report the median seed."""
-    from repro.eval.race_finetune import options_for, print_report, run_seed, write_results
+    from repro.eval.race_finetune import write_results
     from repro.train.checkpoint import CheckpointError
 
     try:
@@ -152,27 +109,49 @@ def run(args) -> int:
     splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
     pg = _groups(args.tp)
     device = _device()
-    log = RunLog(Path(args.run_dir), not args.no_mlflow, f"race-{args.size}", pg.rank == 0)
+    from repro.tracking.logger import RunLogger
     from repro.train.loop import device_name, git_sha
 
-    log.params({"task": "race", "size": args.size, "device": str(device), "device_type": device.type,
-                "device_name": device_name(device),
-                "world_size": pg.tp_size * pg.dp_size, "precision": "fp32", "git_sha": git_sha(),
-                "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
-                "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
-                "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
-                "train_questions": len(splits["train"])})
+    params = {"task": "race", "size": args.size, "device": str(device), "device_type": device.type,
+              "device_name": device_name(device),
+              "world_size": pg.tp_size * pg.dp_size, "precision": "fp32", "git_sha": git_sha(),
+              "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
+              "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
+              "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
+              "train_questions": len(splits["train"])}
+    # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
+    log = RunLogger(args.run_dir, EXPERIMENT, f"race-{args.size}", params, {"task": "race"},
+                    use_mlflow=not args.no_mlflow) if pg.rank == 0 else None
+    try:
+        chosen = _fine_tune_seeds(args, cfg, state, splits, pg, device, log)
+    except BaseException:
+        if log:
+            log.close("FAILED")
+        raise
+    if log:
+        log.close()
+        print(f"results: {write_results(Path(args.run_dir), *chosen)}")
+    return 0
+
+
+def _fine_tune_seeds(args, cfg, state, splits, pg, device, log):
+    """Every seed's fine-tuning and accuracies; (results, median-dev seed's result) on rank 0."""
+    from repro.eval.race_finetune import options_for, print_report, run_seed
+
+    def record(metrics: dict, step: int = 0) -> None:
+        if log:
+            log.log_metrics(metrics, step)
+
     results = []
     for seed in args.seeds:
         opts = options_for(args.size, args.batch_size, args.lr, args.epochs, seed)
-        res = run_seed(cfg, state, splits, opts, pg, lambda m, i, s=seed: log.metrics({f"seed{s}/{k}": v for k, v in m.items()}, i),
-                       device)
-        log.metrics({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
+        res = run_seed(cfg, state, splits, opts, pg,
+                       lambda m, i, s=seed: record({f"seed{s}/{k}": v for k, v in m.items()}, i), device)
+        record({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
         results.append(res)
-    chosen = print_report(results) if pg.rank == 0 else None
-    if pg.rank == 0:
-        log.metrics({f"{sp}/acc_{lv}": v for sp, acc in chosen.accuracy.items() for lv, v in acc.items()})
-        log.metrics({"median_seed": chosen.seed})
-        print(f"results: {write_results(Path(args.run_dir), results, chosen)}")
-    log.close()
-    return 0
+    if pg.rank != 0:
+        return None
+    chosen = print_report(results)
+    record({f"{sp}/acc_{lv}": v for sp, acc in chosen.accuracy.items() for lv, v in acc.items()})
+    record({"median_seed": chosen.seed})
+    return results, chosen

@@ -111,6 +111,17 @@ def _train_step(model, opt, sched, batch, pg: ProcessGroups, clip: float) -> flo
     clip_grad_norm(model.parameters(), clip, pg.tp_group)
     opt.step()
     sched.step()
+    return _mean_over_dp(loss.detach(), pg)
+
+
+def _mean_over_dp(loss: torch.Tensor, pg: ProcessGroups) -> float:
+    """The whole batch's loss: the mean of the DP ranks' losses over their equal shares."""
+    if pg.dp_size > 1:
+        import torch.distributed as dist
+
+        loss = loss.clone()
+        dist.all_reduce(loss, group=pg.dp_group)
+        loss /= pg.dp_size
     return loss.item()
 
 

@@ -22,7 +22,7 @@ def _save(fig, path: Path) -> Path:
     """PNG written atomically: a reader never sees half a figure."""
     import io
 
-    from repro.train.checkpoint import write_atomic
+    from repro.provenance import write_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,6 @@ import datetime as dt
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from repro.data.fetch import data_dir_from_env
 from repro.data.filters import EVAL_FILES, FilterOptions, eval_texts
 from repro.data.preprocess import PrepareOptions, prepare
 from repro.data.tokenizers import build_tokenizer
+from repro.provenance import git_sha
 
 
 def corpus_documents(data_dir: Path) -> list[str]:
@@ -74,18 +74,6 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "usable_cores": usable,
             "os": platform.platform(), "python": platform.python_version(),
             "tokenizers": tokenizers.__version__}
-
-
-def git_sha() -> str:
-    """HEAD's sha, with '-dirty' when repro/data differs from it."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "repro/data"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("-dirty" if dirty else "")
 
 
 def write_markdown(record: dict, path: Path) -> None:
@@ -144,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, "-m", "repro.data.bench", *sys.argv[1:]]),
-        "git_sha": git_sha(), "machine": machine(), "data_dir": str(args.data_dir),
+        "git_sha": git_sha(("repro/data",)), "machine": machine(), "data_dir": str(args.data_dir),
         "workers": args.workers, "rounds": args.rounds,
         "load_average_1min_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "repeat": args.repeat, "raw": raw, "pipeline_no_filters": plain, "pipeline_filters": full,

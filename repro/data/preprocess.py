@@ -259,7 +259,7 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
 
 
 def _write_report(opts: PrepareOptions, report: PrepareReport, path: Path) -> None:
-    from repro.train.checkpoint import write_atomic
+    from repro.provenance import write_atomic
 
     record = {"options": {k: str(v) for k, v in asdict(opts).items() if k != "filters"},
               "filters": asdict(opts.filters), "report": asdict(report),

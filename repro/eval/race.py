@@ -17,8 +17,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 SPLITS, LEVELS, ANSWERS = ("train", "dev", "test"), ("middle", "high"), "ABCD"
 REQUIRED_KEYS = ("article", "questions", "options", "answers")

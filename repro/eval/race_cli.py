@@ -110,7 +110,8 @@ def run(args) -> int:
     pg = _groups(args.tp)
     device = _device()
     from repro.tracking.logger import RunLogger
-    from repro.train.loop import device_name, git_sha
+    from repro.provenance import git_sha
+    from repro.train.loop import device_name
 
     params = {"task": "race", "size": args.size, "device": str(device), "device_type": device.type,
               "device_name": device_name(device),

@@ -199,7 +199,7 @@ def options_for(size: str, batch_size: int | None, lr: float | None, epochs: int
 
 def write_results(run_dir: Path, results: list[FinetuneResult], chosen: FinetuneResult) -> Path:
     """results.json beside the run's metrics.jsonl (written atomically): the median seed, then all."""
-    from repro.train.checkpoint import write_atomic
+    from repro.provenance import write_atomic
 
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "results.json"

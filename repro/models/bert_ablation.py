@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from repro.train.checkpoint import write_atomic
+from repro.provenance import write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_BERT = ROOT / "experiments" / "bert" / "tiny_cpu.yaml"

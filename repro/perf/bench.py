@@ -14,6 +14,7 @@ c. parameters, gradients and Adam state per rank at TP=1/2 (and ZeRO-1/2 at DP=2
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 from repro.models.config import ModelConfig
-from repro.perf.gpu_bench import _finite, _median, provenance, write_atomic
+from repro.perf.gpu_bench import _finite, provenance
+from repro.provenance import write_atomic
 from repro.perf.memory import memory_per_rank, zero_partition_numel, zero_staged_numel
 
 
@@ -86,7 +88,7 @@ def bench_vs_hf(st: BenchSettings) -> dict:
             timing = _step(*runs[name])
             if r >= st.warmup:
                 times[name].append(timing)
-    med = {n: {k: _median([t[k] for t in ts]) for k in ts[0]} for n, ts in times.items()}
+    med = {n: {k: statistics.median([t[k] for t in ts]) for k in ts[0]} for n, ts in times.items()}
     return {"config": asdict(cfg), "batch": st.batch, "threads": st.threads, "dtype": "fp32",
             "rounds": st.rounds, "median_s": med,
             "ratio_hf_over_ours": {k: med["hf"][k] / med["ours"][k] for k in med["ours"]}}
@@ -422,7 +424,7 @@ def run_bench(out: Path, st: BenchSettings, argv: list[str]) -> dict:
     for name, part in (("hf_compare", a), ("tp_comm", b), ("memory", c)):
         write_atomic(out / f"{name}.json", json.dumps(_finite({"provenance": prov, name: part}), indent=2))
     write_atomic(out / "bench_cpu.json", json.dumps(_finite(report), indent=2))
-    head = [f"# repro bench (CPU)\n", f"Machine {prov['device']} ({prov['host']}); torch {prov['torch']}; "
+    head = ["# repro bench (CPU)\n", f"Machine {prov['device']} ({prov['host']}); torch {prov['torch']}; "
             f"{prov['date_utc']}; git {prov['git_sha']}; `{prov['command']}`; {report['elapsed_s']:.0f} s.\n"]
     write_atomic(out / "bench_cpu.md", "\n".join(head + _md_hf(a) + _md_comm(b) + _md_memory(c)) + "\n")
     return report

@@ -21,9 +21,8 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import platform
-import subprocess
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
+from repro.provenance import git_sha, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 
@@ -77,11 +77,6 @@ class RunResult:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
 
 
 def build_model(cfg: ModelConfig, device: torch.device):
@@ -138,8 +133,8 @@ def _fill(result: RunResult, cfg: ModelConfig, phases: list[dict], losses: list[
     spec = result.spec
     steps = [sum(p.values()) for p in phases]
     result.steps_timed = len(steps)
-    result.step_s_median = _median(steps)
-    result.phase_s_median = {k: _median([p[k] for p in phases]) for k in phases[0]}
+    result.step_s_median = statistics.median(steps)
+    result.phase_s_median = {k: statistics.median([p[k] for p in phases]) for k in phases[0]}
     result.tokens_per_s = spec.batch * cfg.seq_length / result.step_s_median
     model_f = flops_per_iteration(cfg, spec.batch, recompute=False)
     hw_f = flops_per_iteration(cfg, spec.batch, recompute=spec.checkpointing)
@@ -213,18 +208,6 @@ def safe_run(model, cfg, spec, device, steps, warmup, peak, deadline) -> RunResu
     return result
 
 
-def _git_sha() -> str | None:
-    """HEAD of the checkout, or $REPRO_GIT_SHA where the tree was copied without .git."""
-    if os.environ.get("REPRO_GIT_SHA"):
-        return os.environ["REPRO_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def provenance(device: torch.device, argv: list[str], prog: str = "python -m repro.perf.gpu_bench") -> dict:
     """Where and how the numbers were measured."""
     cuda = device.type == "cuda"
@@ -233,7 +216,7 @@ def provenance(device: torch.device, argv: list[str], prog: str = "python -m rep
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
         "python": platform.python_version(), "host": platform.node(), "threads": torch.get_num_threads(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": _git_sha(), "command": " ".join([prog, *argv]),
+        "git_sha": git_sha(), "command": " ".join([prog, *argv]),
     }
 
 
@@ -246,13 +229,6 @@ def _finite(obj):
     if isinstance(obj, list):
         return [_finite(v) for v in obj]
     return obj
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _fmt(x, spec: str) -> str:

@@ -26,11 +26,9 @@ import pandas as pd
 from tqdm import tqdm
 
 from repro.parallel.spawn import run_ranks
-from repro.perf.gpu_bench import write_atomic
-from repro.train import checkpoint
+from repro.provenance import git_sha, write_atomic
 from repro.tracking.logger import read_metrics
 from repro.train.commands import train_rank
-from repro.train.loop import git_sha
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "experiments/tiny/gpt_tiny.yaml"
@@ -105,7 +103,7 @@ def write_results(losses: pd.DataFrame, out: Path, argv: list[str], iters: int) 
               f"{iters} iterations, global batch 8 as 8 micro batches of 1, one process.\n\n")
     write_atomic(out / "table.md", header + markdown_table(table))
     write_atomic(out / "losses.csv", losses.to_csv(index=False))
-    checkpoint.write_atomic(out / "curves.png", plot_png(losses))
+    write_atomic(out / "curves.png", plot_png(losses))
 
 
 def main(argv: list[str] | None = None) -> int:

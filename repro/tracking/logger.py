@@ -26,7 +26,7 @@ class TrackingError(RuntimeError):
 
 
 def _write_text(path: Path, text: str) -> None:
-    from repro.train.checkpoint import write_atomic
+    from repro.provenance import write_atomic
 
     write_atomic(path, text.encode())
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import shard_master, unshard
+from repro.provenance import write_atomic
 
 FORMAT_VERSION = 1
 
@@ -44,16 +45,6 @@ def iter_name(iteration: int) -> str:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write bytes through a temporary file, fsync, and rename over `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def begin_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:

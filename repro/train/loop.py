@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,8 @@ import torch.distributed as dist
 from repro.parallel.groups import ProcessGroups
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
+from repro.provenance import git_sha, write_atomic
 from repro.tracking.logger import RunLogger, recorded_run_id
-from repro.tracking.store import project_root
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, check_resume, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
@@ -56,11 +55,6 @@ class StopSignal:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-def git_sha() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project_root(), capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def device_name(device: torch.device) -> str:
@@ -244,7 +238,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
                 if logger:  # sends queued metrics; the resumed launch reopens the same MLflow run
                     logger.close("KILLED")
                 if pg.rank == 0:  # tells slurm/launch.sh to requeue the job
-                    ck.write_atomic(Path(cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
+                    write_atomic(Path(cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
                 return {**final, "stopped_by_signal": True, "iteration": state.iteration}
         return _finish(eng, state, final, logger, valid, meta)
     except BaseException:
@@ -277,7 +271,7 @@ def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags) -> RunLogger:
     logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name, run_params(cfg, eng), all_tags,
                        use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id)
     config_path = Path(cfg.run_dir) / "config.yaml"
-    ck.write_atomic(config_path, to_yaml(cfg).encode())
+    write_atomic(config_path, to_yaml(cfg).encode())
     logger.log_artifact(config_path)
     return logger
 
@@ -317,7 +311,7 @@ def _finish(eng, state, final, logger, valid, meta) -> dict:
         _log(logger, held_out, state.iteration)
     if logger:
         path = Path(cfg.run_dir) / "final_metrics.json"
-        ck.write_atomic(path, json.dumps(final, indent=1).encode())
+        write_atomic(path, json.dumps(final, indent=1).encode())
         logger.log_artifact(path)
         logger.close()
         final["mlflow_run_id"] = logger.run_id

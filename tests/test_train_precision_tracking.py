@@ -37,6 +37,35 @@ def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
     assert not torch.equal(weight, before)
 
 
+
+def _overflow_on_rank_1(corpus: dict, run_dir: str) -> tuple[bool, float, bool]:
+    """TP=2 fp16 step with an inf gradient on TP rank 1 only: (skipped, new scale, weights untouched)."""
+    import torch.distributed as dist
+
+    from repro.data.gpt_dataset import GPTDataset, gpt_loader
+    from repro.parallel.groups import ParallelDims, build_process_groups
+    from repro.train.config import derive, load_config
+    from repro.train.engine import build_engine
+
+    cfg = load_config(TINY, tiny_overrides(corpus, Path(run_dir), **{"parallel.tp": 2, "precision.precision": "fp16",
+                                                                       "precision.initial_loss_scale": 1024,
+                                                                       "precision.hysteresis": 1}))
+    eng = build_engine(cfg, derive(cfg, 2), build_process_groups(ParallelDims(2, 1)))
+    loader = iter(gpt_loader(GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=run_dir), 2))
+    weight = eng.model.transformer.wpe.weight  # replicated on both TP ranks
+    if dist.get_rank() == 1:
+        weight.register_hook(lambda g: g * float("inf"))
+    before = weight.detach().clone()
+    result = train_step(eng, [next(loader) for _ in range(2)])
+    return result.skipped, eng.scaler.scale, torch.equal(weight, before)
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(corpus, tmp_path):
+    """Ranks agree over the world group: TP rank 0 saw finite gradients but skips too, with the same
+    halved scale (hysteresis 1), so the replicated weights stay identical."""
+    results = run_ranks(_overflow_on_rank_1, 2, corpus, str(tmp_path))
+    assert results == [(True, 512.0, True), (True, 512.0, True)]
+
 def test_fp16_paper_scale_comes_down_from_2_pow_32(corpus, tmp_path):
     """From the paper's 2^32 the scale halves every `hysteresis` overflows until steps succeed."""
     eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16"})

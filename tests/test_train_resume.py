@@ -75,6 +75,27 @@ def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):
     assert _losses(tmp_path) == _losses(uninterrupted)
 
 
+
+def test_the_callers_signal_handlers_are_back_after_training(corpus, tmp_path):
+    """The trainer takes SIGTERM/SIGUSR1 only while it trains (a notebook or a sweep calling train()
+    keeps its own handlers)."""
+    from repro.parallel.groups import ProcessGroups
+    from repro.train.config import load_config
+    from repro.train.loop import train
+
+    def mine(signum, frame):
+        pass
+
+    saved = {sig: signal.signal(sig, mine) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        final = train(load_config(TINY, tiny_overrides(corpus, tmp_path, **{"train.train_iters": 2})),
+                      ProcessGroups.single())
+        assert final["iteration"] == 2
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
 def _children(pid: int) -> list[int]:
     import psutil
 

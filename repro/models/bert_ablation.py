@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import signal
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,17 +71,6 @@ class AblationOptions:
         return [f"{k}={json.dumps(v)}" for k, v in sets.items()]  # JSON scalars are YAML: "" stays a string
 
 
-@contextmanager
-def _caller_signal_handlers():
-    """The trainer takes SIGTERM/SIGUSR1 (checkpoint and stop); give them back to the caller afterwards."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
 def train_order(order: str, opts: AblationOptions) -> dict:
     """Train one layer-norm order through the trainer (this process, one rank): its final metrics, its
     run directory and MLflow run id, and the per-step `loss`, `mlm_loss`, `sop_loss` of metrics.jsonl."""
@@ -93,8 +80,7 @@ def train_order(order: str, opts: AblationOptions) -> dict:
     from repro.train.loop import train
 
     cfg = load_config(TINY_BERT, opts.overrides(order))
-    with _caller_signal_handlers():
-        final = train(cfg, ProcessGroups.single())
+    final = train(cfg, ProcessGroups.single())
     if final.get("stopped_by_signal"):
         raise SystemExit(f"{order}: stopped by a signal at iteration {final['iteration']} (checkpointed); "
                          f"rerun with --run-dir {opts.run_root} to resume")

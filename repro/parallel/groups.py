@@ -86,6 +86,8 @@ class ProcessGroups:
     rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    world_group: dist.ProcessGroup | None = None
+    """Every rank: agreement on a skipped step or a stop signal, checkpoint barriers."""
 
     @classmethod
     def single(cls) -> "ProcessGroups":
@@ -141,7 +143,7 @@ def build_process_groups(dims: ParallelDims) -> ProcessGroups:
         group = dist.new_group(ranks)
         if rank in ranks:
             dp_group = group
-    return ProcessGroups(dims=dims, rank=rank, tp_group=tp_group, dp_group=dp_group)
+    return ProcessGroups(dims=dims, rank=rank, tp_group=tp_group, dp_group=dp_group, world_group=dist.group.WORLD)
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ def iter_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _barrier(pg: ProcessGroups) -> None:
+    if pg.world_group is not None:
+        dist.barrier(group=pg.world_group)
 
 
 def begin_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
@@ -53,19 +53,19 @@ def begin_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
     if pg.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(pg)
     return tmp
 
 
 def finish_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
     """Rename the finished temporary directory into place, then point `latest` at it."""
-    _barrier()
+    _barrier(pg)
     final = root / iter_name(iteration)
     if pg.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(root / f"{iter_name(iteration)}.tmp", final)
         write_atomic(root / "latest", iter_name(iteration).encode())
-    _barrier()
+    _barrier(pg)
     return final
 
 

@@ -39,21 +39,30 @@ class TrainState:
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (Slurm preemption, time limit) ask for a checkpoint and a clean exit."""
+    """SIGTERM / SIGUSR1 (Slurm preemption, time limit) ask for a checkpoint and a clean exit, while
+    inside `with StopSignal(group)`; the caller's handlers are back afterwards."""
 
-    def __init__(self) -> None:
-        self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group, self.received, self._saved = group, None, {}
+
+    def __enter__(self) -> "StopSignal":
+        self._saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, _frame) -> None:
         self.received = signum
 
     def agreed(self, device: torch.device) -> bool:
-        """True on every rank once any rank has received a signal (one tiny all-reduce)."""
+        """True on every rank of `group` once any has received a signal (one tiny all-reduce)."""
         flag = torch.tensor(1.0 if self.received else 0.0, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
 
@@ -221,30 +230,37 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
     logger = _logger(cfg, eng, resume_id, tags or {}) if pg.rank == 0 else None
     peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
-    stop, interval, final = StopSignal(), _Interval(), {}
+    interval, final = _Interval(), {}
     if "rng" in meta:
         ck.restore_rng(meta.pop("rng"), eng.rng)
-    try:
-        while state.iteration < cfg.train.train_iters:
-            result = train_step(eng, _micro_batches(loader, derived.grad_accum_steps))
-            state.iteration += 1
-            state.consumed_samples += cfg.train.global_batch_size
-            interval.steps += 1
-            interval.skipped_total += int(result.skipped)
-            final = _after_step(eng, state, result, interval, peak, logger, valid)
-            if stop.agreed(eng.device) and state.iteration < cfg.train.train_iters:  # the last step finishes
-                save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
-                _log(logger, {"preempted": 1.0}, state.iteration)
-                if logger:  # sends queued metrics; the resumed launch reopens the same MLflow run
-                    logger.close("KILLED")
-                if pg.rank == 0:  # tells slurm/launch.sh to requeue the job
-                    write_atomic(Path(cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
-                return {**final, "stopped_by_signal": True, "iteration": state.iteration}
-        return _finish(eng, state, final, logger, valid, meta)
-    except BaseException:
-        if logger:
-            logger.close("FAILED")
-        raise
+    with StopSignal(pg.world_group) as stop:
+        try:
+            while state.iteration < cfg.train.train_iters:
+                result = train_step(eng, _micro_batches(loader, derived.grad_accum_steps))
+                state.iteration += 1
+                state.consumed_samples += cfg.train.global_batch_size
+                interval.steps += 1
+                interval.skipped_total += int(result.skipped)
+                final = _after_step(eng, state, result, interval, peak, logger, valid)
+                if stop.agreed(eng.device) and state.iteration < cfg.train.train_iters:  # the last step finishes
+                    return _stop_for_signal(eng, state, final, logger, meta)
+            return _finish(eng, state, final, logger, valid, meta)
+        except BaseException:
+            if logger:
+                logger.close("FAILED")
+            raise
+
+
+def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: dict) -> dict:
+    """Checkpoint, mark the MLflow run KILLED, and leave the marker that has slurm/launch.sh requeue the
+    job (the resumed launch reopens the same MLflow run)."""
+    save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
+    _log(logger, {"preempted": 1.0}, state.iteration)
+    if logger:  # sends queued metrics
+        logger.close("KILLED")
+    if eng.pg.rank == 0:
+        write_atomic(Path(eng.cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
+    return {**final, "stopped_by_signal": True, "iteration": state.iteration}
 
 
 def _nothing_to_train(cfg: RunConfig, saved: dict, rank: int) -> dict:

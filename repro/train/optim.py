@@ -70,17 +70,17 @@ class DynamicLossScaler:
         return cls(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale,
                    overflows_left=cfg.hysteresis)
 
-    def found_overflow(self, params, group=None) -> bool:
-        """True if any gradient on any rank is inf/nan (all ranks then skip the same step)."""
-        flag = torch.zeros(())
-        for p in params:
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                flag = torch.ones(())
-                break
-        if dist.is_initialized():
-            flag = flag.to(next(iter(params)).device) if params else flag
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+    def unscale_and_check(self, params, device: torch.device, group: dist.ProcessGroup | None) -> bool:
+        """Divide every gradient by the scale; True if any, on any rank of `group`, is inf/nan (all
+        ranks then skip the same step). One fused kernel (GradScaler's) and one host sync per step."""
+        grads = [p.grad for p in params if p.grad is not None]
+        found = torch.zeros(1, device=device)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale,
+                                                                                     device=device))
+        if group is not None:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
 
     def update(self, overflow: bool) -> None:
         """Advance the scale after a step (skipped or not)."""

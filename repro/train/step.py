@@ -73,9 +73,7 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
     params = _stepped_grads(eng)
     overflow = False
     if eng.scaler:
-        for p in params:
-            p.grad.div_(scale)
-        overflow = eng.scaler.found_overflow(params)
+        overflow = eng.scaler.unscale_and_check(params, eng.device, eng.pg.world_group)
     clip = eng.cfg.optim.clip_grad
     norm = float("nan") if overflow else (
         clip_grad_norm(params, clip, eng.pg.tp_group) if clip > 0 else global_grad_norm(params, eng.pg.tp_group)).item()

@@ -1,8 +1,7 @@
-"""The `repro` command. Each area registers its own subcommands; heavy imports happen inside them.
+"""The `repro` command: reproduce Megatron-LM (Shoeybi et al., 2019) from data to the paper's tables.
 
-    repro sizes                         the paper's named model sizes with parameter counts
-    repro selftest --nproc 2            TP/DP correctness checks on this hardware
-    repro data fetch | prepare          evaluation data, vocabularies, indexed datasets
+Each area's module registers its subcommands (`repro --help` lists them); heavy imports happen
+inside the commands, so `repro --help` stays fast.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-# Modules exposing `register(subparsers)`; a module that does not exist yet is skipped.
+# Modules exposing `register(subparsers)`, in the order `repro --help` lists their commands.
 COMMAND_MODULES = (
     "repro.models.commands",
     "repro.parallel.selftest",
@@ -35,13 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="repro", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name and name.startswith(err.name):
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

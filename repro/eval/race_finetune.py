@@ -1,4 +1,5 @@
-"""RACE fine-tuning: the paper's multiple-choice head on BERT, the training loop, and the CLI run.
+"""RACE fine-tuning: the paper's multiple-choice head on BERT, the training loop, the median seed
+(the command's wiring is in race_cli.py).
 
 Head (paper §5): pooled [CLS] -> dropout -> Linear(h, 1): one score per option, cross-entropy over
 the 4. Schedule: 3 epochs, batch/lr 32/2e-5 (336M, 3.9B) or 16/1e-5 (1.3B); warm-up over 6% of

@@ -1,6 +1,7 @@
 """`repro slurm check | submit | sweep | status`: the Python side of slurm/launch.sh.
 
     repro slurm sweep table1-tp              # submit scale_1b..scale_8b with the cluster settings
+    repro slurm submit slurm/scale_8b.sh -- --set train.train_iters=100   # script arguments after --
     repro slurm status 1234 1235             # squeue / scontrol (sacct where accounting exists)
 """
 
@@ -148,12 +149,13 @@ def register(sub) -> None:
     c.set_defaults(func=_check)
     s = ssub.add_parser("submit", help="sbatch one slurm/*.sh with REPRO_PARTITION / REPRO_ACCOUNT")
     s.add_argument("script")
-    s.add_argument("args", nargs="*", help="passed to the script (e.g. --set train.train_iters=100)")
+    s.add_argument("args", nargs="*", help="passed to the script, after `--` (argparse takes options "
+                   "before it as its own): e.g. `-- --smoke --set train.train_iters=100`")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch command only")
     s.set_defaults(func=_submit)
     w = ssub.add_parser("sweep", help=f"submit every run of a paper table: {', '.join(sorted(TABLES))}")
     w.add_argument("table", help=f"one of {', '.join(sorted(TABLES))}")
-    w.add_argument("args", nargs="*", help="passed to every script")
+    w.add_argument("args", nargs="*", help="passed to every script, after `--` (e.g. `-- --set K=V`)")
     w.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
     w.set_defaults(func=_sweep)
     t = ssub.add_parser("status", help="your queue, or the state of the given jobs")

@@ -230,26 +230,17 @@ def _zero_layout(zopt, named: dict) -> dict:
 
 def _compare_comm(per_rank: list[dict], cfg: ModelConfig, batch: int) -> dict:
     """Intercepted TP=2 collectives per phase against expected_tp_collectives, exactly."""
-    from repro.parallel.accounting import expected_tp_collectives
+    from repro.parallel.accounting import CollectiveLog, expected_tp_collectives
 
     want = expected_tp_collectives(cfg.num_layers, batch, cfg.seq_length, cfg.hidden_size)
-    calls = per_rank[0]["calls"]
+    logs = [CollectiveLog(calls=[tuple(call) for call in rank["calls"]]) for rank in per_rank]
     out = {"equal_on_every_rank": True, "phases": {}}
     for phase in ("forward", "backward"):
-        got = {}
-        for ph, op, n, _ in calls:
-            if ph == phase:
-                got[(op, n)] = got.get((op, n), 0) + 1
-        for rank in per_rank:
-            mine = {}
-            for ph, op, n, _ in rank["calls"]:
-                if ph == phase:
-                    mine[(op, n)] = mine.get((op, n), 0) + 1
-            out["equal_on_every_rank"] &= mine == dict(want[phase])
+        out["equal_on_every_rank"] &= all(log.counts(phase) == want[phase] for log in logs)
         out["phases"][phase] = {
-            "measured": [{"op": op, "elements": n, "calls": c} for (op, n), c in sorted(got.items())],
+            "measured": [{"op": op, "elements": n, "calls": c} for (op, n), c in sorted(logs[0].counts(phase).items())],
             "analytic": [{"op": op, "elements": n, "calls": c} for (op, n), c in sorted(want[phase].items())],
-            "measured_bytes": sum(b for ph, _, _, b in calls if ph == phase),
+            "measured_bytes": logs[0].total_bytes(phase),
             "analytic_bytes": sum(4 * n * c for (_, n), c in want[phase].items()),  # fp32
         }
     return out

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.groups import ProcessGroups
-from repro.parallel.mappings import copy_to_tensor_parallel_region, group_rank, group_size
+from repro.parallel.mappings import group_rank, group_size
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
@@ -36,19 +35,10 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
     return candidate
 
 
-def _gpt_output_layer(model, hidden: torch.Tensor) -> torch.Tensor:
-    """GPT's tied output layer on selected hidden states: the same ops as GPT.forward."""
-    x = copy_to_tensor_parallel_region(hidden, model.tp_group)
-    logits = F.linear(x, model.transformer.wte.weight)  # (n, V/tp)
-    if model.num_real_local < logits.shape[-1]:
-        logits[:, model.num_real_local:] = float("-inf")
-    return logits
-
-
 def selected_logits(model, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """This rank's logits (n, V/tp) at the positions where keep (b, s) is True, row-major order."""
-    if hasattr(model, "hidden_states") and hasattr(model, "transformer"):
-        return _gpt_output_layer(model, model.hidden_states(ids)[keep])
+    if hasattr(model, "hidden_states") and hasattr(model, "output_layer"):  # GPT: only the kept rows
+        return model.output_layer(model.hidden_states(ids)[keep])
     return model(ids)[keep]  # any module returning local logits (b, s, V/tp)
 
 

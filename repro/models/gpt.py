@@ -142,9 +142,14 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group, inplace=True)  # logits unseen
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's vocab slice of the logits, padded columns at -inf."""
-        x = copy_to_tensor_parallel_region(self.hidden_states(ids), self.tp_group)  # f
-        logits = F.linear(x, self.transformer.wte.weight)  # (b, s, V/tp): tied output layer
+        """This rank's vocab slice of the logits (b, s, V/tp), padded columns at -inf."""
+        return self.output_layer(self.hidden_states(ids))
+
+    def output_layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied output layer on hidden states (..., h): this rank's vocab slice of the logits
+        (..., V/tp), padded columns at -inf. Evaluation applies it to the scored positions only."""
+        x = copy_to_tensor_parallel_region(hidden, self.tp_group)  # f
+        logits = F.linear(x, self.transformer.wte.weight)
         if self.num_real_local < logits.shape[-1]:  # padded vocab columns: never predicted
             logits[..., self.num_real_local:] = float("-inf")  # in place: the matmul output is not saved
         return logits

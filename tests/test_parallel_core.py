@@ -148,6 +148,8 @@ def test_rank_discovery_prefers_torchrun_then_slurm():
     slurm = discover_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                                  "MASTER_ADDR": "node7"})
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_addr) == (5, 8, 1, "node7")
+    assert torchrun.launched and slurm.launched and not discover_launch_env({"LOCAL_RANK": "1"}).launched
+    assert slurm.device() == (torch.device("cuda", 1) if torch.cuda.is_available() else torch.device("cpu"))
 
 
 def test_checkpointing_without_a_tracker_is_bit_identical():

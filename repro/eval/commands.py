@@ -79,9 +79,9 @@ def run_lambada(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
 
 
 def _process_groups(tp: int):
-    from repro.parallel.groups import ProcessGroups, init_distributed
+    from repro.parallel.groups import ProcessGroups, discover_launch_env, init_distributed
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if discover_launch_env().world_size > 1:  # torchrun, or srun with several tasks
         return init_distributed(tp)
     if tp > 1:
         raise UserError(f"--tp {tp} needs {tp} ranks: launch with `torchrun --nproc-per-node {tp} "
@@ -120,11 +120,10 @@ def _out_path(out: str | None, ckpt: Path) -> Path:
 
 def _load(ckpt: Path, pg):
     """The model and its training run id, through the trainer's checkpoint module."""
-    import torch
-
+    from repro.parallel.groups import discover_launch_env
     from repro.train.checkpoint import CheckpointError, checkpoint_run_id, load_model_for_eval
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = discover_launch_env().device()
     try:
         return load_model_for_eval(ckpt, pg, device).eval(), checkpoint_run_id(ckpt)
     except CheckpointError as err:

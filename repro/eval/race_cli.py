@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -74,9 +73,9 @@ def shorten(cfg: BertConfig, state: dict | None, seq_length: int) -> tuple[BertC
 
 
 def _groups(tp: int):
-    from repro.parallel.groups import ProcessGroups, init_distributed
+    from repro.parallel.groups import ProcessGroups, discover_launch_env, init_distributed
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if discover_launch_env().world_size > 1:  # torchrun, or srun with several tasks
         return init_distributed(tp)
     if tp != 1:
         raise UserError(f"--tp {tp} needs {tp} ranks: launch with torchrun --nproc-per-node {tp}")
@@ -86,9 +85,8 @@ def _groups(tp: int):
 def _device():
     """This rank's GPU under a launcher (LOCAL_RANK / SLURM_LOCALID) when CUDA is there, else CPU."""
     from repro.parallel.groups import discover_launch_env
-    from repro.train.engine import pick_device
 
-    return pick_device("auto", discover_launch_env().local_rank)
+    return discover_launch_env().device()
 
 
 def run(args) -> int:

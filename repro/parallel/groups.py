@@ -155,6 +155,12 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    launched: bool = False
+    """A launcher (torchrun, srun) started this process as one of its ranks."""
+
+    def device(self) -> torch.device:
+        """This rank's GPU (by local rank) when CUDA is there, else the CPU."""
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _first_slurm_host() -> str:
@@ -177,7 +183,8 @@ def discover_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
         rank, world, local = 0, 1, 0
     addr = env.get("MASTER_ADDR") or (_first_slurm_host() if "SLURM_PROCID" in env else "127.0.0.1")
     port = int(env.get("MASTER_PORT", 29500))
-    return LaunchEnv(rank, world, local, addr, port)
+    launched = ("RANK" in env and "WORLD_SIZE" in env) or "SLURM_PROCID" in env
+    return LaunchEnv(rank, world, local, addr, port, launched)
 
 
 def default_backend() -> str:

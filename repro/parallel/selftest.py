@@ -8,7 +8,6 @@ Exits non-zero if any check fails: a user's way to trust the implementation on t
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -20,9 +19,9 @@ def layouts_for(world_size: int, max_tp: int = 8) -> list[tuple[int, int]]:
 
 
 def _device_for_rank() -> str:
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
+    from repro.parallel.groups import discover_launch_env
+
+    return str(discover_launch_env().device())
 
 
 def rank_main(world_size: int) -> list[dict]:
@@ -61,8 +60,10 @@ def _run(args) -> int:
 
     from repro.parallel.spawn import run_ranks
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ:  # launched by torchrun / srun
+    from repro.parallel.groups import default_backend, discover_launch_env
+
+    backend = default_backend()
+    if discover_launch_env().launched:  # by torchrun / srun
         from repro.parallel.groups import init_distributed
 
         torch.set_num_threads(1)

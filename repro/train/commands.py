@@ -63,7 +63,9 @@ def _preflight(args, launched: bool) -> None:
 
 
 def _train(args) -> int:
-    launched = "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ  # torchrun / srun
+    from repro.parallel.groups import discover_launch_env
+
+    launched = discover_launch_env().launched  # torchrun / srun
     _preflight(args, launched)
     if args.nproc and not launched:
         from repro.parallel.spawn import run_ranks

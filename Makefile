@@ -30,8 +30,9 @@ $(VENV)/.installed: pyproject.toml
 data: setup
 	$(REPRO) data fetch
 
+# Without a mirror the tests read the data `make data` just downloaded and checked (same layout).
 test: setup data slurm-deps
-	$(PY) -m pytest -q
+	REPRO_DATA_MIRROR="$${REPRO_DATA_MIRROR:-$(REPRO_DATA_DIR)}" $(PY) -m pytest -q
 
 # The Slurm tests start a real single-node cluster (tests/slurm_cluster.py): Debian packages, root.
 SLURM_DEPS := slurmctld slurmd slurm-client munge shellcheck

@@ -2,7 +2,9 @@
 
 Import the ones a test file uses (`from data_fixtures import data_dir`). The mirror comes from
 REPRO_DATA_MIRROR, else /work/shared/data when it exists; without one the tests skip locally and
-FAIL in CI (CI=true), so a CI machine without the data cannot pass by skipping.
+FAIL in CI (CI=true), so a CI machine without the data cannot pass by skipping. `make test` sets
+REPRO_DATA_MIRROR to the data dir `make data` filled (downloaded and sha256-checked) when no
+mirror is configured: a fetched data dir has the mirror's layout.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_serial_tp1_matches_itself_exactly():
 @pytest.mark.parametrize("layout", ["tp=2 dp=1", "tp=1 dp=2"])
 def test_two_rank_layouts_reproduce_serial(two_ranks, layout):
     rows = _named(two_ranks, layout)
-    assert len(rows) == 2 * 8  # 2 ranks x (fp32, fp64) x (logits, padding, loss, grads)
+    assert len(rows) == 2 * 2 * 5  # 2 ranks x (fp32, fp64) x (logits, padding, loss, grads, grad norm)
     assert not _failures(rows), _failures(rows)
 
 
@@ -62,6 +62,14 @@ def test_float32_and_float64_tolerances_are_the_stated_ones(four_ranks):
         assert row["tolerance"] == 1e-10 and row["max_error"] < 1e-10
     for row in _named(four_ranks, "float32: every gradient"):
         assert row["tolerance"] == 1e-5 and row["max_error"] < 1e-5
+
+
+def test_global_gradient_norm_equals_serial(two_ranks, four_ranks):
+    """The TP-aware norm that clipping uses counts sharded parameters once and replicated ones once:
+    at every layout it equals the serial model's norm (1e-5 fp32, 1e-10 fp64, as the gradients)."""
+    rows = _named(two_ranks, "global gradient norm") + _named(four_ranks, "global gradient norm")
+    assert rows and not _failures(rows), rows
+    assert {r["tolerance"] for r in rows} == {1e-5, 1e-10}
 
 
 def test_collective_counts_match_the_paper(two_ranks):

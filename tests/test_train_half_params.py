@@ -112,7 +112,11 @@ def test_half_params_tp2_resume_and_checkpoint(corpus, tmp_path):
     run_ranks(train_rank, 2, TINY, split_over + ["train.train_iters=20"])
     tp1, tp2 = _metrics(serial), _metrics(whole)
     assert max(abs(tp1[k] - tp2[k]) for k in tp1) < TOLERANCE_NATS
-    norm1, norm2 = _metrics(serial, "grad_norm"), _metrics(whole, "grad_norm")  # TP-aware norm of the masters
+    # TP-aware norm of the masters. The norm itself is exact at every layout (1e-5 in fp32,
+    # tests/test_parallel_core.py); here both runs' gradients come from bf16 backward passes whose
+    # roundings differ between layouts (8-bit mantissa: 2^-9 = 0.2% per rounding, over 20 steps of
+    # weights that drift apart by the same), hence 2%.
+    norm1, norm2 = _metrics(serial, "grad_norm"), _metrics(whole, "grad_norm")
     assert max(abs(norm1[k] - norm2[k]) / norm1[k] for k in norm1) < 2e-2, (norm1, norm2)
     assert _metrics(split) == tp2
     latest = ck.latest_checkpoint(whole / "checkpoints")

@@ -18,7 +18,7 @@ from repro.models.config import ModelConfig
 from repro.models.gpt import GPT
 from repro.parallel.accounting import count_collectives, expected_tp_collectives
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
-from repro.parallel.grads import all_reduce_gradients
+from repro.parallel.grads import all_reduce_gradients, global_grad_norm
 from repro.parallel.groups import ParallelDims, ProcessGroups, build_process_groups
 from repro.parallel.layers import is_tensor_parallel, unshard
 from repro.parallel.mappings import gather_from_tensor_parallel_region, group_size
@@ -105,6 +105,8 @@ def check_equivalence(pg: ProcessGroups, dtype=torch.float32, device="cpu", batc
         Check(f"{tag}: padded vocab never predicted", 0.0 if padded_masked else 1.0, 0.0),
         Check(f"{tag}: loss", rel_error(loss, ref_loss), tol),
         Check(f"{tag}: every gradient", max(rel_error(grads[n], ref_grads[n]) for n in ref_grads), tol),
+        Check(f"{tag}: global gradient norm (clipping)", rel_error(global_grad_norm(model.parameters(), pg.tp_group),
+                                                                  global_grad_norm(serial.parameters())), tol),
     ]
 
 

@@ -16,8 +16,8 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> tor
     replicated one once (only TP rank 0 adds the replicated ones before the TP all-reduce)."""
     params = [p for p in params if p.grad is not None]
     count_replicated = group_rank(tp_group) == 0
-    squares = [
-        p.grad.detach().float().pow(2).sum()
+    squares = [  # half gradients summed in fp32; fp32 and fp64 in their own precision
+        p.grad.detach().to(torch.promote_types(p.grad.dtype, torch.float32)).pow(2).sum()
         for p in params
         if is_tensor_parallel(p) or count_replicated
     ]

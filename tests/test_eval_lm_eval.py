@@ -1,7 +1,9 @@
-"""Issue 5: the lm-eval model gives `repro eval lambada`'s accuracy on local task YAMLs, offline."""
+"""Issue 5: the lm-eval model gives `repro eval lambada`'s accuracy on local task YAMLs, offline, also
+through the `repro-lm-eval` command on a checkpoint; lm-eval's wikitext word perplexity, exactly."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from types import SimpleNamespace
@@ -61,6 +63,82 @@ def test_lm_eval_lambada_accuracy_equals_repro_eval(setup):
         assert ll == pytest.approx(-score.nll, rel=1e-6) and bool(greedy) == score.correct
 
 
+def _memorizing_checkpoint(run_dir, examples, steps: int = 20):
+    """A trainer-format checkpoint (run_dir/checkpoints/iter_0000020: meta.json + model_tp00.pt, as
+    tests/test_eval_cli.py writes one) of a tiny GPT that learned the last word of every passage
+    but each third one (a few Adam steps on those target tokens only): accuracy strictly between
+    0 and 1, so an untrained or wrongly loaded model cannot match by both scoring zero."""
+    from repro.models.config import ModelConfig
+    from repro.models.gpt import GPT
+    from repro.parallel.groups import ProcessGroups
+    from repro.train import checkpoint as ck
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=128,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    gpt = GPT(cfg, seed=1)
+    learned = [e for i, e in enumerate(examples) if i % 3]
+    length = max(len(e.context) + len(e.target) for e in learned)
+    ids = torch.zeros(len(learned), length, dtype=torch.long)
+    targets = torch.full_like(ids, -100)  # ignored by cross_entropy
+    for row, e in enumerate(learned):
+        ids[row, :len(e.context) + len(e.target)] = torch.tensor(e.context + e.target)
+        targets[row, len(e.context) - 1:len(e.context) + len(e.target) - 1] = torch.tensor(e.target)
+    opt = torch.optim.Adam(gpt.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(gpt(ids).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    root, pg = run_dir / "checkpoints", ProcessGroups.single()
+    tmp = ck.begin_save(root, steps, pg)
+    torch.save(gpt.state_dict(), tmp / "model_tp00.pt")
+    meta = {"format": ck.FORMAT_VERSION, "family": "gpt", "iteration": steps, "tp": 1, "dp": 1,
+            "world_size": 1, "model": cfg.__dict__}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    ck.finish_save(root, steps, pg)
+    return gpt.eval()
+
+
+def test_repro_lm_eval_command_on_a_checkpoint_equals_repro_eval(setup, tmp_path):
+    """The console path users run: `repro-lm-eval --model megatron-repro --model_args
+    checkpoint=RUN_DIR,data_dir=DATA` (the checkpoint loaded by _load_checkpoint, the tokenizer
+    built from data_dir) on the local LAMBADA task: lm-eval's acc is `repro eval lambada`'s
+    evaluate_lambada on the same checkpoint and passages, and its perplexity (exp of the mean
+    per-passage NLL) is repro's per-passage NLLs' (float32, same batches: rel 1e-6)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from repro.eval.lambada import evaluate_lambada, score_examples
+    from repro.parallel.groups import ProcessGroups
+    from repro.train.checkpoint import load_model_for_eval
+
+    tok, examples, _, tasks = setup
+    n = 8
+    trained = _memorizing_checkpoint(tmp_path / "run", examples[:n])
+    script = Path(sys.executable).with_name("repro-lm-eval")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "repro.eval.lm_eval_adapter"]
+    out = subprocess.run(cmd + ["--model", "megatron-repro", "--model_args",
+                                f"checkpoint={tmp_path / 'run'},data_dir={mirror()}",
+                                "--device", "cpu", "--batch_size", "4", "--include_path", str(tasks),
+                                "--tasks", "lambada_openai_local", "--limit", str(n),
+                                "--output_path", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert results["n-samples"]["lambada_openai_local"]["effective"] == n
+    got = results["results"]["lambada_openai_local"]
+
+    model = load_model_for_eval(tmp_path / "run", ProcessGroups.single())
+    ours = evaluate_lambada(model, ProcessGroups.single(), examples[:n], batch_size=4)
+    assert ours.accuracy == evaluate_lambada(trained, ProcessGroups.single(), examples[:n], batch_size=4).accuracy
+    assert 0 < ours.accuracy < 1, ours  # learned passages right, the others not: a non-trivial number
+    assert got["acc,none"] == ours.accuracy
+    nll = [s.nll for s in score_examples(model, None, examples[:n], batch_size=4)]
+    assert got["perplexity,none"] == pytest.approx(math.exp(sum(nll) / n), rel=1e-6)
+
+
 def test_rolling_loglikelihood_and_generation_of_a_tiny_gpt(setup):
     from repro.eval.lm_eval_adapter import MegatronReproLM
     from repro.models.config import ModelConfig
@@ -91,15 +169,43 @@ def test_rolling_loglikelihood_and_generation_of_a_tiny_gpt(setup):
     assert gen.generate_until([req])[0] == tok.decode(seq[k:k + 2])  # stops before the stop string
 
 
-def test_lm_eval_wikitext_task_runs_offline(setup):
+def test_lm_eval_wikitext_word_perplexity_is_per_word_of_the_page(setup):
+    """lm-eval's wikitext word_perplexity is exp(-sum log p / words of the original page), with
+    sum log p the rolling loglikelihood of [eot] + the detokenized page in disjoint windows of the
+    model's seq_length. Expected value computed here from lm-eval's own built-in wikitext functions
+    (detokenizer, word/byte counts) and plain cross-entropy of a float64 model, so only summation
+    order differs: rel 1e-9. Token perplexity (1,218 targets for 1,093 words on this page) would be
+    exp(sum NLL / 1218): 5.0e4 against the word perplexity 1.7e5 of this untrained model."""
+    from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer
+
     from repro.eval.lm_eval_adapter import MegatronReproLM
     from repro.models.config import ModelConfig
     from repro.models.gpt import GPT
 
     tok, _, _, tasks = setup
-    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=256,
+    seq = 256
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=seq,
                       hidden_dropout=0.0, attention_dropout=0.0)
-    lm = MegatronReproLM(model=GPT(cfg, seed=3).eval(), tokenizer=tok, batch_size=8)
-    out = _simple_evaluate(lm, tasks, "wikitext_local", 1)["results"]["wikitext_local"]
-    # An untrained 50k-vocab model: about ln(50257) = 10.8 nats per token, ~1.3 tokens per word.
-    assert 1e4 < out["word_perplexity,none"] < 1e8
+    gpt = GPT(cfg, seed=3).double().eval()
+    lm = MegatronReproLM(model=gpt, tokenizer=tok, batch_size=2)
+    out = _simple_evaluate(lm, tasks, "wikitext_local", 1)
+    (sample,) = out["samples"]["wikitext_local"]
+    doc = json.loads((tasks / "wikitext_document_level.test.jsonl").read_text().splitlines()[0])
+    assert sample["doc"] == doc and doc["page"].startswith(" = Robert Boulter = ")
+
+    ids = [tok.eod] + tok.encode(wikitext_detokenizer(doc))
+    sum_nll = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, seq):  # disjoint windows, each scores all its targets
+            targets = ids[start + 1:start + seq + 1]
+            logits = gpt(torch.tensor([ids[start:start + len(targets)]]))[0]
+            sum_nll += torch.nn.functional.cross_entropy(logits, torch.tensor(targets), reduction="sum").item()
+    counts = process_results(doc, [0.0])
+    words, size = counts["word_perplexity"][1], counts["byte_perplexity"][1]
+    assert (words, len(ids) - 1) == (1093, 1218)  # words of the raw page vs BPE targets
+    results = out["results"]["wikitext_local"]
+    assert results["word_perplexity,none"] == pytest.approx(math.exp(sum_nll / words), rel=1e-9)
+    assert results["byte_perplexity,none"] == pytest.approx(math.exp(sum_nll / size), rel=1e-9)
+    assert results["bits_per_byte,none"] == pytest.approx(sum_nll / size / math.log(2), rel=1e-9)
+    token_ppl = math.exp(sum_nll / (len(ids) - 1))
+    assert results["word_perplexity,none"] > 2 * token_ppl  # what the old 1e4..1e8 bounds could not tell

@@ -1,7 +1,8 @@
 """Issue 7 against a real Slurm (tests/slurm_cluster.py): smoke training through sbatch + srun at TP=2
 with MLflow, preemption by USR1 -> checkpoint -> requeue -> exact resume, a clear error for a missing
 cluster variable before launch, the zero-shot and RACE scripts in smoke mode on trained checkpoints,
-and a cluster that stops without leaving a process behind."""
+`repro slurm submit | sweep | status` against the cluster (not only --dry-run), and a cluster that
+stops without leaving a process behind."""
 
 from __future__ import annotations
 
@@ -200,6 +201,62 @@ def test_eval_script_refuses_a_checkpoint_pointer_file(slurm_cluster, site, smok
     record, out = slurm_cluster.wait_job(job, timeout=60), _job_output(site, job)
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", out
     assert "is not a directory: give the training run directory" in out and "step:" not in out, out
+
+
+def _repro_slurm(site: dict, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`repro slurm ARGS` from the repository root with the site's variables, the cluster's
+    partition as REPRO_PARTITION (so sbatch gets `-p debug` from the command, not the test), and
+    the sbatch options a CPU test node needs where no command line can give them: SBATCH_GRES
+    (the scripts ask for GPUs) and SBATCH_OUTPUT (else slurm-%j.out lands in the checkout)."""
+    env = {**site["env"], "REPRO_PARTITION": "debug", "SBATCH_GRES": "none",
+           "SBATCH_OUTPUT": str(site["out"] / "job-%j.out"), **env}
+    return subprocess.run([sys.executable, "-m", "repro.cli", "slurm", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_repro_slurm_submit_and_status_run_a_smoke_job(slurm_cluster, site):  # noqa: F811
+    """`repro slurm submit slurm/scale_1b.sh -- --smoke ...` (one task, TP=1, 2 iterations): the
+    printed job id is the job Slurm ran from the repository root to COMPLETED, and `repro slurm
+    status` reports it; without ids it shows the queue."""
+    out = _repro_slurm(site, "submit", "slurm/scale_1b.sh", "--", "--smoke", "--set", "train.train_iters=2")
+    assert out.returncode == 0, out.stderr
+    command, submitted = out.stdout.splitlines()
+    assert command == f"sbatch --parsable -p debug {ROOT}/slurm/scale_1b.sh --smoke --set train.train_iters=2"
+    job = re.fullmatch(r"submitted job (\d+)", submitted).group(1)
+    record = slurm_cluster.wait_job(job, timeout=180)
+    status = _repro_slurm(site, "status", job)  # at once: the record goes MinJobAge (5 s) after the end
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", _job_output(site, job)
+    assert (record["JobName"], record["Partition"], record["NumTasks"]) == ("scale_1b", "debug", "1")
+    assert record["WorkDir"] == str(ROOT)
+    assert status.returncode == 0, status.stderr
+    header, row = status.stdout.splitlines()
+    assert header.split() == ["job", "name", "state", "exit", "restarts", "runtime"]
+    assert row.split()[:5] == [job, "scale_1b", "COMPLETED", "0:0", "0"]
+    run_dir = site["runs"] / f"scale_1b-{job}"
+    assert [s for s, _ in _losses(run_dir)] == [1, 2], _job_output(site, job)
+    assert "config ok: smoke-scale_1b tp=1 dp=1" in _job_output(site, job)
+    queue = _repro_slurm(site, "status")
+    assert queue.returncode == 0 and queue.stdout.split()[:3] == ["JOBID", "NAME", "STATE"], queue.stderr
+
+
+def test_repro_slurm_sweep_submits_a_table_through_sbatch(slurm_cluster, site, tmp_path):  # noqa: F811
+    """`repro slurm sweep table3 -- --dry-run`: table 3 is one job (zeroshot_eval.sh, 8 tasks: over-
+    committed on the 2-CPU test node), the job's launch.sh checks and prints both evaluation steps
+    but runs none (its --dry-run), so the real sbatch path of the sweep costs seconds."""
+    out = _repro_slurm(site, "sweep", "table3", "--", "--dry-run", SBATCH_OVERCOMMIT="1",
+                       REPRO_EVAL_CHECKPOINT=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    command, summary = out.stdout.splitlines()
+    assert command == f"sbatch --parsable -p debug {ROOT}/slurm/zeroshot_eval.sh --dry-run"
+    job = re.fullmatch(r"table3: jobs (\d+); follow with `repro slurm status \1`", summary).group(1)
+    record = slurm_cluster.wait_job(job, timeout=60)
+    log = _job_output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", log
+    assert (record["JobName"], record["NumTasks"]) == ("zeroshot_eval", "8")
+    task_sh = re.escape(f"step: srun --kill-on-bad-exit=1 --label bash {ROOT}/slurm/task.sh repro eval ")
+    steps = re.findall(task_sh + r"(\w+) --checkpoint (\S+) .* --tp 8 --file tokens$", log, re.M)
+    assert steps == [("wikitext", str(tmp_path)), ("lambada", str(tmp_path))], log
+    assert "step exited" not in log and not (site["runs"] / f"zeroshot_eval-{job}" / "zero_shot.jsonl").exists()
 
 
 def test_cluster_stops_running_jobs_and_leaves_no_process(tmp_path):

@@ -64,22 +64,29 @@ def _step(title: str, *args: str) -> None:
         raise SystemExit(f"demo step '{title}' failed with exit code {out.returncode}")
 
 
+SMOKE_ITERS, SMOKE_PASSAGES, SMOKE_LINES = 2, 64, 40
+
+
 def _run(args) -> int:
     data_dir = Path(os.environ.get("REPRO_DATA_DIR", project_root() / "data"))
     prefix = data_dir / "wt2_gpt"
-    run_dir = project_root() / "runs" / "gpt-demo"
+    run_dir = Path(args.run_dir)
+    iters = args.iters if args.iters is not None else SMOKE_ITERS if args.smoke else 300
+    lambada_subset = ["--max-examples", str(SMOKE_PASSAGES)] if args.smoke else []
+    wikitext_subset = ["--max-lines", str(SMOKE_LINES)] if args.smoke else []
     _step("1/4 fetch data", "data", "fetch")
     if not Path(f"{prefix}_train.idx").exists():
         text = detokenized_copy(data_dir / "wikitext" / "wikitext-2.valid.tokens", data_dir / "wt2_valid_detok.txt")
         _step("2/4 prepare WikiText-2 valid (detokenized, as the evaluation text)", "data", "prepare",
               "--input", str(text), "--layout", "wikitext", "--output-prefix", str(prefix), "--split", "95,5,0")
     overrides = [f"data.train_prefix={prefix}_train", f"data.valid_prefix={prefix}_valid",
-                 f"run_dir={run_dir}", f"train.train_iters={args.iters}"]
+                 f"run_dir={run_dir}", f"train.train_iters={iters}"]
     _step("3/4 train GPT at TP=2 on 2 processes", "train", CONFIG, "--nproc", "2",
           *sum((["--set", o] for o in overrides), []))
-    _step("4/4 zero-shot LAMBADA (5,153 passages)", "eval", "lambada", "--checkpoint", str(run_dir))
+    passages = f"first {SMOKE_PASSAGES} of 5,153 passages" if args.smoke else "5,153 passages"
+    _step(f"4/4 zero-shot LAMBADA ({passages})", "eval", "lambada", "--checkpoint", str(run_dir), *lambada_subset)
     _step("4/4 zero-shot WikiText test (window = stride = 128: the demo model's length)", "eval", "wikitext",
-          "--checkpoint", str(run_dir), "--window", "128", "--stride", "128")
+          "--checkpoint", str(run_dir), "--window", "128", "--stride", "128", *wikitext_subset)
     _summary(run_dir, str(prefix))
     return 0
 
@@ -98,5 +105,10 @@ def _summary(run_dir: Path, prefix: str) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="fetch, prepare, train GPT at TP=2 on 2 CPU processes, evaluate")
-    p.add_argument("--iters", type=int, default=300, help="training iterations")
+    p.add_argument("--iters", type=int, default=None, help="training iterations (default 300; --smoke: 2)")
+    p.add_argument("--run-dir", default=str(project_root() / "runs" / "gpt-demo"),
+                   help="the training run's directory (default: runs/gpt-demo)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"the whole pipeline in about a minute: {SMOKE_ITERS} iterations, the first "
+                        f"{SMOKE_PASSAGES} LAMBADA passages and {SMOKE_LINES} WikiText lines")
     p.set_defaults(func=_run)

@@ -113,10 +113,16 @@ def test_kill_9_during_checkpoint_write_leaves_previous_loadable(corpus, tmp_pat
     proc.wait(timeout=30)
     latest = ck.latest_checkpoint(ckpts)
     assert latest is not None and list(ckpts.glob("iter_*.tmp")), "the kill did not land mid-write"
+    at = int(latest.name.split("_")[1])
+    assert ck.read_meta(latest)["iteration"] == at
+    assert min(int(p.name[len("iter_"):-len(".tmp")]) for p in ckpts.glob("iter_*.tmp")) > at  # the newer one
     from repro.parallel.groups import ProcessGroups
 
     model = ck.load_model_for_eval(latest, ProcessGroups.single())
-    assert model(torch.zeros(1, 8, dtype=torch.long)).isfinite().any()
+    assert model(torch.zeros(1, 8, dtype=torch.long))[..., :50257].isfinite().all()
+    run_ranks(train_rank, 1, TINY, over + [f"train.train_iters={at + 2}"])  # the run resumes from it
+    assert ck.latest_checkpoint(ckpts).name == ck.iter_name(at + 2) and not list(ckpts.glob("iter_*.tmp"))
+    assert {at + 1, at + 2} <= set(_losses(tmp_path))
 
 
 def _logits_worker(ckpt: str, tp: int) -> list:

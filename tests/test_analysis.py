@@ -161,13 +161,12 @@ def test_paper_values_have_sources_and_match_the_paper():
     assert paper_value(paper, "zero_shot", "gpt2-355m", "lambada_acc") == 45.18
     assert paper_value(paper, "bert", "bert-3.9b", "race_total") == 89.5
     assert paper_value(paper, "bert", "bert-336m", "mlm_valid_ppl") == 1.58
-    from repro.perf.scaling_model import PAPER_TABLE1  # the performance model's own copy agrees
+    from repro.perf.scaling_model import paper_appendix_d, paper_table1  # the performance model reads the file
 
-    for size, tp, eff_tp, gpus, eff_dp in PAPER_TABLE1:
-        assert paper_value(paper, "scaling", size, "gpus_tp") == tp
-        assert paper_value(paper, "scaling", size, "efficiency_tp") == eff_tp
-        assert paper_value(paper, "scaling", size, "gpus_tpdp") == gpus
-        assert paper_value(paper, "scaling", size, "efficiency_tpdp") == eff_dp
+    assert paper_table1() == [("scaling-1.2b", 1, 1.00, 64, 0.96), ("scaling-2.5b", 2, 0.95, 128, 0.83),
+                              ("scaling-4.2b", 4, 0.82, 256, 0.79), ("scaling-8.3b", 8, 0.77, 512, 0.74)]
+    assert paper_appendix_d() == ([("scaling-8.3b-16h", 0.82), ("scaling-8.3b-24h", 0.80), ("scaling-8.3b", 0.77)],
+                                  [(1, 1.0), (2, 1.64), (4, 2.34), (8, 2.98)])
 
 
 def test_markdown_cells():

@@ -50,12 +50,16 @@ class Cluster:
 DGX2H = Cluster("DGX-2H (V100 SXM3)", 125.0, 39.0 / 125.0, 900.0, 16, 150.0, 100.0)
 H200_CLUSTER = Cluster("DGX H200 (8x H200 SXM, 8x400 Gb/s IB)", 989.0, 0.34, 4800.0, 8, 450.0, 400.0)
 
-PAPER_TABLE1 = (  # size, tp gpus, tp efficiency, tp+dp gpus, tp+dp efficiency (paper Table 1 / Fig. 5)
-    ("scaling-1.2b", 1, 1.00, 64, 0.96),
-    ("scaling-2.5b", 2, 0.95, 128, 0.83),
-    ("scaling-4.2b", 4, 0.82, 256, 0.79),
-    ("scaling-8.3b", 8, 0.77, 512, 0.74),
-)
+def paper_table1() -> list[tuple[str, int, float, int, float]]:
+    """Table 1 / Fig. 5 from repro/analysis/paper_values.csv: (size, TP GPUs, TP efficiency, TP+DP GPUs,
+    TP+DP efficiency) for each of the 4 configurations."""
+    from repro.analysis.paper import paper_items, paper_value, paper_values
+
+    frame = paper_values()
+    sizes = [s for s in paper_items(frame, "scaling") if paper_value(frame, "scaling", s, "gpus_tp")]
+    return [(s, int(paper_value(frame, "scaling", s, "gpus_tp")), paper_value(frame, "scaling", s, "efficiency_tp"),
+             int(paper_value(frame, "scaling", s, "gpus_tpdp")), paper_value(frame, "scaling", s, "efficiency_tpdp"))
+            for s in sizes]
 
 
 def ring_allreduce_s(nbytes: float, p: int, gbps: float, alpha_s: float) -> float:
@@ -111,7 +115,7 @@ def weak_scaling(cl: Cluster, batch: int = 8) -> list[dict]:
     base_cfg = get_size("scaling-1.2b").model_config()
     base = flops_per_iteration(base_cfg, batch, True) / iteration_time(base_cfg, batch, 1, 1, cl, eff)["total"]
     rows = []
-    for name, tp, paper_tp, gpus, paper_dp in PAPER_TABLE1:
+    for name, tp, paper_tp, gpus, paper_dp in paper_table1():
         cfg = get_size(name).model_config()
         for n_gpus, dp, paper in ((tp, 1, paper_tp), (gpus, gpus // tp, paper_dp)):
             t = iteration_time(cfg, batch, tp, dp, cl, eff)
@@ -124,8 +128,15 @@ def weak_scaling(cl: Cluster, batch: int = 8) -> list[dict]:
     return rows
 
 
-PAPER_TABLE7 = (("scaling-8.3b-16h", 16, 0.82), ("scaling-8.3b-24h", 24, 0.80), ("scaling-8.3b", 32, 0.77))
-PAPER_TABLE8 = ((1, 1.0), (2, 1.64), (4, 2.34), (8, 2.98))  # 1.2B, batch 8: GPUs (all TP), speed-up
+def paper_appendix_d() -> tuple[list[tuple[str, float]], list[tuple[int, float]]]:
+    """Appendix D from paper_values.csv: Table 7 (8.3B size, efficiency) and Table 8 (GPUs, speed-up)."""
+    from repro.analysis.paper import paper_values
+
+    rows = paper_values().query("table == 'appendix_d'")
+    table7 = [(r.item, r.value) for r in rows.itertuples() if r.metric == "efficiency_tp"]
+    table8 = [(int(r.item.removeprefix("strong-").removesuffix("gpu")), r.value)
+              for r in rows.itertuples() if r.metric == "speedup"]
+    return table7, table8
 
 
 def appendix_d(cl: Cluster, batch: int = 8) -> list[dict]:
@@ -136,12 +147,14 @@ def appendix_d(cl: Cluster, batch: int = 8) -> list[dict]:
     base_t = iteration_time(base_cfg, batch, 1, 1, cl, eff)["total"]
     base = flops_per_iteration(base_cfg, batch, True) / base_t
     rows = []
-    for name, heads, paper in PAPER_TABLE7:
+    table7, table8 = paper_appendix_d()
+    for name, paper in table7:
         cfg = get_size(name).model_config()
         per_gpu = flops_per_iteration(cfg, batch, True) / iteration_time(cfg, batch, 8, 1, cl, eff)["total"] / 8
-        rows.append({"cluster": cl.name, "table": "Table 7", "setting": f"8.3B, {heads} heads, 8-way TP",
+        rows.append({"cluster": cl.name, "table": "Table 7",
+                     "setting": f"8.3B, {cfg.num_attention_heads} heads, 8-way TP",
                      "metric": "efficiency", "predicted": per_gpu / base, "paper": paper})
-    for gpus, paper in PAPER_TABLE8:
+    for gpus, paper in table8:
         speedup = base_t / iteration_time(base_cfg, batch, gpus, 1, cl, eff)["total"]
         rows.append({"cluster": cl.name, "table": "Table 8", "setting": f"1.2B, batch 8, {gpus}-way TP",
                      "metric": "speed-up", "predicted": speedup, "paper": paper})

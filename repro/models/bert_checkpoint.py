@@ -13,11 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from repro.models.bert import BERT, BertConfig
-from repro.parallel.checks import gather_full
-from repro.parallel.layers import is_tensor_parallel, shard_master
+from repro.parallel.layers import gather_full, is_tensor_parallel, pad_vocab_rows, shard_master
 from repro.parallel.mappings import group_rank, group_size
 
 VOCAB_ROWS = ("embeddings.word.weight", "lm_head.bias")  # padded along dim 0
@@ -45,7 +43,7 @@ def load_full_state_dict(model: BERT, state: dict[str, torch.Tensor], strict: bo
     params, local = dict(model.named_parameters()), {}
     for name, full in state.items():
         if name in VOCAB_ROWS:
-            full = F.pad(full, [0, 0] * (full.dim() - 1) + [0, model.padded_vocab - full.shape[0]])
+            full = pad_vocab_rows(full, model.padded_vocab)
         p = params.get(name)
         if p is not None and is_tensor_parallel(p):
             full = shard_master(full, p.partition_dim, rank, tp, getattr(p, "partition_stride", 1))

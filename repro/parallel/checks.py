@@ -20,7 +20,7 @@ from repro.parallel.accounting import count_collectives, expected_tp_collectives
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.grads import all_reduce_gradients, global_grad_norm
 from repro.parallel.groups import ParallelDims, ProcessGroups, build_process_groups
-from repro.parallel.layers import is_tensor_parallel, unshard
+from repro.parallel.layers import gather_full, is_tensor_parallel
 from repro.parallel.mappings import gather_from_tensor_parallel_region, group_size
 from repro.parallel.random import RNGTracker, seed_default_generators
 
@@ -53,13 +53,6 @@ def tiny_config(tp: int, **overrides) -> ModelConfig:
     """The tiny GPT of the tests, with enough heads for `tp` (4, or tp if larger)."""
     heads = max(TINY.num_attention_heads, tp)
     return replace(TINY, num_attention_heads=heads, **overrides)
-
-
-def gather_full(param: torch.Tensor, tp_group) -> torch.Tensor:
-    """The full (unsharded) tensor of a TP-sharded parameter or gradient."""
-    shards = [torch.empty_like(param) for _ in range(group_size(tp_group))]
-    dist.all_gather(shards, param.contiguous(), group=tp_group)
-    return unshard(shards, param.partition_dim, getattr(param, "partition_stride", 1))
 
 
 def full_grads(model: torch.nn.Module, tp_group) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -67,6 +68,18 @@ def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tens
     """Inverse of `shard_master`: the full tensor from every rank's slice, in rank order."""
     pieces = [s.chunk(stride, dim=dim) for s in shards]
     return torch.cat([pieces[r][i] for i in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def gather_full(param: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full (unsharded) tensor of a TP-sharded parameter or gradient (collective over the TP group)."""
+    shards = [torch.empty_like(param) for _ in range(group_size(tp_group))]
+    dist.all_gather(shards, param.contiguous(), group=tp_group)
+    return unshard(shards, param.partition_dim, getattr(param, "partition_stride", 1))
+
+
+def pad_vocab_rows(tensor: torch.Tensor, padded_vocab: int) -> torch.Tensor:
+    """A vocabulary-indexed tensor (rows along dim 0) padded with zero rows to `padded_vocab`."""
+    return torch.cat([tensor, tensor.new_zeros(padded_vocab - tensor.shape[0], *tensor.shape[1:])])
 
 
 def _init_sharded(

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
-from repro.parallel.layers import shard_master, unshard
+from repro.parallel.layers import pad_vocab_rows, shard_master, unshard
 from repro.provenance import write_atomic
 
 FORMAT_VERSION = 1
@@ -200,22 +200,17 @@ def merge_shards(shards: list[dict], spec: dict[str, tuple[int, int]], vocab_siz
     return full
 
 
-def split_full(full: dict, spec: dict[str, tuple[int, int]], tp: int, padded_vocab: int) -> list[dict]:
-    """Every TP rank's state dict from full tensors (vocab padded with zero rows)."""
-    shards = [{} for _ in range(tp)]
+def shard_state(full: dict, spec: dict[str, tuple[int, int]], rank: int, tp: int, padded_vocab: int) -> dict:
+    """TP rank `rank`'s state dict from full tensors (vocab padded with zero rows)."""
+    shard = {}
     for name, tensor in full.items():
         if _is_vocab(name):
-            pad = tensor.new_zeros(padded_vocab - tensor.shape[0], *tensor.shape[1:])
-            tensor = torch.cat([tensor, pad])
-        for rank in range(tp):
-            shards[rank][name] = (shard_master(tensor, *_dim_rank(spec[name], rank, tp))
-                                  if name in spec else tensor).clone()
-    return shards
-
-
-def _dim_rank(spec: tuple[int, int], rank: int, tp: int) -> tuple[int, int, int, int]:
-    dim, stride = spec
-    return dim, rank, tp, stride
+            tensor = pad_vocab_rows(tensor, padded_vocab)
+        if name in spec:
+            dim, stride = spec[name]
+            tensor = shard_master(tensor, dim, rank, tp, stride)
+        shard[name] = tensor.clone()
+    return shard
 
 
 def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
@@ -262,8 +257,8 @@ def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
     _, full = load_full_model_state(src)
     with new_directory(dst) as tmp:
         spec = partition_spec(cfg, meta.get("family", "gpt"))
-        for rank, shard in enumerate(split_full(full, spec, tp, cfg.padded_vocab_size(tp))):
-            torch.save(shard, tmp / f"model_tp{rank:02d}.pt")
+        for rank in range(tp):
+            torch.save(shard_state(full, spec, rank, tp, cfg.padded_vocab_size(tp)), tmp / f"model_tp{rank:02d}.pt")
         new_meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "resharded_from": str(src), "model_only": True}
         write_atomic(tmp / "meta.json", json.dumps(new_meta, indent=1).encode())
     return dst
@@ -280,7 +275,7 @@ def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):
     else:
         _, full = load_full_model_state(ckpt)
         spec = partition_spec(cfg, meta.get("family", "gpt"))
-        state = split_full(full, spec, pg.tp_size, cfg.padded_vocab_size(pg.tp_size))[pg.tp_rank]
+        state = shard_state(full, spec, pg.tp_rank, pg.tp_size, cfg.padded_vocab_size(pg.tp_size))
     with torch.device("meta"):
         model = _build(cfg, meta.get("family", "gpt"), tp_group=pg.tp_group)
     model = model.to_empty(device=device)

@@ -94,6 +94,7 @@ def _export_hf(args) -> int:
     from repro.models.config import ModelConfig
     from repro.models.gpt import GPT
     from repro.models.hf import to_hf_gpt2
+    from repro.parallel.layers import pad_vocab_rows
     from repro.train.checkpoint import CheckpointError, load_full_model_state, new_directory, resolve
 
     out = Path(args.out)
@@ -103,17 +104,11 @@ def _export_hf(args) -> int:
         if meta.get("family", "gpt") != "gpt":
             raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
         model = GPT(cfg)
-        full["transformer.wte.weight"] = _pad_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
+        full["transformer.wte.weight"] = pad_vocab_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
         model.load_state_dict(full)
         to_hf_gpt2(model).save_pretrained(tmp)
     print(f"wrote a transformers.GPT2LMHeadModel to {out}")
     return 0
-
-
-def _pad_rows(t, rows: int):
-    import torch
-
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 def _wrap(fn):

@@ -119,6 +119,30 @@ def test_mlflow_holds_params_metrics_and_artifacts(corpus, tmp_path):
     _check_run(uri, final["mlflow_run_id"])
 
 
+
+def test_training_inside_a_users_active_mlflow_run_gets_its_own_run(corpus, tmp_path, monkeypatch):
+    """A notebook with an active MLflow run calls train(): the trainer logs to a run of its own and
+    leaves the user's run active and untouched (it holds no process-global MLflow state)."""
+    import mlflow
+
+    from repro.parallel.groups import ProcessGroups
+    from repro.train.config import load_config
+    from repro.train.loop import train
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    over = tiny_overrides(corpus, tmp_path / "run", **{"tracking.enabled": "true", "train.train_iters": 2,
+                                                      "tracking.experiment": "test-notebook"})
+    with mlflow.start_run(run_name="the user's") as mine:
+        final = train(load_config(TINY, over), ProcessGroups.single())
+        assert mlflow.active_run().info.run_id == mine.info.run_id
+    client = mlflow.MlflowClient(uri)
+    assert final["mlflow_run_id"] != mine.info.run_id
+    run = client.get_run(final["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["tp"] == "1" and "loss" in run.data.metrics
+    assert client.get_run(mine.info.run_id).data.metrics == {}
+
 def test_unreachable_server_then_sync(corpus, tmp_path):
     """Tracking URI at a closed port: the run completes, JSONL holds every metric, sync uploads it."""
     run_dir = tmp_path / "run"

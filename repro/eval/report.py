@@ -74,12 +74,9 @@ def read_records(path: Path) -> list[EvalRecord]:
 
 
 def _experiment_id(client) -> str:
-    from repro.tracking.store import default_artifact_location
+    from repro.tracking.store import experiment_id
 
-    found = client.get_experiment_by_name(EXPERIMENT)
-    if found is not None:
-        return found.experiment_id
-    return client.create_experiment(EXPERIMENT, artifact_location=default_artifact_location(EXPERIMENT))
+    return experiment_id(client, EXPERIMENT)
 
 
 def _link_tags(client, training_run_id: str | None, experiment_id: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.tracking.store import default_artifact_location, default_tracking_uri
+from repro.tracking.store import default_tracking_uri, experiment_id
 
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
 UNSYNCED_FILE = "tracking_unsynced"  # present while metrics.jsonl holds rows MLflow may lack
@@ -59,18 +59,6 @@ def clean_metric_name(name: str) -> str:
     return name.replace(",", "_")
 
 
-def start_mlflow_run(experiment: str, run_name: str, tags: dict[str, str]):
-    """Create (or reuse) the experiment and start a run; returns the mlflow module's active run."""
-    import mlflow
-
-    quiet_http_retries()
-    mlflow.set_tracking_uri(default_tracking_uri())
-    if mlflow.get_experiment_by_name(experiment) is None:
-        mlflow.create_experiment(experiment, artifact_location=default_artifact_location(experiment))
-    mlflow.set_experiment(experiment)
-    return mlflow.start_run(run_name=run_name, tags=tags)
-
-
 class RunLogger:
     """JSONL always; MLflow best-effort. Use as a context manager around training."""
 
@@ -87,7 +75,7 @@ class RunLogger:
         _write_text(self.run_dir / "tags.json", json.dumps({**tags, "experiment": experiment,
                                                            "run_name": run_name}, indent=1))
         self.run_id: str | None = None
-        self._mlflow = None
+        self._client = None  # an MlflowClient while MLflow is reachable (no process-global active run)
         self._pending: list = []  # MLflow Metric rows not yet sent
         self._last_flush = time.monotonic()
         if use_mlflow:
@@ -95,16 +83,19 @@ class RunLogger:
 
     def _start(self, experiment, run_name, params, tags, resume_run_id) -> None:
         try:
-            import mlflow
+            from mlflow import MlflowClient
 
+            quiet_http_retries()
+            client = MlflowClient(tracking_uri=default_tracking_uri())
             if resume_run_id:
-                quiet_http_retries()
-                mlflow.set_tracking_uri(default_tracking_uri())
-                run = mlflow.start_run(run_id=resume_run_id)
+                client.update_run(resume_run_id, status="RUNNING")
+                self.run_id = resume_run_id
             else:
-                run = start_mlflow_run(experiment, run_name, tags)
-                mlflow.log_params(params)
-            self._mlflow, self.run_id = mlflow, run.info.run_id
+                run = client.create_run(experiment_id(client, experiment), run_name=run_name,
+                                        tags={k: str(v) for k, v in tags.items()})
+                self.run_id = run.info.run_id
+                _log_params(client, self.run_id, params)
+            self._client = client
             _write_text(self.run_dir / RUN_ID_FILE, self.run_id)
         except Exception as err:  # tracking must never stop training
             self._disable(err)
@@ -113,7 +104,7 @@ class RunLogger:
         warnings.warn(f"MLflow tracking unavailable ({type(err).__name__}: {str(err)[:200]}); "
                       f"metrics continue in {self.metrics_path}; upload later with "
                       f"`repro tracking sync {self.run_dir}`", stacklevel=3)
-        self._mlflow = None
+        self._client = None
         (self.run_dir / UNSYNCED_FILE).write_text(str(err)[:1000])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -125,16 +116,16 @@ class RunLogger:
         now = time.time()
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "time": now, **clean}) + "\n")
-        if self._mlflow is not None:
+        if self._client is not None:
             self._pending += [Metric(k, v, int(now * 1000), step) for k, v in clean.items()]
             if time.monotonic() - self._last_flush > self.FLUSH_SECONDS:
                 self.flush()
 
     def flush(self) -> None:
         """Send the queued metrics to MLflow (no-op when tracking is off)."""
-        if self._mlflow is not None and self._pending:
+        if self._client is not None and self._pending:
             try:
-                send_metrics(self._mlflow.MlflowClient(), self.run_id, self._pending)
+                send_metrics(self._client, self.run_id, self._pending)
             except Exception as err:
                 self._disable(err)
         self._pending, self._last_flush = [], time.monotonic()
@@ -146,17 +137,17 @@ class RunLogger:
         kept.parent.mkdir(exist_ok=True)
         if path.resolve() != kept.resolve():
             kept.write_bytes(path.read_bytes())
-        if self._mlflow is not None:
+        if self._client is not None:
             try:
-                self._mlflow.log_artifact(str(kept))
+                self._client.log_artifact(self.run_id, str(kept))
             except Exception as err:
                 self._disable(err)
 
     def close(self, status: str = "FINISHED") -> None:
         self.flush()
-        if self._mlflow is not None:
+        if self._client is not None:
             try:
-                self._mlflow.end_run(status=status)
+                self._client.set_terminated(self.run_id, status)
             except Exception as err:
                 self._disable(err)
 
@@ -165,6 +156,15 @@ class RunLogger:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("FAILED" if exc_type else "FINISHED")
+
+
+def _log_params(client, run_id: str, params: dict) -> None:
+    """Log params in batches of 100 (MLflow's per-request limit)."""
+    from mlflow.entities import Param
+
+    rows = [Param(k, str(v)) for k, v in params.items()]
+    for i in range(0, len(rows), 100):
+        client.log_batch(run_id, params=rows[i:i + 100])
 
 
 def send_metrics(client, run_id: str, metrics: list, chunk: int = 1000) -> None:
@@ -264,12 +264,9 @@ def _existing_run(client, run_id: str | None):
 
 def _create_run(client, run_dir: Path, tags: dict):
     """A new run; its id is recorded (with the unsynced marker) first, so a broken sync resumes into it."""
-    experiment = tags["experiment"]
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(
-        experiment, artifact_location=default_artifact_location(experiment))
     rest = {k: str(v) for k, v in tags.items() if k not in ("experiment", "run_name")}
-    run = client.create_run(exp_id, run_name=tags["run_name"], tags={**rest, "synced_from": str(run_dir)})
+    run = client.create_run(experiment_id(client, tags["experiment"]), run_name=tags["run_name"],
+                            tags={**rest, "synced_from": str(run_dir)})
     _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
     if not (run_dir / UNSYNCED_FILE).exists():
         (run_dir / UNSYNCED_FILE).write_text("sync in progress")
@@ -285,12 +282,8 @@ def _metric_rows(rows: list[dict]) -> list:
 
 def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> int:
     """Log the params and metric rows the run lacks (a row = key, step, timestamp), and artifacts/."""
-    from mlflow.entities import Param
-
     run_id = run.info.run_id
-    new_params = [Param(k, str(v)) for k, v in params.items() if k not in run.data.params]
-    for i in range(0, len(new_params), 100):  # MLflow's per-request limit for params
-        client.log_batch(run_id, params=new_params[i:i + 100])
+    _log_params(client, run_id, {k: v for k, v in params.items() if k not in run.data.params})
     metrics = _metric_rows(rows)
     logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
               for m in client.get_metric_history(run_id, key)}

@@ -25,6 +25,14 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{store / 'mlflow.db'}"
 
 
+def experiment_id(client, name: str) -> str:
+    """The id of experiment `name` in the client's store, created (artifacts as below) when absent."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    return client.create_experiment(name, artifact_location=default_artifact_location(name))
+
+
 def default_artifact_location(experiment: str) -> str | None:
     """Artifact folder for a new experiment in the embedded store (None for a remote server)."""
     if os.environ.get("MLFLOW_TRACKING_URI"):

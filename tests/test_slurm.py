@@ -104,6 +104,7 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm_cluster, site, smok
     run_id = (run_dir / "mlflow_run_id").read_text()
     history = mlflow.MlflowClient(site["uri"]).get_metric_history(run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, ITERS + 1))  # one MLflow run across restarts
+    assert mlflow.MlflowClient(site["uri"]).get_run(run_id).info.status == "FINISHED"  # KILLED, reopened, done
     status = subprocess.run([sys.executable, "-m", "repro.cli", "slurm", "status", job], env=site["env"],
                             capture_output=True, text=True, cwd=ROOT)
     assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stderr

@@ -38,13 +38,13 @@ def store(tmp_path, monkeypatch) -> str:
 
 
 def _offline_run(run_dir: Path, steps: int = 3) -> Path:
-    """A run directory as `repro train` leaves it when MLflow was unreachable."""
+    """A run directory as `repro train` leaves it when MLflow was unreachable (a closed port)."""
     from repro.tracking.logger import RunLogger
 
-    with pytest.warns(UserWarning, match="MLflow tracking unavailable"):
-        logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {"family": "gpt"},
-                           use_mlflow=False)
-        logger._disable(RuntimeError("server down"))
+    with pytest.MonkeyPatch.context() as mp, pytest.warns(UserWarning, match="MLflow tracking unavailable"):
+        mp.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {"family": "gpt"})
+    assert logger.run_id is None and (run_dir / "tracking_unsynced").exists()
     for step in range(1, steps + 1):
         logger.log_metrics({"loss": 1.0 / step}, step)
     logger.close()

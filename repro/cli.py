@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a command may say where such arguments belong (`unknown_hint`)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{getattr(args, 'unknown_hint', '')}")
     try:
         return int(args.func(args) or 0)
     except UserError as err:

@@ -348,3 +348,14 @@ def test_finetune_race_names_a_bad_model_choice(tmp_path, capsys, extra, needle)
                       str(mirror()), "--run-dir", str(tmp_path / "run"), "--no-mlflow", *extra)
     assert rc == 2 and needle in err and ("Fix:" in err or "give a run directory" in err), err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_script_arguments_before_the_separator_name_the_separator(capsys):
+    """`repro slurm submit SCRIPT --smoke` (a natural slip): exit 2 naming `--`, nothing submitted."""
+    from repro.cli import main
+
+    for argv in (["slurm", "submit", "slurm/scale_8b.sh", "--smoke"], ["slurm", "sweep", "table1-tp", "--set", "a=1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "unrecognized arguments" in err and "go after `--`" in err, err

@@ -152,12 +152,14 @@ def register(sub) -> None:
     s.add_argument("args", nargs="*", help="passed to the script, after `--` (argparse takes options "
                    "before it as its own): e.g. `-- --smoke --set train.train_iters=100`")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch command only")
-    s.set_defaults(func=_submit)
+    s.set_defaults(func=_submit, unknown_hint="; the script's own arguments go after `--`: "
+                   "repro slurm submit SCRIPT -- --smoke --set KEY=VALUE")
     w = ssub.add_parser("sweep", help=f"submit every run of a paper table: {', '.join(sorted(TABLES))}")
     w.add_argument("table", help=f"one of {', '.join(sorted(TABLES))}")
     w.add_argument("args", nargs="*", help="passed to every script, after `--` (e.g. `-- --set K=V`)")
     w.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
-    w.set_defaults(func=_sweep)
+    w.set_defaults(func=_sweep, unknown_hint="; the scripts' own arguments go after `--`: "
+                   "repro slurm sweep TABLE -- --set KEY=VALUE")
     t = ssub.add_parser("status", help="your queue, or the state of the given jobs")
     t.add_argument("jobs", nargs="*")
     t.set_defaults(func=_status)

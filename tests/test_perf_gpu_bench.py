@@ -117,7 +117,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path):
     out = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "17/17 checks passed" in (tmp_path / "selftest_nccl.txt").read_text()
+    assert "19/19 checks passed" in (tmp_path / "selftest_nccl.txt").read_text()
     report = json.loads((tmp_path / "eager" / "bench.json").read_text())
     assert len(report["results"]) == 8 and all(r["status"] == "ok" for r in report["results"])
     assert report["provenance"]["git_sha"]

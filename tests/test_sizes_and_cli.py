@@ -35,7 +35,7 @@ def test_selftest_cli_passes_on_two_ranks():
     out = subprocess.run([sys.executable, "-m", "repro.cli", "selftest", "--nproc", "2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "27/27 checks passed" in out.stdout
+    assert "31/31 checks passed" in out.stdout
     assert "FAIL" not in out.stdout
 
 

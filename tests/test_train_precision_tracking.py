@@ -132,6 +132,7 @@ def test_training_inside_a_users_active_mlflow_run_gets_its_own_run(corpus, tmp_
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("the user's notebook")  # the fluent API's current experiment, in this store
     over = tiny_overrides(corpus, tmp_path / "run", **{"tracking.enabled": "true", "train.train_iters": 2,
                                                       "tracking.experiment": "test-notebook"})
     with mlflow.start_run(run_name="the user's") as mine:

@@ -190,5 +190,7 @@ def sync_records(path: Path, tracking_uri: str | None = None) -> EvalSyncResult:
 
 
 def _metric_name(task: str, key: str) -> str:
-    """`task/key`, with characters MLflow rejects (',' from lm-eval names) mapped to '_'."""
-    return f"{task}/{key}".replace(",", "_")
+    """`task/key`, cleaned as every logged metric name is (',' from lm-eval names -> '_')."""
+    from repro.tracking.logger import clean_metric_name
+
+    return clean_metric_name(f"{task}/{key}")

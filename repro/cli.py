@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "repro.data.commands",
     "repro.train.commands",
     "repro.eval.commands",
+    "repro.eval.generate",
     "repro.eval.race",
     "repro.tracking.commands",
     "repro.analysis.commands",

@@ -4,7 +4,7 @@
 2. prepare the WikiText-2 validation text as a GPT-2 BPE indexed dataset (train/valid split);
 3. train a small GPT at TP=2 on 2 CPU processes (experiments/demo/gpt_demo.yaml), MLflow-tracked;
 4. evaluate the checkpoint zero-shot on the real WikiText test text and the full LAMBADA set;
-5. compare the held-out loss with what a context-free (unigram) model reaches, and say how to open
+5. sample text from it (top-k 40), then compare the held-out loss with what a context-free (unigram) model reaches, and say how to open
    MLflow.
 """
 
@@ -65,6 +65,7 @@ def _step(title: str, *args: str) -> None:
 
 
 SMOKE_ITERS, SMOKE_PASSAGES, SMOKE_LINES = 2, 64, 40
+DEMO_PROMPT = "The first season of the series"
 
 
 def _run(args) -> int:
@@ -74,19 +75,21 @@ def _run(args) -> int:
     iters = args.iters if args.iters is not None else SMOKE_ITERS if args.smoke else 300
     lambada_subset = ["--max-examples", str(SMOKE_PASSAGES)] if args.smoke else []
     wikitext_subset = ["--max-lines", str(SMOKE_LINES)] if args.smoke else []
-    _step("1/4 fetch data", "data", "fetch")
+    _step("1/5 fetch data", "data", "fetch")
     if not Path(f"{prefix}_train.idx").exists():
         text = detokenized_copy(data_dir / "wikitext" / "wikitext-2.valid.tokens", data_dir / "wt2_valid_detok.txt")
-        _step("2/4 prepare WikiText-2 valid (detokenized, as the evaluation text)", "data", "prepare",
+        _step("2/5 prepare WikiText-2 valid (detokenized, as the evaluation text)", "data", "prepare",
               "--input", str(text), "--layout", "wikitext", "--output-prefix", str(prefix), "--split", "95,5,0")
     overrides = [f"data.train_prefix={prefix}_train", f"data.valid_prefix={prefix}_valid",
                  f"run_dir={run_dir}", f"train.train_iters={iters}"]
-    _step("3/4 train GPT at TP=2 on 2 processes", "train", CONFIG, "--nproc", "2",
+    _step("3/5 train GPT at TP=2 on 2 processes", "train", CONFIG, "--nproc", "2",
           *sum((["--set", o] for o in overrides), []))
     passages = f"first {SMOKE_PASSAGES} of 5,153 passages" if args.smoke else "5,153 passages"
-    _step(f"4/4 zero-shot LAMBADA ({passages})", "eval", "lambada", "--checkpoint", str(run_dir), *lambada_subset)
-    _step("4/4 zero-shot WikiText test (window = stride = 128: the demo model's length)", "eval", "wikitext",
+    _step(f"4/5 zero-shot LAMBADA ({passages})", "eval", "lambada", "--checkpoint", str(run_dir), *lambada_subset)
+    _step("4/5 zero-shot WikiText test (window = stride = 128: the demo model's length)", "eval", "wikitext",
           "--checkpoint", str(run_dir), "--window", "128", "--stride", "128", *wikitext_subset)
+    _step("5/5 sample text from the trained model", "generate", "--checkpoint", str(run_dir),
+          "--prompt", DEMO_PROMPT, "--max-new-tokens", "40", "--top-k", "40", "--seed", "1")
     _summary(run_dir, str(prefix))
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import json
+
 import torch
 from torch import nn
 
@@ -48,3 +50,21 @@ class TrigramOracle(nn.Module):
                 if token is not None:
                     logits[i, p, token] = 10.0
         return logits
+
+
+def write_tiny_checkpoint(run_dir, run_id: str | None = None, seq_length: int = 128):
+    """A trainer-format checkpoint (meta.json + model_tp00.pt) of a tiny untrained GPT."""
+    from repro.models.config import ModelConfig
+    from repro.models.gpt import GPT
+    from repro.parallel.groups import ProcessGroups
+    from repro.train import checkpoint as ck
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=seq_length,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    root, pg = run_dir / "checkpoints", ProcessGroups.single()
+    tmp = ck.begin_save(root, 5, pg)
+    torch.save(GPT(cfg, seed=11).state_dict(), tmp / "model_tp00.pt")
+    meta = {"format": ck.FORMAT_VERSION, "family": "gpt", "iteration": 5, "tp": 1, "dp": 1,
+            "world_size": 1, "model": cfg.__dict__, "mlflow_run_id": run_id}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    return ck.finish_save(root, 5, pg)

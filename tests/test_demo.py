@@ -41,6 +41,7 @@ def test_demo_smoke_runs_the_whole_pipeline(data_mirror, tmp_path):
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "held-out loss" in out.stdout and "a unigram model on the same held-out text" in out.stdout
+    assert "=== sample 1/1 (" in out.stdout and "The first season of the series" in out.stdout
     final = json.loads((run_dir / "final_metrics.json").read_text())
     assert final["iteration"] == 2 and math.isfinite(final["valid_loss"])
     records = {r["task"]: r for r in map(json.loads, (run_dir / "zero_shot.jsonl").read_text().splitlines())}

@@ -7,27 +7,8 @@ import json
 import math
 
 import pytest
-import torch
 
-from eval_helpers import mirror
-
-
-def _write_checkpoint(run_dir, run_id: str):
-    """A trainer-format checkpoint (meta.json + model_tp00.pt) of a tiny untrained GPT."""
-    from repro.models.config import ModelConfig
-    from repro.models.gpt import GPT
-    from repro.parallel.groups import ProcessGroups
-    from repro.train import checkpoint as ck
-
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=128,
-                      hidden_dropout=0.0, attention_dropout=0.0)
-    root, pg = run_dir / "checkpoints", ProcessGroups.single()
-    tmp = ck.begin_save(root, 5, pg)
-    torch.save(GPT(cfg, seed=11).state_dict(), tmp / "model_tp00.pt")
-    meta = {"format": ck.FORMAT_VERSION, "family": "gpt", "iteration": 5, "tp": 1, "dp": 1,
-            "world_size": 1, "model": cfg.__dict__, "mlflow_run_id": run_id}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    return ck.finish_save(root, 5, pg)
+from eval_helpers import mirror, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +22,7 @@ def tracked(tmp_path_factory):
     mlflow.set_tracking_uri(f"sqlite:///{base / 'mlflow.db'}")
     with mlflow.start_run(experiment_id=mlflow.create_experiment("train", str(base / "art"))) as run:
         pass
-    _write_checkpoint(base / "run", run.info.run_id)
+    write_tiny_checkpoint(base / "run", run.info.run_id)
     yield base, run.info.run_id
     mp.undo()
 

@@ -78,18 +78,19 @@ def run_lambada(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
     return EvalRecord("lambada", metrics, params, paper=PAPER_LAMBADA)
 
 
-def _process_groups(tp: int):
+def process_groups(tp: int, command: str = "eval ..."):
+    """This launch's groups (TP of `tp`, the rest DP); one process without a launcher is serial."""
     from repro.parallel.groups import ProcessGroups, discover_launch_env, init_distributed
 
     if discover_launch_env().world_size > 1:  # torchrun, or srun with several tasks
         return init_distributed(tp)
     if tp > 1:
         raise UserError(f"--tp {tp} needs {tp} ranks: launch with `torchrun --nproc-per-node {tp} "
-                        "$(which repro) eval ...`")
+                        f"$(which repro) {command}`")
     return ProcessGroups.single()
 
 
-def _checkpoint(path: Path) -> Path:
+def gpt_checkpoint(path: Path, purpose: str = "zero-shot eval") -> Path:
     """The GPT checkpoint directory `path` names; a UserError for none or another family's."""
     from repro.train.checkpoint import CheckpointError, read_meta, resolve
 
@@ -99,7 +100,7 @@ def _checkpoint(path: Path) -> Path:
     except CheckpointError as err:
         raise UserError(str(err)) from err
     if family != "gpt":
-        raise UserError(f"{path} is a {family.upper()} checkpoint; zero-shot eval needs a GPT. "
+        raise UserError(f"{path} is a {family.upper()} checkpoint; {purpose} needs a GPT. "
                         f"BERT is evaluated by `repro finetune race --checkpoint {path} ...`")
     return ckpt
 
@@ -118,7 +119,7 @@ def _out_path(out: str | None, ckpt: Path) -> Path:
     return path
 
 
-def _load(ckpt: Path, pg):
+def load_gpt(ckpt: Path, pg):
     """The model and its training run id, through the trainer's checkpoint module."""
     from repro.parallel.groups import discover_launch_env
     from repro.train.checkpoint import CheckpointError, checkpoint_run_id, load_model_for_eval
@@ -143,10 +144,10 @@ def _options(args) -> EvalOptions:
 def _handle(args) -> int:
     from repro.data.tokenizers import build_tokenizer
 
-    opts, pg = _options(args), _process_groups(args.tp)
-    ckpt = _checkpoint(Path(args.checkpoint))
+    opts, pg = _options(args), process_groups(args.tp)
+    ckpt = gpt_checkpoint(Path(args.checkpoint))
     out = _out_path(args.out, ckpt)
-    model, run_id = _load(ckpt, pg)
+    model, run_id = load_gpt(ckpt, pg)
     runner = run_wikitext if args.task == "wikitext" else run_lambada
     try:
         record = runner(model, pg, build_tokenizer("gpt2", opts.data_dir), opts)

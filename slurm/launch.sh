@@ -66,10 +66,14 @@ setup_job() {
   local hosts
   mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}")
   export MASTER_ADDR="${hosts[0]}"
-  export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 40000))}"
+  # from the job id, below Linux's ephemeral ports (32768-60999), not from the submitting shell
+  export MASTER_PORT="${REPRO_MASTER_PORT:-$((15000 + SLURM_JOB_ID % 15000))}"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}" TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY="${MLFLOW_DISABLE_TELEMETRY:-true}"
   export REPRO_DATA_DIR REPRO_RUN_DIR
+  if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then  # srun (Slurm >= 22.05) no longer inherits sbatch's
+    export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
+  fi
   cd "$REPRO_ROOT"
 }
 
@@ -80,6 +84,7 @@ parse_flags() {  # sets SMOKE, DRY_RUN and EXTRA (everything else) from the job 
     case "$arg" in
       --smoke) SMOKE=1 ;;
       --dry-run) DRY_RUN=1 ;;
+      run_dir=*|--set=run_dir=*) die "run_dir is set by launch.sh ($REPRO_RUN_DIR, where it looks for the requeue marker): set REPRO_RUN_NAME (or REPRO_RUNS_DIR) instead" ;;
       *) EXTRA+=("$arg") ;;
     esac
   done
@@ -118,15 +123,18 @@ launch_train() {  # launch_train CONFIG [--smoke] [--dry-run] [--set K=V ...]
   if [[ "$SMOKE" == 1 ]]; then
     smoke_args "$config"
   fi
-  TRAIN_ARGS+=(--set "run_dir=$REPRO_RUN_DIR" "${EXTRA[@]}")
-  repro slurm check --ntasks "$SLURM_NTASKS" "${TRAIN_ARGS[@]}"
+  TRAIN_ARGS+=(--set "run_dir=$REPRO_RUN_DIR" ${EXTRA[@]+"${EXTRA[@]}"})  # (bash < 4.4: empty arrays)
+  (  # one job at a time: the check creates a fresh sqlite store (the jobs of a sweep start together)
+    flock 9
+    repro slurm check --ntasks "$SLURM_NTASKS" "${TRAIN_ARGS[@]}"
+  ) 9>"$REPRO_RUNS_DIR/.check.lock"
   run_step train "${TRAIN_ARGS[@]}"
 }
 
 launch_step() {  # launch_step REPRO-ARGS... [--dry-run]: any other `repro` command, one task per GPU
   parse_flags "$@"
   [[ "$SMOKE" == 0 ]] || die "--smoke is for training scripts only"
-  run_step "${EXTRA[@]}"
+  run_step ${EXTRA[@]+"${EXTRA[@]}"}
 }
 
 forward() {  # forward SIGNAL to the running step (srun passes it to every task)
@@ -137,7 +145,9 @@ forward() {  # forward SIGNAL to the running step (srun passes it to every task)
 }
 
 run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job if it stopped for a signal
-  local cmd=(srun --kill-on-bad-exit=1 --label bash "$REPRO_ROOT/slurm/task.sh" repro "$@") status=0
+  # --export=ALL: the tasks get this shell's environment (venv, MASTER_*, NCCL_*, REPRO_*) even when
+  # the job was submitted with --export=NONE (srun would inherit that from sbatch)
+  local cmd=(srun --export=ALL --kill-on-bad-exit=1 --label bash "$REPRO_ROOT/slurm/task.sh" repro "$@") status=0
   note "step: ${cmd[*]}"
   [[ "$DRY_RUN" == 0 ]] || return 0
   rm -f "$REPRO_RUN_DIR/stopped_by_signal"
@@ -150,6 +160,10 @@ run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job i
     wait "$STEP_PID" || status=$?
     kill -0 "$STEP_PID" 2>/dev/null || break
   done
+  if [[ "$status" -gt 128 ]]; then  # the step ended between a trapped signal and kill -0: its own status
+    status=0
+    wait "$STEP_PID" || status=$?
+  fi
   trap - USR1 TERM
   STEP_PID=""
   note "step exited with $status at $(date -Is)"

@@ -26,7 +26,7 @@ if [[ "$SMOKE" == 1 ]]; then
   ARGS=(--size smoke --tp "$SLURM_NTASKS" --seq-length 64 --epochs 2 --batch-size 5 --lr 1e-3 --seeds 1234 1235)
 fi
 need REPRO_RACE_DIR "the RACE root with {train,dev,test}/{middle,high}"
-ARGS+=("${EXTRA[@]}")  # the script's own arguments last: they override
+ARGS+=(${EXTRA[@]+"${EXTRA[@]}"})  # the script's own arguments last: they override
 [[ "$DRY_RUN" == 0 ]] || ARGS+=(--dry-run)
 launch_step finetune race --checkpoint "$REPRO_BERT_CHECKPOINT" --race-dir "$REPRO_RACE_DIR" \
   --data-dir "$REPRO_DATA_DIR" --run-dir "$REPRO_RUN_DIR" "${ARGS[@]}"

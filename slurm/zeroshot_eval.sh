@@ -24,7 +24,7 @@ if [[ "$SMOKE" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
   ARGS=(--tp "$SLURM_NTASKS" --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}" --window 64 --stride 32 --max-lines 40 --max-examples 64)
 fi
-ARGS+=("${EXTRA[@]}")  # the script's own arguments last (launch_step resets EXTRA)
+ARGS+=(${EXTRA[@]+"${EXTRA[@]}"})  # the script's own arguments last (launch_step resets EXTRA)
 [[ "$DRY_RUN" == 0 ]] || ARGS+=(--dry-run)
 for task in wikitext lambada; do
   launch_step eval "$task" --checkpoint "$REPRO_EVAL_CHECKPOINT" --data-dir "$REPRO_DATA_DIR" \

@@ -160,6 +160,46 @@ def test_rank_discovery_prefers_torchrun_then_slurm():
     assert slurm.device() == (torch.device("cuda", 1) if torch.cuda.is_available() else torch.device("cpu"))
 
 
+def test_slurm_rendezvous_without_launch_sh_derives_the_port_and_never_guesses_the_master(monkeypatch):
+    """Under plain `srun repro ...` (no launch.sh): the port comes from the job id like launch.sh's,
+    and a failed `scontrol show hostnames` is an error, not each node electing itself master."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "123456", "MASTER_ADDR": "n1"}
+    assert discover_launch_env(slurm).master_port == 15000 + 123456 % 15000 < 32768
+    assert discover_launch_env({**slurm, "MASTER_PORT": "4242"}).master_port == 4242
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set.*slurm/launch.sh"):
+        discover_launch_env({k: v for k, v in slurm.items() if k != "MASTER_ADDR"})
+
+
+def test_gpu_index_follows_what_the_task_sees():
+    from repro.parallel.groups import cuda_index
+
+    assert [cuda_index(r, 8) for r in range(8)] == list(range(8))  # every task sees the node's 8 GPUs
+    assert cuda_index(5, 1) == 0  # --gpus-per-task=1: the task's one GPU
+    with pytest.raises(LayoutError, match="local rank 5 but this task sees 4 GPUs.*--gpu-bind=none"):
+        cuda_index(5, 4)  # a NUMA-bound half of the node
+
+
+def test_tp_groups_spanning_hosts_are_found():
+    from repro.parallel.groups import tp_groups_across_hosts
+
+    block = ["a"] * 4 + ["b"] * 4  # srun's block distribution: TP=4 groups inside a node
+    assert tp_groups_across_hosts(block, ParallelDims(4, 2)) == []
+    cyclic = ["a", "b"] * 4  # cyclic: every TP group crosses the network
+    assert tp_groups_across_hosts(cyclic, ParallelDims(4, 2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert tp_groups_across_hosts(block, ParallelDims(8, 1)) == [list(range(8))]  # tp > GPUs per node
+
+
+def test_collective_timeout_is_configurable_and_checked():
+    from repro.parallel.groups import collective_timeout_s
+
+    assert collective_timeout_s({}) == 600 and collective_timeout_s({"REPRO_DIST_TIMEOUT_S": "3600"}) == 3600
+    for bad in ("0", "30m", "-5"):
+        with pytest.raises(LayoutError, match="REPRO_DIST_TIMEOUT_S.*whole number of seconds"):
+            collective_timeout_s({"REPRO_DIST_TIMEOUT_S": bad})
+
+
 def test_checkpointing_without_a_tracker_is_bit_identical():
     """The tracker-free checkpoint path (used when no TP-region stream exists) replays dropout too."""
     from dataclasses import replace

@@ -76,7 +76,7 @@ def test_smoke_trains_at_tp2_through_srun_and_tracks_in_mlflow(smoke_job, site):
     assert (run.data.params["tp"], run.data.params["dp"], run.data.params["world_size"]) == ("2", "1", "2")
     assert run.data.tags["slurm_job_id"] == job and run.info.status == "FINISHED"
     assert len(run.data.params["git_sha"]) == 40
-    assert "srun --kill-on-bad-exit=1" in _job_output(site, job)
+    assert "srun --export=ALL --kill-on-bad-exit=1" in _job_output(site, job)
 
 
 def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm_cluster, site, smoke_job):  # noqa: F811
@@ -110,6 +110,20 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm_cluster, site, smok
     assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stderr
 
 
+def test_tasks_get_the_batch_environment_when_the_job_exports_only_its_settings(slurm_cluster, site, tmp_path):  # noqa: F811
+    """`sbatch --export=REPRO_CLUSTER_ENV=FILE` (like a site's SBATCH_EXPORT=NONE): the batch shell starts
+    with only that variable and SLURM_*, and srun inherits that export setting, so without launch.sh's
+    `srun --export=ALL` the tasks would lack the venv, MASTER_ADDR/PORT and REPRO_*: the run fails."""
+    settings = tmp_path / "cluster.env"
+    settings.write_text(f"REPRO_RUNS_DIR={site['runs']}\nREPRO_DATA_DIR={site['env']['REPRO_DATA_DIR']}\n"
+                        f"MLFLOW_TRACKING_URI={site['uri']}\n")
+    job = _submit(slurm_cluster, site, f"--export=REPRO_CLUSTER_ENV={settings}", "slurm/scale_1b.sh", "--smoke",
+                  "--set", "train.train_iters=2")
+    record = slurm_cluster.wait_job(job, timeout=240)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", _job_output(site, job)
+    assert [s for s, _ in _losses(site["runs"] / f"scale_1b-{job}")] == [1, 2]
+
+
 def test_missing_cluster_variable_fails_before_launch(slurm_cluster, site):  # noqa: F811
     env = {k: v for k, v in site["env"].items() if k != "REPRO_DATA_DIR"}
     before = set(site["runs"].glob("*")) if site["runs"].exists() else set()
@@ -119,6 +133,15 @@ def test_missing_cluster_variable_fails_before_launch(slurm_cluster, site):  # n
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", out
     assert "REPRO_DATA_DIR is not set" in out and "slurm/cluster.env.example" in out, out
     assert "step:" not in out and (set(site["runs"].glob("*")) if site["runs"].exists() else set()) == before
+
+
+def test_run_dir_override_is_refused_naming_the_variable(slurm_cluster, site, tmp_path):  # noqa: F811
+    """launch.sh looks for the requeue marker in its own run dir: `--set run_dir=X` would lose it."""
+    job = _submit(slurm_cluster, site, "slurm/scale_1b.sh", "--smoke", "--dry-run", "--set", f"run_dir={tmp_path}")
+    record = slurm_cluster.wait_job(job, timeout=60)
+    out = _job_output(site, job)
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", out
+    assert "run_dir is set by launch.sh" in out and "REPRO_RUN_NAME" in out and "step:" not in out, out
 
 
 def _eval_job(cluster: SlurmCluster, site: dict, script: str, **env: str) -> Path:
@@ -254,7 +277,7 @@ def test_repro_slurm_sweep_submits_a_table_through_sbatch(slurm_cluster, site, t
     log = _job_output(site, job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", log
     assert (record["JobName"], record["NumTasks"]) == ("zeroshot_eval", "8")
-    task_sh = re.escape(f"step: srun --kill-on-bad-exit=1 --label bash {ROOT}/slurm/task.sh repro eval ")
+    task_sh = re.escape(f"step: srun --export=ALL --kill-on-bad-exit=1 --label bash {ROOT}/slurm/task.sh repro eval ")
     steps = re.findall(task_sh + r"(\w+) --checkpoint (\S+) .* --tp 8 --file tokens$", log, re.M)
     assert steps == [("wikitext", str(tmp_path)), ("lambada", str(tmp_path))], log
     assert "step exited" not in log and not (site["runs"] / f"zeroshot_eval-{job}" / "zero_shot.jsonl").exists()

@@ -57,6 +57,23 @@ def test_stop_and_resume_is_bit_identical(uninterrupted, corpus, tmp_path):
     assert all(torch.equal(want[n], got[n]) for n in want)
 
 
+@pytest.mark.parametrize("params", ["fp32", "half"])
+def test_tp2_dp2_resume_is_bit_identical(corpus, tmp_path, params):
+    """TP=2 x DP=2 (4 ranks): TP rank 1's shard is written by DP replica 1, TP rank 0's by replica 0;
+    4 iterations, then a new launch to 8, == one launch of 8, bit for bit (fp32, and the bf16 model
+    with fp32 masters and main grads)."""
+    over = tiny_overrides(corpus, tmp_path / "full", **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 8,
+                                                        "train.micro_batch_size": 2, "precision.params": params,
+                                                        "precision.precision": "fp32" if params == "fp32" else "bf16"})
+    run_ranks(train_rank, 4, TINY, over)
+    split = [o.replace(str(tmp_path / "full"), str(tmp_path / "split")) for o in over]
+    run_ranks(train_rank, 4, TINY, split + ["train.train_iters=4"])
+    run_ranks(train_rank, 4, TINY, split)
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "full") and len(_losses(tmp_path / "full")) == 8
+    want, got = _final_weights(tmp_path / "full"), _final_weights(tmp_path / "split")
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+
 def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):
     """SIGTERM mid-run: checkpoint, clean exit (0); the next launch finishes identically."""
     over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40})

@@ -14,6 +14,7 @@ loader started with consumed_samples=12 continues with 12,13 / 14,15.
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,11 +27,18 @@ Batch = TypeVar("Batch")
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """np.save through a temporary file and os.replace, so readers never see a partial file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        np.save(handle, array)
-    os.replace(tmp, path)
+    """np.save through a temporary file and os.replace, so readers never see a partial file. The
+    temporary name is unique (mkstemp), not only per process: ranks on different nodes of a job may
+    share a pid and all write the same cache on a shared filesystem."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.save(handle, array)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from the group's other jobs
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def cached_array(path: Path | None, build: Callable[[], np.ndarray],

@@ -22,6 +22,7 @@ import datetime
 import os
 import socket
 import subprocess
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -159,16 +160,45 @@ class LaunchEnv:
     """A launcher (torchrun, srun) started this process as one of its ranks."""
 
     def device(self) -> torch.device:
-        """This rank's GPU (by local rank) when CUDA is there, else the CPU."""
-        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        """This rank's GPU when CUDA is there (`cuda_index`), else the CPU."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", cuda_index(self.local_rank, torch.cuda.device_count()))
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """This rank's GPU among the `visible` ones: its local rank when every task sees all of the
+    node's GPUs (torchrun, launch.sh); 0 when the task sees one GPU (Slurm's --gpus-per-task=1 or a
+    site's --gpu-bind give each task its own CUDA_VISIBLE_DEVICES)."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise LayoutError(
+        f"local rank {local_rank} but this task sees {visible} GPUs "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give every task all of "
+        "the node's GPUs (srun --gpu-bind=none, launch.sh's default) or exactly one (--gpus-per-task=1)")
 
 
 def _first_slurm_host() -> str:
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if not nodelist:
         return "127.0.0.1"
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
-    return out.stdout.split()[0] if out.returncode == 0 and out.stdout else socket.gethostname()
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        problem = out.stderr.strip() or "no output" if out.returncode or not out.stdout.split() else ""
+    except OSError as err:
+        problem = str(err)
+    if problem:  # guessing would make every node its own master
+        raise RuntimeError(f"MASTER_ADDR is not set and `scontrol show hostnames {nodelist}` failed ({problem}): "
+                           "launch through slurm/launch.sh (it exports MASTER_ADDR/MASTER_PORT), or export "
+                           "MASTER_ADDR=<first node> yourself")
+    return out.stdout.split()[0]
+
+
+def _slurm_port(env) -> int:
+    """launch.sh's rule: from the job id, below Linux's ephemeral ports, the same on every node."""
+    return 15000 + int(env["SLURM_JOB_ID"]) % 15000 if "SLURM_JOB_ID" in env else 29500
 
 
 def discover_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
@@ -182,7 +212,7 @@ def discover_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     else:
         rank, world, local = 0, 1, 0
     addr = env.get("MASTER_ADDR") or (_first_slurm_host() if "SLURM_PROCID" in env else "127.0.0.1")
-    port = int(env.get("MASTER_PORT", 29500))
+    port = int(env.get("MASTER_PORT") or (_slurm_port(env) if "SLURM_PROCID" in env else 29500))
     launched = ("RANK" in env and "WORLD_SIZE" in env) or "SLURM_PROCID" in env
     return LaunchEnv(rank, world, local, addr, port, launched)
 
@@ -192,19 +222,50 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(tp: int, backend: str | None = None, timeout_s: int = 600) -> ProcessGroups:
+def collective_timeout_s(environ=None) -> int:
+    """Seconds a collective may wait for the slowest rank: REPRO_DIST_TIMEOUT_S, default 600 (raise
+    it where resuming a large run reads its checkpoint slowly from a shared filesystem)."""
+    value = (os.environ if environ is None else environ).get("REPRO_DIST_TIMEOUT_S", "600")
+    if not value.isdigit() or int(value) < 1:
+        raise LayoutError(f"REPRO_DIST_TIMEOUT_S={value!r}: give a whole number of seconds, e.g. 1800")
+    return int(value)
+
+
+def init_distributed(tp: int, backend: str | None = None, timeout_s: int | None = None) -> ProcessGroups:
     """Initialise torch.distributed from the launch environment and build the TP/DP groups."""
     launch = discover_launch_env()
     dims = ParallelDims.from_world(tp, launch.world_size)
     if not dist.is_initialized():
         backend = backend or default_backend()
         if backend == "nccl":
-            torch.cuda.set_device(launch.local_rank)
+            torch.cuda.set_device(launch.device())
         dist.init_process_group(
             backend,
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
             rank=launch.rank,
             world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=timeout_s or collective_timeout_s()),
         )
-    return build_process_groups(dims)
+    pg = build_process_groups(dims)
+    warn_tp_across_hosts(pg)
+    return pg
+
+
+def tp_groups_across_hosts(hosts: list[str], dims: ParallelDims) -> list[list[int]]:
+    """The TP groups (rank lists) whose ranks are not all on one host, given each rank's host."""
+    return [ranks for ranks in dims.tp_groups() if len({hosts[r] for r in ranks}) > 1]
+
+
+def warn_tp_across_hosts(pg: ProcessGroups) -> None:
+    """Warn (rank 0) when a TP group spans hosts: its all-reduces would cross the network (ranks not
+    placed block-wise, or fewer GPUs per node than tp) and the run would be much slower."""
+    if pg.tp_size == 1 or pg.dims.world_size == 1:
+        return
+    hosts: list = [None] * pg.dims.world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=pg.world_group)
+    spanning = tp_groups_across_hosts(hosts, pg.dims)
+    if spanning and pg.rank == 0:
+        warnings.warn(f"{len(spanning)} TP group(s) span hosts, e.g. ranks {spanning[0]} on "
+                      f"{sorted({hosts[r] for r in spanning[0]})}: TP all-reduces will cross the network. "
+                      "Place each node's tasks block-wise (srun --distribution=block) with tp <= GPUs per node",
+                      stacklevel=2)

@@ -26,7 +26,7 @@ def train_rank(config_path: str | None, overrides: list[str]) -> dict:
     if spawned:
         pg = build_process_groups(ParallelDims.from_world(cfg.parallel.tp, dist.get_world_size()))
     else:
-        pg = init_distributed(cfg.parallel.tp)
+        pg = init_distributed(cfg.parallel.tp, backend="gloo" if cfg.train.device == "cpu" else None)
     return train(cfg, pg, launch.local_rank)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from repro.parallel.groups import ProcessGroups
+from repro.parallel.groups import ProcessGroups, cuda_index
 from repro.parallel.random import RNGTracker, seed_default_generators
 from repro.train.config import Derived, RunConfig
 from repro.train.main_grads import MainGrads
@@ -62,8 +62,9 @@ class Engine:
 
 
 def pick_device(setting: str, local_rank: int) -> torch.device:
+    """`train.device` (auto | cuda | cpu) for this rank; a GPU is chosen by `cuda_index`."""
     if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
     return torch.device("cpu")
 
 

@@ -84,10 +84,13 @@ def run_params(cfg: RunConfig, eng: Engine) -> dict[str, str]:
 
 
 def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
-    """Write a complete checkpoint of every rank (atomic: temp dir, rename, then `latest`)."""
+    """Write a complete checkpoint of every rank (atomic: temp dir, rename, then `latest`).
+
+    The DP replicas hold the same model and optimizer state; TP rank t's shard is written by DP
+    replica t mod dp, so at TP=8 the 8 shards leave from 8 nodes instead of all from node 0."""
     root, pg = Path(eng.cfg.run_dir) / "checkpoints", eng.pg
     tmp = ck.begin_save(root, state.iteration, pg)
-    if pg.dp_rank == 0:
+    if pg.dp_rank == pg.tp_rank % pg.dp_size:  # one DP replica per TP shard, spread over nodes
         model_state = eng.masters.state_dict(eng.model) if eng.masters else eng.model.state_dict()
         torch.save(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
         if not eng.deepspeed:

@@ -93,6 +93,28 @@ def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):
 
 
 
+def _signalled_during_setup(config: str, overrides: list[str]) -> dict:
+    """A rank that gets SIGUSR1 while its engine is being built (Slurm's warning can come that early)."""
+    from repro.train import loop
+
+    build = loop.build_engine
+
+    def build_then_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)  # the default action would kill the process
+        return build(*args, **kwargs)
+
+    loop.build_engine = build_then_signal
+    return train_rank(config, overrides)
+
+
+def test_a_signal_during_setup_checkpoints_after_the_first_step(corpus, tmp_path):
+    over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 10})
+    final = run_ranks(_signalled_during_setup, 1, TINY, over)[0]
+    assert final["stopped_by_signal"] and final["iteration"] == 1
+    assert (tmp_path / "stopped_by_signal").read_text() == "1"
+    assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000001"
+
+
 def test_the_callers_signal_handlers_are_back_after_training(corpus, tmp_path):
     """The trainer takes SIGTERM/SIGUSR1 only while it trains (a notebook or a sweep calling train()
     keeps its own handlers)."""

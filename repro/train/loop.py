@@ -223,20 +223,22 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         if (Path(cfg.run_dir) / "final_metrics.json").exists():
             return _nothing_to_train(cfg, saved, pg.rank)
         _say_finishing(cfg, saved, pg.rank)  # trained, but stopped before its final evaluation
-    eng = build_engine(cfg, derived, pg, local_rank)
-    state, meta = TrainState(), {}
-    if latest is not None:
-        state, meta = load(eng, latest)
-    loader = iter(data_loader(cfg, pg, build_dataset(cfg, cfg.data.train_prefix), state.consumed_samples))
-    valid = _valid_loader(cfg, pg)
-    # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
-    resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
-    logger = _logger(cfg, eng, resume_id, tags or {}) if pg.rank == 0 else None
-    peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
-    interval, final = _Interval(), {}
-    if "rng" in meta:
-        ck.restore_rng(meta.pop("rng"), eng.rng)
+    # SIGTERM/SIGUSR1 from here on (Slurm warns before a time limit; setup may be under way): a signal
+    # during setup or loading is honoured after the first step
     with StopSignal(pg.world_group) as stop:
+        eng = build_engine(cfg, derived, pg, local_rank)
+        state, meta = TrainState(), {}
+        if latest is not None:
+            state, meta = load(eng, latest)
+        loader = iter(data_loader(cfg, pg, build_dataset(cfg, cfg.data.train_prefix), state.consumed_samples))
+        valid = _valid_loader(cfg, pg)
+        # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
+        resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
+        logger = _logger(cfg, eng, resume_id, tags or {}) if pg.rank == 0 else None
+        peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
+        interval, final = _Interval(), {}
+        if "rng" in meta:
+            ck.restore_rng(meta.pop("rng"), eng.rng)
         try:
             while state.iteration < cfg.train.train_iters:
                 result = train_step(eng, _micro_batches(loader, derived.grad_accum_steps))

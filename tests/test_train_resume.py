@@ -59,9 +59,9 @@ def test_stop_and_resume_is_bit_identical(uninterrupted, corpus, tmp_path):
 
 @pytest.mark.parametrize("params", ["fp32", "half"])
 def test_tp2_dp2_resume_is_bit_identical(corpus, tmp_path, params):
-    """TP=2 x DP=2 (4 ranks): TP rank 1's shard is written by DP replica 1, TP rank 0's by replica 0;
-    4 iterations, then a new launch to 8, == one launch of 8, bit for bit (fp32, and the bf16 model
-    with fp32 masters and main grads)."""
+    """TP=2 x DP=2 (4 ranks): TP rank 1's shard is written and read by DP replica 1, TP rank 0's by
+    replica 0, and broadcast to the other replica on resume; 4 iterations, then a new launch to 8,
+    == one launch of 8, bit for bit (fp32, and the bf16 model with fp32 masters and main grads)."""
     over = tiny_overrides(corpus, tmp_path / "full", **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 8,
                                                         "train.micro_batch_size": 2, "precision.params": params,
                                                         "precision.precision": "fp32" if params == "fp32" else "bf16"})
@@ -72,6 +72,25 @@ def test_tp2_dp2_resume_is_bit_identical(corpus, tmp_path, params):
     assert _losses(tmp_path / "split") == _losses(tmp_path / "full") and len(_losses(tmp_path / "full")) == 8
     want, got = _final_weights(tmp_path / "full"), _final_weights(tmp_path / "split")
     assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def _resume_error(config: str, overrides: list[str]) -> str:
+    try:
+        train_rank(config, overrides)
+    except ck.CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_damaged_shard_stops_every_dp_replica_with_the_file_named(corpus, tmp_path):
+    """At DP=2 only the owner replica reads the optimizer file and broadcasts it: when that file is
+    damaged, both ranks raise the CheckpointError (none waits in the broadcast)."""
+    over = tiny_overrides(corpus, tmp_path, **{"train.micro_batch_size": 2})
+    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=2"])
+    damaged = ck.latest_checkpoint(tmp_path / "checkpoints") / "optim_tp00.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    errors = run_ranks(_resume_error, 2, TINY, over + ["train.train_iters=4"], timeout=120)
+    assert all(str(damaged) in e and "damaged" in e for e in errors), errors
 
 
 def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):

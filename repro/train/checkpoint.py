@@ -3,7 +3,7 @@
 Layout of `<run_dir>/checkpoints/`::
 
     iter_0000200/meta.json            iteration, consumed samples, layout, resolved config, git SHA
-    iter_0000200/model_tp00.pt        TP rank 0's model shard (written by DP rank 0)
+    iter_0000200/model_tp00.pt        TP rank 0's model shard (written by DP replica 0 of tp 0)
     iter_0000200/optim_tp00.pt        optimizer, lr scheduler, loss scaler (plain trainer)
     iter_0000200/deepspeed/           DeepSpeed's ZeRO state (when zero_stage > 0)
     iter_0000200/rng_rank00000.pt     CPU/CUDA generator states and the TP-region tracker, per rank
@@ -11,7 +11,9 @@ Layout of `<run_dir>/checkpoints/`::
 
 Every file is written into `iter_XXXXXXX.tmp/`, which is renamed once all ranks are done; `latest`
 is replaced last. A crash mid-write leaves the previous checkpoint loadable. Files are read with
-`torch.load(weights_only=True)`.
+`torch.load(weights_only=True)`. The DP replicas hold the same model and optimizer state, so TP rank
+t's files are written and read by one replica (t mod dp: the shards of a node-wide TP group move
+through different nodes) and broadcast over the DP group on resume (`load_replicated`).
 """
 
 from __future__ import annotations
@@ -150,6 +152,64 @@ def load_file(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
         raise _damaged(path, err) from None
+
+
+def shard_owner(pg: ProcessGroups) -> int:
+    """The DP rank that writes and reads this TP rank's model and optimizer files."""
+    return pg.tp_rank % pg.dp_size
+
+
+class _TensorSlot(int):
+    """Where a tensor was in a broadcast state's skeleton (the position in its tensor list)."""
+
+
+def _split_tensors(obj, tensors: list):
+    if torch.is_tensor(obj):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _split_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _fill_tensors(obj, tensors: list):
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj]
+    if isinstance(obj, dict):
+        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def load_replicated(path: Path, pg: ProcessGroups, device: torch.device) -> dict:
+    """A TP shard's file, read by its owner replica only and broadcast over the DP group (on CPU in
+    the end, like `load_file`): a resume reads each file once instead of dp times. All DP ranks
+    call it; a missing or damaged file raises the same CheckpointError on every one of them."""
+    if pg.dp_size == 1:
+        return load_file(path)
+    owner = shard_owner(pg)
+    src = dist.get_global_rank(pg.dp_group, owner)
+    header: list = [None]
+    if pg.dp_rank == owner:
+        try:
+            tensors: list = []
+            skeleton = _split_tensors(load_file(path), tensors)
+            header = [(skeleton, [(t.shape, t.dtype) for t in tensors], None)]
+        except CheckpointError as err:
+            header = [(None, [], str(err))]
+    dist.broadcast_object_list(header, src=src, group=pg.dp_group, device=device)
+    skeleton, specs, error = header[0]
+    if error:
+        raise CheckpointError(error)
+    received = []
+    for i, (shape, dtype) in enumerate(specs):
+        buf = tensors[i].to(device) if pg.dp_rank == owner else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buf, src=src, group=pg.dp_group)
+        received.append(tensors[i] if pg.dp_rank == owner else buf.cpu())  # one tensor at a time on device
+    return _fill_tensors(skeleton, received)
 
 
 def checkpoint_run_id(ckpt: str | Path) -> str | None:

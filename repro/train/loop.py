@@ -87,10 +87,10 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
     """Write a complete checkpoint of every rank (atomic: temp dir, rename, then `latest`).
 
     The DP replicas hold the same model and optimizer state; TP rank t's shard is written by DP
-    replica t mod dp, so at TP=8 the 8 shards leave from 8 nodes instead of all from node 0."""
+    replica t mod dp (`shard_owner`), so at TP=8 the 8 shards leave from 8 nodes, not all from node 0."""
     root, pg = Path(eng.cfg.run_dir) / "checkpoints", eng.pg
     tmp = ck.begin_save(root, state.iteration, pg)
-    if pg.dp_rank == pg.tp_rank % pg.dp_size:  # one DP replica per TP shard, spread over nodes
+    if pg.dp_rank == ck.shard_owner(pg):  # one DP replica per TP shard, spread over nodes
         model_state = eng.masters.state_dict(eng.model) if eng.masters else eng.model.state_dict()
         torch.save(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
         if not eng.deepspeed:
@@ -132,7 +132,7 @@ def resume_meta(cfg: RunConfig, tp: int) -> tuple[Path | None, dict]:
 def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     """Restore model, optimizer, schedule, scaler and data position; RNG states go in meta["rng"]."""
     meta, pg = ck.read_meta(path), eng.pg
-    model_state = ck.load_file(path / f"model_tp{pg.tp_rank:02d}.pt")
+    model_state = ck.load_replicated(path / f"model_tp{pg.tp_rank:02d}.pt", pg, eng.device)
     if eng.masters is not None:
         eng.masters.load_state_dict(eng.model, model_state)
     else:
@@ -140,7 +140,7 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     if eng.deepspeed:
         eng.wrapped.load_checkpoint(str(path / "deepspeed"), tag="zero")
     else:
-        extra = ck.load_file(path / f"optim_tp{pg.tp_rank:02d}.pt")
+        extra = ck.load_replicated(path / f"optim_tp{pg.tp_rank:02d}.pt", pg, eng.device)
         eng.optimizer.load_state_dict(extra["optimizer"])
         eng.scheduler.load_state_dict(extra["scheduler"])
         if eng.scaler and extra["scaler"]:

@@ -94,6 +94,21 @@ def test_shuffle_index_is_cached_and_rebuilt_when_corrupt(prefix, tmp_path):
     assert (other / "toy_gpt_s16_shuffle_n312_seed11_e1.npy").is_file()
 
 
+def test_only_the_writing_rank_writes_the_shuffle_cache(prefix, tmp_path):
+    """Ranks told not to write (all but the trainer's rank 0) build the same order in memory, and
+    read the cache once it is there."""
+    cache_dir = tmp_path / "cache"
+    reader = GPTDataset(prefix, SEQ, seed=11, cache_dir=cache_dir, write_cache=False)
+    order = reader.shuffle.order(0).copy()
+    assert not cache_dir.exists() or list(cache_dir.iterdir()) == []
+    writer = GPTDataset(prefix, SEQ, seed=11, cache_dir=cache_dir)
+    assert np.array_equal(writer.shuffle.order(0), order)
+    cache = cache_dir / "toy_gpt_s16_shuffle_n312_seed11_e0.npy"
+    assert np.array_equal(np.load(cache), order) and oct(cache.stat().st_mode)[-3:] == "644"
+    late = GPTDataset(prefix, SEQ, seed=11, cache_dir=cache_dir, write_cache=False)
+    assert isinstance(late.shuffle.order(0), np.memmap)  # loaded, not rebuilt
+
+
 def test_bad_loader_arguments(prefix):
     ds = GPTDataset(prefix, SEQ)
     with pytest.raises(ValueError, match="dp_rank < dp_size"):

@@ -35,10 +35,11 @@ def test_wikitext_documents_partition_the_file(data_dir):
     assert "".join(docs) == text[text.index(" = "):]  # all but the leading blank line
 
 
-def test_gpt_prepare_equals_direct_tokenization(data_dir, gpt2_tokenizer, tmp_path):
+@pytest.mark.parametrize("chunk_docs", [16, 1])  # 1: 60 chunks through the 16 in flight, in order
+def test_gpt_prepare_equals_direct_tokenization(data_dir, gpt2_tokenizer, tmp_path, chunk_docs):
     path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
     _, report = _prepare(data_dir, path, tmp_path / "wt", workers=2, split="1,0,0",
-                         filters=NO_FILTERS)
+                         filters=NO_FILTERS, chunk_docs=chunk_docs)
     direct = [gpt2_tokenizer.encode(d) + [gpt2_tokenizer.eod] for d in read_documents(path)]
     ds = IndexedDataset(tmp_path / "wt_train")
     assert ds.dtype == np.uint16
@@ -132,7 +133,7 @@ def test_length_filter_counts_tokens(data_dir, gpt2_tokenizer, tmp_path):
     (None, "input file is missing"),
     ("", "input file is empty"),
     ('{"text": "fine"}\n{"body": "no text key"}\n', r"x\.jsonl:2: not a JSON object with a 'text' key"),
-    ('{"text": "fine"}\n{broken\n', r"x\.jsonl:2: not a JSON object"),
+    ('{"text": "fine"}\n{broken\n', r"x\.jsonl:2: not valid JSON"),
 ])
 def test_bad_input(data_dir, tmp_path, content, message):
     path = tmp_path / "x.jsonl"
@@ -140,6 +141,40 @@ def test_bad_input(data_dir, tmp_path, content, message):
         path.write_text(content)
     with pytest.raises(DataError, match=message):
         _prepare(data_dir, path, tmp_path / "out", filters=NO_FILTERS)
+
+
+def test_web_text_damage_is_repaired_not_fatal(data_dir, gpt2_tokenizer, tmp_path):
+    """A byte that is not UTF-8 and a lone-surrogate JSON escape (both common in crawls) read as
+    U+FFFD, with 2 workers; the documents around them are unchanged."""
+    path = tmp_path / "web.jsonl"
+    path.write_bytes(b'{"text": "first document"}\n{"text": "bad \xff byte"}\n'
+                     b'{"text": "lone \\ud800 surrogate"}\n{"text": "last document"}\n')
+    _, report = _prepare(data_dir, path, tmp_path / "w", workers=2, split="1,0,0", filters=NO_FILTERS)
+    ds = IndexedDataset(tmp_path / "w_train")
+    texts = [gpt2_tokenizer.decode(ds.document_tokens(d)[:-1].tolist()) for d in range(ds.num_documents)]
+    assert texts == ["first document", "bad \ufffd byte", "lone \ufffd surrogate", "last document"]
+    assert report.skipped_records == 0
+
+
+def test_records_without_text_stop_the_run_or_are_skipped_and_counted(data_dir, tmp_path, capsys):
+    from repro.cli import main
+
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"text": "kept one"}\n{"text": null}\n{"body": "x"}\n{trunc\n{"text": "kept two"}\n')
+    with pytest.raises(DataError, match=r"r\.jsonl:2: its 'text' is null, not a string.*--skip-bad-records"):
+        _prepare(data_dir, path, tmp_path / "stop", filters=NO_FILTERS)
+    assert not list(tmp_path.glob("stop*"))
+    _, report = _prepare(data_dir, path, tmp_path / "skip", filters=NO_FILTERS, skip_bad_records=True,
+                         split="1,0,0")
+    assert report.kept == 2 and report.skipped_records == 3
+    assert [e.split(":")[1] for e in report.skipped_examples] == ["2", "3", "4"]
+    saved = json.loads((tmp_path / "skip_prepare.json").read_text())["report"]
+    assert saved["skipped_records"] == 3 and "r.jsonl:4: not valid JSON" in saved["skipped_examples"][2]
+    args = ["data", "prepare", "--input", str(path), "--output-prefix", str(tmp_path / "cli"), "--split", "1,0,0",
+            "--data-dir", str(data_dir), "--min-tokens", "0", "--no-dedup", "--no-eval-filter", "--no-progress",
+            "--skip-bad-records"]
+    assert main(args) == 0
+    assert "skipped 3 JSON lines without text, e.g. r.jsonl:2: its 'text' is null" in capsys.readouterr().out
 
 
 def test_everything_filtered_is_an_error(data_dir, tmp_path):

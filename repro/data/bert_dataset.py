@@ -88,7 +88,8 @@ class BertDataset:
     """Map from a global position (epoch-aware) to one BERT sample (a dict of numpy arrays)."""
 
     def __init__(self, prefix: str | Path, tokenizer: TextTokenizer,
-                 opts: BertOptions = BertOptions(), cache_dir: Path | str | None = None) -> None:
+                 opts: BertOptions = BertOptions(), cache_dir: Path | str | None = None,
+                 write_cache: bool = True) -> None:
         if opts.max_seq_length < 8:
             raise ValueError(f"max_seq_length={opts.max_seq_length} is too short; use >= 8")
         self.data, self.tokenizer, self.opts = IndexedDataset(prefix), tokenizer, opts
@@ -101,12 +102,12 @@ class BertDataset:
                f"_t{self.data.num_tokens}")
         path = Path(f"{cache}_bert_map_{key}.npy")
         self.samples = cached_array(path, lambda: build_sample_map(self.data, opts),
-                                    lambda a: a.ndim == 2 and a.shape[1] == 3)
+                                    lambda a: a.ndim == 2 and a.shape[1] == 3, write_cache)
         if len(self.samples) == 0:
             raise DataError(f"{prefix}: no document has two sentences, so there is no sentence "
                             "pair. Fix: prepare the data with --tokenizer bert (one sentence a "
                             "sequence) from documents of several sentences")
-        self.shuffle = EpochShuffle(len(self.samples), opts.seed, f"{cache}_bert_{key}")
+        self.shuffle = EpochShuffle(len(self.samples), opts.seed, f"{cache}_bert_{key}", write_cache)
 
     def __len__(self) -> int:
         return len(self.samples)

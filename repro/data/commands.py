@@ -35,15 +35,19 @@ def _prepare(args: argparse.Namespace) -> int:
     opts = PrepareOptions(
         input=Path(args.input), output_prefix=args.output_prefix, tokenizer=args.tokenizer,
         data_dir=Path(args.data_dir) if args.data_dir else data_dir_from_env(),
-        workers=args.workers, input_format=args.format, json_key=args.json_key,
+        input_format=args.format, json_key=args.json_key,
         layout=args.layout, split=args.split, filters=filters, progress=not args.no_progress,
-        overwrite=args.overwrite)
+        overwrite=args.overwrite, skip_bad_records=args.skip_bad_records,
+        **({"workers": args.workers} if args.workers is not None else {}))
     report = prepare(opts)
     print(f"documents {report.documents}: kept {report.kept}, under {filters.min_tokens} tokens "
           f"{report.too_short}, eval overlap {report.eval_overlap}, near-duplicates "
           f"{report.near_duplicates}")
     print(f"tokens read {report.tokens_read:,} in {report.seconds:.1f} s = "
           f"{report.tokens_per_s:,.0f} tokens/s; written {report.tokens_written:,}")
+    if report.skipped_records:
+        print(f"skipped {report.skipped_records} JSON lines without text, e.g. {report.skipped_examples[0]} "
+              f"(the first {len(report.skipped_examples)} are in the report)")
     for prefix, docs in report.outputs.items():
         print(f"  {prefix}.bin/.idx  {docs} documents")
     return 0
@@ -57,9 +61,13 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="replace an existing dataset at PREFIX (swapped in only once complete)")
     p.add_argument("--tokenizer", choices=("gpt2", "bert"), default="gpt2")
     p.add_argument("--data-dir", help=f"vocab and eval sets (REPRO_DATA_DIR, {DEFAULT_DATA_DIR})")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizing processes (default: every CPU this process may use)")
     p.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto")
     p.add_argument("--json-key", default="text")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="skip JSON lines without text (malformed, no --json-key, not a string), counted "
+                        "in the report, instead of stopping at the first")
     p.add_argument("--layout", choices=("auto", "wikitext", "paragraph"), default="auto",
                    help="plain text: WikiText articles or blank-line paragraphs as documents")
     p.add_argument("--split", default="949,50,1", help="train,valid,test weights over documents")

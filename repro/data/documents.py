@@ -9,7 +9,10 @@ What a document is:
   must be followed by a blank line: two formula lines inside "Constant k filter" look like
   headings but are not (the WikiText test file then has its 60 articles, not 62).
 - Other plain text: paragraphs separated by blank lines are documents.
-Whitespace-only documents are skipped.
+Whitespace-only documents are skipped. Bytes that are not UTF-8 read as U+FFFD, and so do the lone
+surrogates a JSON escape can hold (web crawls have both): one bad byte never stops a long run. A
+record that holds no text (malformed JSON, no `json_key`, a non-string value) is an error naming
+its line, or, with `bad_records` (a list), is skipped and noted there.
 """
 
 from __future__ import annotations
@@ -49,16 +52,41 @@ def _check_readable(path: Path) -> None:
                         "document (JSON lines with a 'text' key, or plain text)")
 
 
-def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as handle:
+def _valid_utf8(text: str) -> str:
+    """`text` with lone surrogates (from JSON escapes such as \\ud800) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:  # through UTF-16: a lone surrogate becomes one U+FFFD
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _record_text(line: str, key: str) -> str:
+    """The text of one JSON line; ValueError says why there is none."""
+    try:
+        text = json.loads(line)[key]
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err})") from None
+    except (KeyError, TypeError, IndexError):
+        raise ValueError(f"not a JSON object with a {key!r} key") from None
+    if not isinstance(text, str):
+        raise ValueError(f"its {key!r} is {json.dumps(text)[:40]}, not a string")
+    return _valid_utf8(text)
+
+
+def _jsonl_documents(path: Path, key: str, bad_records: list[str] | None) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)[key]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise DataError(f"{path}:{number}: not a JSON object with a {key!r} key ({err}). "
-                                "Fix: one JSON object per line, or set --json-key") from err
+                text = _record_text(line, key)
+            except ValueError as err:
+                if bad_records is None:
+                    raise DataError(f"{path}:{number}: {err}. Fix: one JSON object per line with a string "
+                                    "under --json-key, or pass --skip-bad-records to skip such lines") from None
+                bad_records.append(f"{path.name}:{number}: {err}")
+                continue
             if text.strip():
                 yield text
 
@@ -86,7 +114,7 @@ def _paragraph_documents(lines: Iterator[str]) -> Iterator[str]:
 
 
 def _text_documents(path: Path, layout: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="replace") as handle:
         head = list(itertools.islice(handle, 200))
         if layout == "auto":
             layout = "wikitext" if any(is_wikitext_title(x) for x in head) else "paragraph"
@@ -98,19 +126,20 @@ def _text_documents(path: Path, layout: str) -> Iterator[str]:
 def _is_jsonl(path: Path) -> bool:
     if path.suffix in (".json", ".jsonl"):
         return True
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="replace") as handle:
         first = next((line for line in handle if line.strip()), "")
     return first.lstrip().startswith("{")
 
 
 def read_documents(path: Path | str, input_format: str = "auto", json_key: str = "text",
-                   layout: str = "auto") -> Iterator[str]:
-    """The documents of an input file, in file order (see the module docstring for the rules)."""
+                   layout: str = "auto", bad_records: list[str] | None = None) -> Iterator[str]:
+    """The documents of an input file, in file order (see the module docstring for the rules);
+    with `bad_records`, JSON lines without text are skipped and described there."""
     path = Path(path)
     if input_format not in FORMATS or layout not in LAYOUTS:
         raise DataError(f"{path}: format {input_format!r} / layout {layout!r} unknown. Fix: use "
                         f"a format from {FORMATS} and a layout from {LAYOUTS}")
     _check_readable(path)
     if input_format == "jsonl" or (input_format == "auto" and _is_jsonl(path)):
-        return _jsonl_documents(path, json_key)
+        return _jsonl_documents(path, json_key, bad_records)
     return _text_documents(path, layout)

@@ -43,7 +43,7 @@ class GPTDataset:
     """Map from a global position (epoch-aware) to a sample of seq_length + 1 token ids."""
 
     def __init__(self, prefix: str | Path, seq_length: int, seed: int = 1234,
-                 cache_dir: Path | str | None = None) -> None:
+                 cache_dir: Path | str | None = None, write_cache: bool = True) -> None:
         self.data = IndexedDataset(prefix)
         self.seq_length = seq_length
         tokens = self.data.num_tokens
@@ -53,7 +53,7 @@ class GPTDataset:
                             f"seq_length + 1 = {seq_length + 1}. Fix: use a shorter seq_length "
                             "or prepare more data")
         cache = f"{_cache_prefix(str(prefix), cache_dir)}_gpt_s{seq_length}"
-        self.shuffle = EpochShuffle(self.samples_per_epoch, seed, cache)
+        self.shuffle = EpochShuffle(self.samples_per_epoch, seed, cache, write_cache)
 
     def __len__(self) -> int:
         return self.samples_per_epoch

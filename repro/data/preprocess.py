@@ -8,10 +8,17 @@ GPT: one sequence per document, the end-of-document token appended. BERT: one se
 (< min_tokens), eval overlap, near-duplicates (first of a cluster kept). The kept documents are split
 in file order into contiguous train/valid/test ranges by the weights of --split (Megatron's rule);
 the per-epoch shuffling happens later, in the datasets. Documents: see repro.data.documents.
+
+At the paper's scale (174 GB, ~40M documents): interleave the sources into the one input file
+(`paste -d '\n' wiki.jsonl stories.jsonl realnews.jsonl owt.jsonl > corpus.jsonl`; the blank lines of
+exhausted files are skipped), or valid and test come from the last source alone. Tokenizing runs
+on every CPU of the allocation by default; the near-duplicate index holds ~2 KB per kept document
+in this process (~80 GB at 40M).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import multiprocessing as mp
@@ -35,6 +42,11 @@ from repro.data.tokenizers import TextTokenizer, build_tokenizer
 SPLIT_NAMES = ("train", "valid", "test")
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (a Slurm or cgroup allocation), at least 1."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class PrepareOptions:
     """Everything `prepare` needs; field names match the command-line flags."""
@@ -43,7 +55,7 @@ class PrepareOptions:
     output_prefix: str
     tokenizer: str = "gpt2"  # gpt2 | bert
     data_dir: Path = Path("data")  # holds vocab/ and the eval sets (see `repro data fetch`)
-    workers: int = 2  # tokenizing processes; 1 runs in this process
+    workers: int = field(default_factory=available_cpus)  # tokenizing processes; 1: in this one
     input_format: str = "auto"  # auto | jsonl | text
     json_key: str = "text"
     layout: str = "auto"  # plain text: auto | wikitext | paragraph
@@ -52,6 +64,7 @@ class PrepareOptions:
     progress: bool = True
     chunk_docs: int = 16  # documents per task sent to a worker
     overwrite: bool = False  # replace an existing dataset at output_prefix
+    skip_bad_records: bool = False  # skip JSON lines without text (counted) instead of stopping
 
 
 @dataclass
@@ -67,6 +80,8 @@ class PrepareReport:
     tokens_written: int = 0  # tokens in the outputs (end-of-document tokens included)
     seconds: float = 0.0
     outputs: dict[str, int] = field(default_factory=dict)  # output prefix -> documents
+    skipped_records: int = 0  # JSON lines without text, with skip_bad_records
+    skipped_examples: list[str] = field(default_factory=list)  # the first few, "file:line: why"
 
     @property
     def tokens_per_s(self) -> float:
@@ -133,16 +148,22 @@ def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
 
 def process_documents(docs: Iterable[str], processor: DocumentProcessor, workers: int,
                       chunk_docs: int = 16) -> Iterator[DocResult]:
-    """Processed documents in input order; workers > 1 uses a process pool, fed in windows."""
+    """Processed documents in input order; workers > 1 uses a process pool.
+
+    Up to 8 chunks per worker are in flight; a new one is sent as soon as the oldest is back, so
+    the workers never wait for the slowest chunk of a batch, and memory stays bounded."""
     if workers <= 1:
         yield from map(processor, docs)
         return
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with context.Pool(workers, initializer=_init_worker, initargs=(processor,)) as pool:
-        # Pool.imap reads its whole input at once: feed it bounded windows to bound memory.
-        for window in _chunks(_chunks(docs, chunk_docs), workers * 8):
-            for results in pool.imap(_process_chunk, window):
-                yield from results
+        pending: collections.deque = collections.deque()
+        for chunk in _chunks(docs, chunk_docs):
+            pending.append(pool.apply_async(_process_chunk, (chunk,)))
+            if len(pending) >= workers * 8:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -186,7 +207,8 @@ def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: st
                 if filters.eval_overlap else None)
     processor = DocumentProcessor(tokenizer, filters, eval_set)
     dedup = NearDuplicateFilter(filters.dedup_threshold, filters.num_perm) if filters.dedup else None
-    docs = read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)
+    bad: list[str] | None = [] if opts.skip_bad_records else None
+    docs = read_documents(opts.input, opts.input_format, opts.json_key, opts.layout, bad)
     report, start = PrepareReport(), time.perf_counter()
     results = process_documents(docs, processor, opts.workers, opts.chunk_docs)
     with IndexedDatasetWriter(tmp_prefix, best_dtype(tokenizer.vocab_size)) as writer, \
@@ -197,6 +219,8 @@ def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: st
                 rate = report.tokens_read / (time.perf_counter() - start)
                 bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
     report.seconds = time.perf_counter() - start
+    if bad:
+        report.skipped_records, report.skipped_examples = len(bad), bad[:10]
     return report
 
 
@@ -216,7 +240,8 @@ def output_files(prefix: str) -> list[Path]:
 def _check_input(opts: PrepareOptions) -> None:
     if opts.input.is_dir():
         raise DataError(f"--input {opts.input} is a directory, not a file. Fix: give one JSON-lines or "
-                        f"text file, e.g. `cat {opts.input}/*.jsonl > corpus.jsonl`")
+                        f"text file, e.g. `paste -d '\\n' {opts.input}/*.jsonl > corpus.jsonl` (interleaved, so that "
+                        "valid and test sample every file; `cat` would give them the last file's documents)")
     read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)
 
 

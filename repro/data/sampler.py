@@ -42,8 +42,10 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
 
 
 def cached_array(path: Path | None, build: Callable[[], np.ndarray],
-                 valid: Callable[[np.ndarray], bool]) -> np.ndarray:
-    """Load path if it holds a valid array, else build it and try to cache it there."""
+                 valid: Callable[[np.ndarray], bool], write: bool = True) -> np.ndarray:
+    """Load path if it holds a valid array, else build it and (if `write`) try to cache it there.
+    Of a job's ranks only one writes (the trainer's rank 0): the others build the same array in
+    memory, instead of hundreds of ranks writing one file to a shared filesystem at once."""
     if path is not None and path.is_file():
         try:
             array = np.load(path, mmap_mode="r")
@@ -52,7 +54,7 @@ def cached_array(path: Path | None, build: Callable[[], np.ndarray],
         except (OSError, ValueError):
             pass  # unreadable or partial cache: rebuild it below
     array = build()
-    if path is not None:
+    if path is not None and write:
         try:
             save_npy_atomic(path, array)
         except OSError as err:
@@ -64,10 +66,11 @@ def cached_array(path: Path | None, build: Callable[[], np.ndarray],
 class EpochShuffle:
     """A seeded permutation of num_samples per epoch, cached as PREFIX_shuffle_n{n}_seed{s}_e{e}.npy."""
 
-    def __init__(self, num_samples: int, seed: int, cache_prefix: str | None) -> None:
+    def __init__(self, num_samples: int, seed: int, cache_prefix: str | None, write_cache: bool = True) -> None:
         self.num_samples = num_samples
         self.seed = seed
         self.cache_prefix = cache_prefix
+        self.write_cache = write_cache
         self._epoch = -1
         self._order = np.zeros(0, dtype=np.int64)
 
@@ -82,7 +85,7 @@ class EpochShuffle:
             n = self.num_samples
             build = lambda: np.random.default_rng([self.seed, epoch]).permutation(n)  # noqa: E731
             valid = lambda a: a.shape == (n,) and a.dtype.kind in "iu"  # noqa: E731
-            self._order, self._epoch = cached_array(self._path(epoch), build, valid), epoch
+            self._order, self._epoch = cached_array(self._path(epoch), build, valid, self.write_cache), epoch
         return self._order
 
     def locate(self, position: int) -> tuple[int, int]:

@@ -174,7 +174,7 @@ def _memory_gb(device: torch.device) -> float:
 def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
     if not cfg.data.valid_prefix:
         return None
-    data = build_dataset(cfg, cfg.data.valid_prefix)  # built once; each evaluation starts it over
+    data = build_dataset(cfg, cfg.data.valid_prefix, write_cache=pg.rank == 0)  # once; each evaluation restarts it
     count = min(cfg.train.eval_iters, len(data) // (cfg.train.micro_batch_size * pg.dp_size))
     return lambda: _micro_batches(iter(data_loader(cfg, pg, data)), count)
 
@@ -230,7 +230,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         state, meta = TrainState(), {}
         if latest is not None:
             state, meta = load(eng, latest)
-        loader = iter(data_loader(cfg, pg, build_dataset(cfg, cfg.data.train_prefix), state.consumed_samples))
+        train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
+        loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples))
         valid = _valid_loader(cfg, pg)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)

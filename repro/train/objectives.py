@@ -76,8 +76,9 @@ def to_device(batch, device: torch.device):
     return tuple(t.to(device) for t in batch)
 
 
-def build_dataset(cfg: RunConfig, prefix: str):
-    """The family's dataset of an indexed-dataset prefix (GPT samples or BERT sentence pairs)."""
+def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
+    """The family's dataset of an indexed-dataset prefix (GPT samples or BERT sentence pairs);
+    `write_cache`: this rank writes the sample-order caches (one rank of a job does)."""
     cache = cfg.data.cache_dir or None
     if cfg.family == "bert":
         from repro.data.bert_dataset import BertDataset, BertOptions
@@ -86,10 +87,10 @@ def build_dataset(cfg: RunConfig, prefix: str):
         vocab_dir = cfg.data.vocab_dir or os.environ.get("REPRO_DATA_DIR", "data")
         tokenizer = build_tokenizer("bert", Path(vocab_dir))
         opts = BertOptions(max_seq_length=cfg.model.seq_length, seed=cfg.train.seed)
-        return BertDataset(prefix, tokenizer, opts, cache_dir=cache)
+        return BertDataset(prefix, tokenizer, opts, cache_dir=cache, write_cache=write_cache)
     from repro.data.gpt_dataset import GPTDataset
 
-    return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache)
+    return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache, write_cache)
 
 
 def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0):

@@ -47,7 +47,11 @@ def test_dtype_rule():
     assert best_dtype(65500) == np.int32 and best_dtype(128000) == np.int32
 
 
-def test_int32_dataset_and_copy_documents(tmp_path):
+@pytest.mark.parametrize("slice_tokens", [2**27, 5])  # 5: the copy goes through many slices
+def test_int32_dataset_and_copy_documents(tmp_path, monkeypatch, slice_tokens):
+    from repro.data import indexed_dataset
+
+    monkeypatch.setattr(indexed_dataset, "COPY_SLICE", slice_tokens)
     rng = np.random.default_rng(0)
     docs = [[rng.integers(0, 100_000, rng.integers(1, 9)) for _ in range(rng.integers(1, 4))]
             for _ in range(20)]

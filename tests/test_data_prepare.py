@@ -177,6 +177,14 @@ def test_records_without_text_stop_the_run_or_are_skipped_and_counted(data_dir, 
     assert "skipped 3 JSON lines without text, e.g. r.jsonl:2: its 'text' is null" in capsys.readouterr().out
 
 
+def test_leftovers_of_a_killed_prepare_are_reported(data_dir, tmp_path):
+    (tmp_path / "c.unsplit-tmp4242.bin.tmp4242").write_bytes(b"x" * 1000)
+    (tmp_path / "t.txt").write_text("a document of several words\n")
+    with pytest.warns(UserWarning, match=r"1 temporary files of an earlier `prepare`.*rm .*c\.unsplit-tmp\*"):
+        _prepare(data_dir, tmp_path / "t.txt", tmp_path / "c", filters=NO_FILTERS, split="1,0,0")
+    assert (tmp_path / "c_train.bin").is_file()
+
+
 def test_everything_filtered_is_an_error(data_dir, tmp_path):
     (tmp_path / "t.txt").write_text("tiny document\n\nanother one\n")
     with pytest.raises(DataError, match="none of its 2 documents survived.*Fix: lower --min-tokens"):

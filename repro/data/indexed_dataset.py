@@ -19,6 +19,8 @@ sequences back to back, so for GPT (one sequence per document) the whole .bin is
 
 from __future__ import annotations
 
+import array
+
 import os
 import struct
 from pathlib import Path
@@ -58,15 +60,19 @@ def _dtype_of_code(code: int, idx_path: Path) -> type:
                     f"or a damaged one. Fix: {_REBUILD}")
 
 
-def index_bytes(lengths: np.ndarray, doc_index: np.ndarray, dtype: type) -> bytes:
-    """The complete .idx file for these sequence lengths and document index."""
+def write_index(handle, lengths: np.ndarray, doc_index: np.ndarray, dtype: type) -> None:
+    """Write the complete .idx file for these sequence lengths and document index, part by part
+    (no second copy of the index in memory)."""
     lengths = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
     doc_index = np.asarray(doc_index, dtype=np.int64)
-    header = _HEADER.pack(MAGIC, VERSION, dtype_code(dtype), len(lengths), len(doc_index))
-    return header + lengths.tobytes() + pointers.tobytes() + doc_index.tobytes()
+    handle.write(_HEADER.pack(MAGIC, VERSION, dtype_code(dtype), len(lengths), len(doc_index)))
+    for part in (lengths, pointers, doc_index):
+        handle.write(memoryview(np.ascontiguousarray(part)))
 
+
+COPY_SLICE = 2**27  # tokens per write when copying a split (256 MiB of uint16)
 
 class IndexedDatasetWriter:
     """Writes PREFIX.bin/.idx; both appear (atomically renamed) only when finalize() succeeds."""
@@ -76,8 +82,8 @@ class IndexedDatasetWriter:
         self.dtype = dtype
         self._tmp_bin = f"{self.prefix}.bin.tmp{os.getpid()}"
         self._bin = open(self._tmp_bin, "wb")
-        self._lengths: list[int] = []
-        self._doc_index: list[int] = [0]
+        self._lengths = array.array("i")  # 4 bytes a sequence (BERT: ~1.5B sentences at the paper's scale)
+        self._doc_index = array.array("q", [0])
         self.num_tokens = 0
 
     def add_document(self, sequences: list[np.ndarray] | list[list[int]]) -> None:
@@ -97,7 +103,8 @@ class IndexedDatasetWriter:
         self._bin.close()
         tmp_idx = f"{self.prefix}.idx.tmp{os.getpid()}"
         with open(tmp_idx, "wb") as handle:
-            handle.write(index_bytes(np.array(self._lengths), np.array(self._doc_index), self.dtype))
+            write_index(handle, np.frombuffer(self._lengths, dtype=np.int32),
+                        np.frombuffer(self._doc_index, dtype=np.int64), self.dtype)
         os.replace(self._tmp_bin, f"{self.prefix}.bin")
         os.replace(tmp_idx, f"{self.prefix}.idx")
 
@@ -219,8 +226,9 @@ def copy_documents(src: IndexedDataset, first: int, last: int, prefix: str | Pat
     doc_index = np.asarray(src.document_indices[first:last + 1]) - lo
     prefix, pid = str(prefix), os.getpid()
     with open(f"{prefix}.bin.tmp{pid}", "wb") as handle:
-        handle.write(np.asarray(tokens).tobytes())
+        for i in range(0, len(tokens), COPY_SLICE):  # from the memmap in slices: a split of the
+            handle.write(memoryview(np.ascontiguousarray(tokens[i:i + COPY_SLICE])))  # paper's corpus is ~85 GB
     with open(f"{prefix}.idx.tmp{pid}", "wb") as handle:
-        handle.write(index_bytes(lengths, doc_index, src.dtype))
+        write_index(handle, lengths, doc_index, src.dtype)
     os.replace(f"{prefix}.bin.tmp{pid}", f"{prefix}.bin")
     os.replace(f"{prefix}.idx.tmp{pid}", f"{prefix}.idx")

@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -245,6 +246,17 @@ def _check_input(opts: PrepareOptions) -> None:
     read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)
 
 
+def _warn_stale_temporaries(prefix: str) -> None:
+    """A prepare killed outright (OOM, SIGKILL) leaves its temporary files; say so, with their size."""
+    path = Path(prefix)
+    stale = sorted({*path.parent.glob(f"{path.name}.unsplit-tmp*"), *path.parent.glob(f"{path.name}.tmp*")})
+    if stale:
+        size = sum(p.stat().st_size for p in stale if p.is_file())
+        warnings.warn(f"{len(stale)} temporary files of an earlier `prepare` of {prefix} ({size / 2**30:.1f} GiB, e.g. "
+                      f"{stale[0].name}) are still there; unless another prepare of this prefix is running, remove "
+                      f"them: rm {prefix}.unsplit-tmp* {prefix}.tmp*", stacklevel=3)
+
+
 def _check_outputs(opts: PrepareOptions) -> None:
     existing = [str(p) for p in output_files(opts.output_prefix) if p.exists()]
     if existing and not opts.overwrite:
@@ -261,6 +273,7 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
     weights = parse_split(opts.split)
     _check_input(opts)  # input errors first
     _check_outputs(opts)
+    _warn_stale_temporaries(opts.output_prefix)
     tokenizer = build_tokenizer(opts.tokenizer, opts.data_dir)
     Path(opts.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{os.getpid()}"

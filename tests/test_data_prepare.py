@@ -204,35 +204,14 @@ def test_cli_prepare(data_dir, tmp_path, capsys):
     assert "missing.txt: input file is missing" in capsys.readouterr().err
 
 
-def _datasketch_decisions(signatures, threshold=0.7) -> list[bool]:
-    """The reference: datasketch's MinHashLSH with the same Jaccard check."""
-    from datasketch import MinHash, MinHashLSH
-
-    lsh, kept, out = MinHashLSH(threshold=threshold, num_perm=128), {}, []
-    for key, sig in enumerate(signatures):
-        mh = MinHash(num_perm=128, hashvalues=sig, scheme="affine32")
-        dup = any(mh.jaccard(kept[other]) > threshold for other in lsh.query(mh))
-        if not dup:
-            lsh.insert(key, mh)
-            kept[key] = mh
-        out.append(dup)
-    return out
-
-
 def test_near_duplicate_filter_decides_like_datasketchs_lsh():
     """2,000 signatures: 500 originals, then 1,500 copies with 5-60 of 128 min-hashes changed (estimated
     Jaccard 0.96-0.53, across the 0.7 threshold): the filter's keep/drop decisions equal MinHashLSH's."""
-    import numpy as np
-
+    from repro.data.bench import minhash_lsh_decisions, near_duplicate_signatures
     from repro.data.filters import NearDuplicateFilter
 
-    rng = np.random.default_rng(0)
-    originals = rng.integers(0, 2**32, size=(500, 128), dtype=np.uint64).astype(np.uint32)
-    copies = originals[rng.integers(0, 500, 1500)].copy()
-    for row, changed in zip(copies, rng.integers(5, 61, 1500)):
-        row[rng.choice(128, changed, replace=False)] = rng.integers(0, 2**32, changed, dtype=np.uint64)
-    signatures = np.concatenate([originals, copies])
+    signatures = near_duplicate_signatures(2000)
     filt = NearDuplicateFilter(0.7)
     ours = [filt.is_duplicate(key, sig) for key, sig in enumerate(signatures)]
-    assert ours == _datasketch_decisions(signatures)
+    assert ours == minhash_lsh_decisions(signatures)
     assert not any(ours[:500]) and 300 < sum(ours) < 1400  # both kinds of decision occur

@@ -215,3 +215,14 @@ def test_near_duplicate_filter_decides_like_datasketchs_lsh():
     ours = [filt.is_duplicate(key, sig) for key, sig in enumerate(signatures)]
     assert ours == minhash_lsh_decisions(signatures)
     assert not any(ours[:500]) and 300 < sum(ours) < 1400  # both kinds of decision occur
+
+
+def test_data_bench_runs_and_writes_its_tables(data_dir, tmp_path):
+    from repro.data.bench import main
+
+    assert main(["--data-dir", str(data_dir), "--rounds", "1", "--repeat", "1", "--dedup-docs", "400",
+                 "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "data_preprocess.json").read_text())
+    assert record["dedup"]["same_decisions"] and record["dedup"]["ours"]["kept"] == record["dedup"]["datasketch"]["kept"]
+    assert record["pipeline_filters"]["documents"] == record["pipeline_no_filters"]["documents"] > 0
+    assert "| ours |" in (tmp_path / "data_preprocess.md").read_text()

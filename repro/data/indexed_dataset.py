@@ -189,13 +189,18 @@ class IndexedDataset:
                             f".idx do not belong together or one is truncated. Fix: {_REBUILD}")
         self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.zeros(0, dtype=self.dtype))
-        self._starts = self.sequence_pointers // itemsize
+        self._itemsize = itemsize
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
+    def start(self, i: int) -> int:
+        """Token offset of sequence i in .bin (read from the memory-mapped .idx: no per-sequence
+        array in RAM, which for BERT at the paper's scale would be ~12 GB on every rank)."""
+        return int(self.sequence_pointers[i]) // self._itemsize
+
     def __getitem__(self, i: int) -> np.ndarray:
-        start = int(self._starts[i])
+        start = self.start(i)
         return self.tokens[start:start + int(self.sequence_lengths[i])]
 
     @property
@@ -213,7 +218,7 @@ class IndexedDataset:
         lo, hi = int(self.document_indices[d]), int(self.document_indices[d + 1])
         if lo == hi:
             return self.tokens[0:0]
-        start = int(self._starts[lo])
+        start = self.start(lo)
         return self.tokens[start:start + int(self.sequence_lengths[lo:hi].sum())]
 
 
@@ -221,7 +226,7 @@ def copy_documents(src: IndexedDataset, first: int, last: int, prefix: str | Pat
     """Write documents [first, last) of src as a new dataset PREFIX, as one block copy."""
     lo, hi = int(src.document_indices[first]), int(src.document_indices[last])
     lengths = np.asarray(src.sequence_lengths[lo:hi])
-    start = int(src._starts[lo]) if hi > lo else 0
+    start = src.start(lo) if hi > lo else 0
     tokens = src.tokens[start:start + int(lengths.sum(dtype=np.int64))]
     doc_index = np.asarray(src.document_indices[first:last + 1]) - lo
     prefix, pid = str(prefix), os.getpid()

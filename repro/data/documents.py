@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from repro.data.errors import DataError
@@ -74,21 +74,31 @@ def _record_text(line: str, key: str) -> str:
     return _valid_utf8(text)
 
 
-def _jsonl_documents(path: Path, key: str, bad_records: list[str] | None) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                text = _record_text(line, key)
-            except ValueError as err:
-                if bad_records is None:
-                    raise DataError(f"{path}:{number}: {err}. Fix: one JSON object per line with a string "
-                                    "under --json-key, or pass --skip-bad-records to skip such lines") from None
-                bad_records.append(f"{path.name}:{number}: {err}")
-                continue
-            if text.strip():
-                yield text
+def _lines(path: Path, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
+    """The file's lines ("\\r\\n" read as "\\n", bytes that are not UTF-8 as U+FFFD), telling
+    `on_bytes` how many bytes each took (progress through a large input)."""
+    with open(path, "rb") as handle:
+        for raw in handle:
+            if on_bytes is not None:
+                on_bytes(len(raw))
+            yield raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+
+def _jsonl_documents(path: Path, key: str, bad_records: list[str] | None,
+                     on_bytes: Callable[[int], None] | None) -> Iterator[str]:
+    for number, line in enumerate(_lines(path, on_bytes), 1):
+        if not line.strip():
+            continue
+        try:
+            text = _record_text(line, key)
+        except ValueError as err:
+            if bad_records is None:
+                raise DataError(f"{path}:{number}: {err}. Fix: one JSON object per line with a string "
+                                "under --json-key, or pass --skip-bad-records to skip such lines") from None
+            bad_records.append(f"{path.name}:{number}: {err}")
+            continue
+        if text.strip():
+            yield text
 
 
 def _wikitext_documents(lines: Iterator[str]) -> Iterator[str]:
@@ -113,14 +123,14 @@ def _paragraph_documents(lines: Iterator[str]) -> Iterator[str]:
             current = []
 
 
-def _text_documents(path: Path, layout: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        head = list(itertools.islice(handle, 200))
-        if layout == "auto":
-            layout = "wikitext" if any(is_wikitext_title(x) for x in head) else "paragraph"
-        lines = itertools.chain(head, handle)
-        split = _wikitext_documents if layout == "wikitext" else _paragraph_documents
-        yield from (doc for doc in split(lines) if doc.strip())
+def _text_documents(path: Path, layout: str, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
+    handle = _lines(path, on_bytes)
+    head = list(itertools.islice(handle, 200))
+    if layout == "auto":
+        layout = "wikitext" if any(is_wikitext_title(x) for x in head) else "paragraph"
+    lines = itertools.chain(head, handle)
+    split = _wikitext_documents if layout == "wikitext" else _paragraph_documents
+    yield from (doc for doc in split(lines) if doc.strip())
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -132,14 +142,16 @@ def _is_jsonl(path: Path) -> bool:
 
 
 def read_documents(path: Path | str, input_format: str = "auto", json_key: str = "text",
-                   layout: str = "auto", bad_records: list[str] | None = None) -> Iterator[str]:
+                   layout: str = "auto", bad_records: list[str] | None = None,
+                   on_bytes: Callable[[int], None] | None = None) -> Iterator[str]:
     """The documents of an input file, in file order (see the module docstring for the rules);
-    with `bad_records`, JSON lines without text are skipped and described there."""
+    with `bad_records`, JSON lines without text are skipped and described there; `on_bytes` hears
+    how many bytes of the file each line took."""
     path = Path(path)
     if input_format not in FORMATS or layout not in LAYOUTS:
         raise DataError(f"{path}: format {input_format!r} / layout {layout!r} unknown. Fix: use "
                         f"a format from {FORMATS} and a layout from {LAYOUTS}")
     _check_readable(path)
     if input_format == "jsonl" or (input_format == "auto" and _is_jsonl(path)):
-        return _jsonl_documents(path, json_key, bad_records)
-    return _text_documents(path, layout)
+        return _jsonl_documents(path, json_key, bad_records, on_bytes)
+    return _text_documents(path, layout, on_bytes)

@@ -209,16 +209,16 @@ def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: st
     processor = DocumentProcessor(tokenizer, filters, eval_set)
     dedup = NearDuplicateFilter(filters.dedup_threshold, filters.num_perm) if filters.dedup else None
     bad: list[str] | None = [] if opts.skip_bad_records else None
-    docs = read_documents(opts.input, opts.input_format, opts.json_key, opts.layout, bad)
     report, start = PrepareReport(), time.perf_counter()
-    results = process_documents(docs, processor, opts.workers, opts.chunk_docs)
     with IndexedDatasetWriter(tmp_prefix, best_dtype(tokenizer.vocab_size)) as writer, \
-            tqdm(results, unit="doc", disable=not opts.progress, desc="prepare") as bar:
-        for result in bar:
+            tqdm(total=opts.input.stat().st_size, unit="B", unit_scale=True, disable=not opts.progress,
+                 desc="prepare") as bar:  # input bytes read: an ETA for a multi-hour run
+        docs = read_documents(opts.input, opts.input_format, opts.json_key, opts.layout, bad, bar.update)
+        for result in process_documents(docs, processor, opts.workers, opts.chunk_docs):
             _account(result, report, dedup, writer)
             if report.documents % 256 == 0:
                 rate = report.tokens_read / (time.perf_counter() - start)
-                bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+                bar.set_postfix_str(f"{report.documents:,} docs, {rate:,.0f} tok/s", refresh=False)
     report.seconds = time.perf_counter() - start
     if bad:
         report.skipped_records, report.skipped_examples = len(bad), bad[:10]

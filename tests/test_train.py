@@ -59,13 +59,13 @@ def test_compiled_tp2_with_checkpointing_reproduces_serial_losses(serial_losses,
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses)) < 1e-5
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_deepspeed_zero_reproduces_serial_losses(serial_losses, corpus, tmp_path, stage):
-    """Real DeepSpeed ZeRO on gloo at TP=2 x DP=2, fp32: the serial losses within 1e-5, and each
-    rank holds half of its TP shard's Adam moments (8 bytes/parameter unsharded; alignment padding
-    of DeepSpeed's flat partitions allowed: 1%)."""
+@pytest.mark.parametrize("stage, overlap", [(1, False), (2, False), (2, True)])
+def test_deepspeed_zero_reproduces_serial_losses(serial_losses, corpus, tmp_path, stage, overlap):
+    """Real DeepSpeed ZeRO on gloo at TP=2 x DP=2, fp32 (ZeRO-2 also with its gradient reduction
+    overlapped with backward): the serial losses within 1e-5, and each rank holds half of its TP
+    shard's Adam moments (8 bytes/parameter unsharded; DeepSpeed's alignment padding allowed: 1%)."""
     ranks = _train_all(4, corpus, tmp_path, **{"parallel.tp": 2, "train.micro_batch_size": 2,
-                                               "train.zero_stage": stage})
+                                               "train.zero_stage": stage, "train.zero_overlap_comm": overlap})
     losses = _losses(tmp_path)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses))
     assert len(losses) == 20 and worst < 1e-5, worst

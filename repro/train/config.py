@@ -92,6 +92,9 @@ class TrainConfig:
     """Micro batches of held-out loss per evaluation."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage for optimizer state (0: plain trainer without DeepSpeed)."""
+    zero_overlap_comm: bool = False
+    """DeepSpeed's overlap_comm: reduce gradient buckets during backward (what ZeRO-2 on GPUs wants;
+    off, DeepSpeed's default, reduces after backward and keeps `repro bench`'s buffer accounting)."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     compile: bool = False
@@ -308,7 +311,8 @@ def to_yaml(cfg: RunConfig) -> str:
 # run also stretches the schedule; set optim.lr_decay_iters to keep it. data.* are locations: the
 # files must hold the same data (the position in it is the checkpoint's consumed_samples).
 RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
-               "train.eval_interval", "train.eval_iters", "train.compile", "model.activation_checkpointing",
+               "train.eval_interval", "train.eval_iters", "train.compile", "train.zero_overlap_comm",
+               "model.activation_checkpointing",
                "tracking.", "data.")
 
 

@@ -76,7 +76,7 @@ def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
         "gradient_accumulation_steps": derived.grad_accum_steps,
         "train_batch_size": cfg.train.global_batch_size,
         "gradient_clipping": cfg.optim.clip_grad,
-        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "zero_optimization": {"stage": cfg.train.zero_stage, "overlap_comm": cfg.train.zero_overlap_comm},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": p.precision == "bf16"},
         "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": int(round(torch.log2(torch.tensor(p.initial_loss_scale)).item())),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from repro.cli import UserError
+from repro.eval.scoring import model_device
 from repro.parallel.mappings import group_size
 
 
@@ -95,7 +96,7 @@ def generate(model, tp_group, prompt: list[int], sampling: Sampling, eod: int,
              generator: torch.Generator) -> list[int]:
     """New token ids after `prompt` (empty: after end-of-text), stopping at end-of-text (not
     returned) or after sampling.max_new_tokens. The context is the last seq_length tokens."""
-    ids, device, window = list(prompt) or [eod], next(model.parameters()).device, model.cfg.seq_length
+    ids, device, window = list(prompt) or [eod], model_device(model), model.cfg.seq_length
     new: list[int] = []
     while len(new) < sampling.max_new_tokens:
         context = torch.tensor([(ids + new)[-window:]], device=device)

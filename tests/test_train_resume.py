@@ -82,15 +82,36 @@ def _resume_error(config: str, overrides: list[str]) -> str:
     return "no error"
 
 
-def test_a_damaged_shard_stops_every_dp_replica_with_the_file_named(corpus, tmp_path):
-    """At DP=2 only the owner replica reads the optimizer file and broadcasts it: when that file is
-    damaged, both ranks raise the CheckpointError (none waits in the broadcast)."""
-    over = tiny_overrides(corpus, tmp_path, **{"train.micro_batch_size": 2})
+@pytest.mark.parametrize("layout, damaged_file", [("parallel.tp=1", "optim_tp00.pt"), ("parallel.tp=2", "model_tp01.pt")])
+def test_a_damaged_shard_stops_every_rank_with_the_file_named(corpus, tmp_path, layout, damaged_file):
+    """At DP=2 only the owner replica reads the optimizer file and broadcasts it; at TP=2 each TP rank
+    reads its own model file. When one file is damaged, every rank raises a CheckpointError (the
+    owner's peers and the other TP ranks too) instead of waiting in a collective."""
+    over = tiny_overrides(corpus, tmp_path, **{"train.micro_batch_size": 2}) + [layout]
     run_ranks(train_rank, 2, TINY, over + ["train.train_iters=2"])
-    damaged = ck.latest_checkpoint(tmp_path / "checkpoints") / "optim_tp00.pt"
+    damaged = ck.latest_checkpoint(tmp_path / "checkpoints") / damaged_file
     damaged.write_bytes(damaged.read_bytes()[:100])
     errors = run_ranks(_resume_error, 2, TINY, over + ["train.train_iters=4"], timeout=120)
-    assert all(str(damaged) in e and "damaged" in e for e in errors), errors
+    assert any(str(damaged) in e and "damaged" in e for e in errors), errors
+    assert all(str(damaged) in e or "another rank could not read its shard" in e for e in errors), errors
+
+
+def _replicated(path: str) -> dict:
+    from repro.parallel.groups import ParallelDims, build_process_groups
+
+    pg = build_process_groups(ParallelDims(tp=1, dp=2))
+    return ck.load_replicated(Path(path), pg, torch.device("cpu"))
+
+
+def test_replicated_load_sends_views_whole_and_keeps_state_dict_metadata(tmp_path):
+    from collections import OrderedDict
+
+    state = OrderedDict(w=torch.arange(6.0).reshape(2, 3).t(), step=torch.tensor(3.0), betas=(0.9, 0.95))
+    state._metadata = OrderedDict({"": {"version": 2}})
+    torch.save(state, tmp_path / "s.pt")
+    for got in run_ranks(_replicated, 2, str(tmp_path / "s.pt")):
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 3.0 and got["betas"] == (0.9, 0.95)
+        assert type(got) is OrderedDict and got._metadata == state._metadata
 
 
 def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):

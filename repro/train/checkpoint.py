@@ -163,12 +163,20 @@ class _TensorSlot(int):
     """Where a tensor was in a broadcast state's skeleton (the position in its tensor list)."""
 
 
+def _same_mapping(obj: dict, items) -> dict:
+    """A dict of `obj`'s type (an OrderedDict state dict keeps its `_metadata`) holding `items`."""
+    out = type(obj)(items)
+    if hasattr(obj, "_metadata"):
+        out._metadata = obj._metadata
+    return out
+
+
 def _split_tensors(obj, tensors: list):
     if torch.is_tensor(obj):
-        tensors.append(obj)
+        tensors.append(obj.contiguous())  # broadcast sends the storage: a view must be made whole
         return _TensorSlot(len(tensors) - 1)
     if isinstance(obj, dict):
-        return {k: _split_tensors(v, tensors) for k, v in obj.items()}
+        return _same_mapping(obj, ((k, _split_tensors(v, tensors)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_split_tensors(v, tensors) for v in obj)
     return obj
@@ -178,7 +186,7 @@ def _fill_tensors(obj, tensors: list):
     if isinstance(obj, _TensorSlot):
         return tensors[obj]
     if isinstance(obj, dict):
-        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
+        return _same_mapping(obj, ((k, _fill_tensors(v, tensors)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_fill_tensors(v, tensors) for v in obj)
     return obj
@@ -198,8 +206,8 @@ def load_replicated(path: Path, pg: ProcessGroups, device: torch.device) -> dict
             tensors: list = []
             skeleton = _split_tensors(load_file(path), tensors)
             header = [(skeleton, [(t.shape, t.dtype) for t in tensors], None)]
-        except CheckpointError as err:
-            header = [(None, [], str(err))]
+        except Exception as err:  # noqa: BLE001 - every peer must hear of it, or it waits in the broadcast
+            header = [(None, [], str(err) if isinstance(err, CheckpointError) else f"{path}: {err!r}")]
     dist.broadcast_object_list(header, src=src, group=pg.dp_group, device=device)
     skeleton, specs, error = header[0]
     if error:
@@ -208,7 +216,9 @@ def load_replicated(path: Path, pg: ProcessGroups, device: torch.device) -> dict
     for i, (shape, dtype) in enumerate(specs):
         buf = tensors[i].to(device) if pg.dp_rank == owner else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(buf, src=src, group=pg.dp_group)
-        received.append(tensors[i] if pg.dp_rank == owner else buf.cpu())  # one tensor at a time on device
+        if device.type == "cuda":  # one tensor at a time on the device, on the owner too
+            torch.cuda.current_stream(device).synchronize()
+        received.append(tensors[i] if pg.dp_rank == owner else buf.cpu())
     return _fill_tensors(skeleton, received)
 
 

@@ -129,10 +129,34 @@ def resume_meta(cfg: RunConfig, tp: int) -> tuple[Path | None, dict]:
     return latest, meta
 
 
+def _read_shards(eng: Engine, path: Path) -> tuple[dict, dict | None]:
+    """This rank's model and (plain trainer) optimizer files, each read once per DP group."""
+    pg = eng.pg
+    model_state = ck.load_replicated(path / f"model_tp{pg.tp_rank:02d}.pt", pg, eng.device)
+    extra = None if eng.deepspeed else ck.load_replicated(path / f"optim_tp{pg.tp_rank:02d}.pt", pg, eng.device)
+    return model_state, extra
+
+
+def _read_shards_everywhere(eng: Engine, path: Path) -> tuple[dict, dict | None]:
+    """`_read_shards` on every rank, or a CheckpointError on every rank: a damaged shard of one TP
+    rank stops the whole job here, not with the other TP ranks waiting in the first all-reduce."""
+    try:
+        shards, failure = _read_shards(eng, path), None
+    except ck.CheckpointError as err:
+        shards, failure = None, err
+    flag = torch.tensor(float(failure is not None), device=eng.device)
+    if eng.pg.world_group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=eng.pg.world_group)
+    if flag.item():
+        raise failure or ck.CheckpointError(f"{path}: another rank could not read its shard (its error "
+                                            "names the file); nothing was loaded")
+    return shards
+
+
 def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     """Restore model, optimizer, schedule, scaler and data position; RNG states go in meta["rng"]."""
     meta, pg = ck.read_meta(path), eng.pg
-    model_state = ck.load_replicated(path / f"model_tp{pg.tp_rank:02d}.pt", pg, eng.device)
+    model_state, extra = _read_shards_everywhere(eng, path)
     if eng.masters is not None:
         eng.masters.load_state_dict(eng.model, model_state)
     else:
@@ -140,7 +164,6 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     if eng.deepspeed:
         eng.wrapped.load_checkpoint(str(path / "deepspeed"), tag="zero")
     else:
-        extra = ck.load_replicated(path / f"optim_tp{pg.tp_rank:02d}.pt", pg, eng.device)
         eng.optimizer.load_state_dict(extra["optimizer"])
         eng.scheduler.load_state_dict(extra["scheduler"])
         if eng.scaler and extra["scaler"]:

@@ -125,9 +125,9 @@ launch_train() {  # launch_train CONFIG [--smoke] [--dry-run] [--set K=V ...]
   fi
   TRAIN_ARGS+=(--set "run_dir=$REPRO_RUN_DIR" ${EXTRA[@]+"${EXTRA[@]}"})  # (bash < 4.4: empty arrays)
   (  # one job at a time: the check creates a fresh sqlite store (the jobs of a sweep start together)
-    flock 9
+    flock 9 || note "no file lock on $REPRO_RUNS_DIR (a filesystem without flock): checking unlocked"
     repro slurm check --ntasks "$SLURM_NTASKS" "${TRAIN_ARGS[@]}"
-  ) 9>"$REPRO_RUNS_DIR/.check.lock"
+  ) 9>"$REPRO_RUNS_DIR/.check.$(id -u).lock"
   run_step train "${TRAIN_ARGS[@]}"
 }
 

@@ -162,3 +162,40 @@ def test_we_read_megatron(tmp_path, megatron_indexed, dtype, high):
     assert ours.dtype == dtype and ours.num_documents == len(docs)
     for d, doc in enumerate(docs):
         assert [list(s) for s in ours.document(d)] == [list(s) for s in doc]
+
+
+@pytest.mark.parametrize("chunk", [2**24, 7])  # 7: the pointer check runs over many chunks
+def test_a_shifted_pointer_is_found_in_any_chunk(tmp_path, monkeypatch, chunk):
+    from repro.data import indexed_dataset
+
+    monkeypatch.setattr(indexed_dataset, "CHECK_CHUNK", chunk)
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(tmp_path / "x", np.uint16) as writer:
+        for _ in range(50):
+            writer.add_document([rng.integers(0, 100, rng.integers(0, 7)) for _ in range(rng.integers(1, 4))])
+    count = len(IndexedDataset(tmp_path / "x"))
+    raw = bytearray((tmp_path / "x.idx").read_bytes())
+    at = indexed_dataset._HEADER.size + 4 * count + 8 * 30  # sequence 30's pointer
+    raw[at:at + 8] = (int.from_bytes(raw[at:at + 8], "little") + 2).to_bytes(8, "little")
+    (tmp_path / "x.idx").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="sequence pointers are not back to back"):
+        IndexedDataset(tmp_path / "x")
+
+
+def test_document_runs_and_a_copy_of_several_runs(tmp_path):
+    from repro.data.indexed_dataset import copy_document_runs, document_runs
+
+    assert document_runs(np.array([0, 1, 2, 5, 6, 9])) == [(0, 3), (5, 7), (9, 10)]
+    assert document_runs(np.array([], dtype=np.int64)) == []
+    rng = np.random.default_rng(1)
+    docs = [[rng.integers(0, 1000, rng.integers(1, 6)) for _ in range(rng.integers(1, 4))] for _ in range(12)]
+    with IndexedDatasetWriter(tmp_path / "all", np.uint16) as writer:
+        for doc in docs:
+            writer.add_document(doc)
+    copy_document_runs(IndexedDataset(tmp_path / "all"), [(1, 3), (6, 7), (9, 12)], tmp_path / "some")
+    some, picked = IndexedDataset(tmp_path / "some"), [1, 2, 6, 9, 10, 11]
+    assert some.num_documents == len(picked)
+    for d, original in enumerate(picked):
+        assert [list(s) for s in some.document(d)] == [list(s) for s in docs[original]]
+    copy_document_runs(IndexedDataset(tmp_path / "all"), [], tmp_path / "none")
+    assert IndexedDataset(tmp_path / "none").num_documents == 0

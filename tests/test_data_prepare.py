@@ -52,6 +52,31 @@ def test_gpt_prepare_equals_direct_tokenization(data_dir, gpt2_tokenizer, tmp_pa
     assert json.loads((tmp_path / "wt_prepare.json").read_text())["report"]["kept"] == 60
 
 
+def test_random_split_order_draws_valid_and_test_from_the_whole_file(data_dir, gpt2_tokenizer, tmp_path):
+    """60 WikiText articles, split 50,25,25: file order gives the last 30 to valid/test; random order
+    gives sets of the same sizes from the whole file, each article exactly once, the same per seed."""
+    path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
+    docs = [gpt2_tokenizer.encode(d) + [gpt2_tokenizer.eod] for d in read_documents(path)]
+
+    def splits(order: str, seed: int = 1234) -> dict[str, list[int]]:
+        prefix = tmp_path / f"{order}{seed}"
+        _prepare(data_dir, path, prefix, split="50,25,25", filters=NO_FILTERS, split_order=order, split_seed=seed,
+                 overwrite=True)
+        out = {}
+        for name in ("train", "valid", "test"):
+            ds = IndexedDataset(f"{prefix}_{name}")
+            out[name] = [docs.index(ds.document_tokens(d).tolist()) for d in range(ds.num_documents)]
+        return out
+
+    in_file_order = splits("file")
+    assert in_file_order == {"train": list(range(30)), "valid": list(range(30, 45)), "test": list(range(45, 60))}
+    drawn = splits("random")
+    assert {k: len(v) for k, v in drawn.items()} == {"train": 30, "valid": 15, "test": 15}
+    assert sorted(sum(drawn.values(), [])) == list(range(60)) and all(v == sorted(v) for v in drawn.values())
+    assert min(drawn["valid"]) < 30 and min(drawn["test"]) < 30  # not only the file's second half
+    assert splits("random") == drawn and splits("random", seed=7) != drawn
+
+
 def test_bert_prepare_one_sequence_per_sentence(data_dir, bert_tokenizer, tmp_path):
     path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
     _prepare(data_dir, path, tmp_path / "b", tokenizer="bert", split="1,0,0", filters=NO_FILTERS)
@@ -154,6 +179,19 @@ def test_web_text_damage_is_repaired_not_fatal(data_dir, gpt2_tokenizer, tmp_pat
     texts = [gpt2_tokenizer.decode(ds.document_tokens(d)[:-1].tolist()) for d in range(ds.num_documents)]
     assert texts == ["first document", "bad \ufffd byte", "lone \ufffd surrogate", "last document"]
     assert report.skipped_records == 0
+
+
+def test_line_ends_read_as_text_mode_does(tmp_path):
+    """\\r\\n and a lone \\r end lines as with universal newlines (the reader counts bytes)."""
+    (tmp_path / "crlf.txt").write_bytes(b"para one\r\nstill one\r\n\r\npara two\r\n")
+    (tmp_path / "cr.txt").write_bytes(b"a\rb\r\rc\r")
+    for name in ("crlf.txt", "cr.txt"):
+        seen = []
+        docs = list(read_documents(tmp_path / name, on_bytes=seen.append))
+        assert sum(seen) == (tmp_path / name).stat().st_size
+        assert "\r" not in "".join(docs)
+    assert list(read_documents(tmp_path / "crlf.txt")) == ["para one\nstill one\n", "para two\n"]
+    assert list(read_documents(tmp_path / "cr.txt")) == ["a\nb\n", "c\n"]
 
 
 def test_records_without_text_stop_the_run_or_are_skipped_and_counted(data_dir, tmp_path, capsys):

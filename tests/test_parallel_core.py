@@ -170,6 +170,8 @@ def test_slurm_rendezvous_without_launch_sh_derives_the_port_and_never_guesses_t
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol
     with pytest.raises(RuntimeError, match="MASTER_ADDR is not set.*slurm/launch.sh"):
         discover_launch_env({k: v for k, v in slurm.items() if k != "MASTER_ADDR"})
+    alone = discover_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})  # one task needs no master
+    assert alone.master_addr == "127.0.0.1" and alone.world_size == 1
 
 
 def test_gpu_index_follows_what_the_task_sees():

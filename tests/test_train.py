@@ -86,9 +86,12 @@ def test_deepspeed_zero_resume_is_exact(corpus, tmp_path):
     assert _losses(tmp_path / "part") == _losses(tmp_path / "full")
 
 
-def test_compile_with_deepspeed_is_refused_with_the_fix(corpus, tmp_path):
+def test_compile_with_deepspeed_and_overlap_without_it_are_refused_with_the_fix(corpus, tmp_path):
     from repro.train.config import RunConfigError, derive, load_config
 
     cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **{"train.compile": "true", "train.zero_stage": 1}))
     with pytest.raises(RunConfigError, match="set train.zero_stage=0 or train.compile=false"):
+        derive(cfg, 1)
+    cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **{"train.zero_overlap_comm": "true"}))
+    with pytest.raises(RunConfigError, match="zero_overlap_comm is DeepSpeed's: set train.zero_stage=1 or 2"):
         derive(cfg, 1)

@@ -37,7 +37,8 @@ def _prepare(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir) if args.data_dir else data_dir_from_env(),
         input_format=args.format, json_key=args.json_key,
         layout=args.layout, split=args.split, filters=filters, progress=not args.no_progress,
-        overwrite=args.overwrite, skip_bad_records=args.skip_bad_records,
+        overwrite=args.overwrite, skip_bad_records=args.skip_bad_records, split_order=args.split_order,
+        split_seed=args.split_seed,
         **({"workers": args.workers} if args.workers is not None else {}))
     report = prepare(opts)
     print(f"documents {report.documents}: kept {report.kept}, under {filters.min_tokens} tokens "
@@ -71,6 +72,10 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=("auto", "wikitext", "paragraph"), default="auto",
                    help="plain text: WikiText articles or blank-line paragraphs as documents")
     p.add_argument("--split", default="949,50,1", help="train,valid,test weights over documents")
+    p.add_argument("--split-order", choices=("file", "random"), default="file",
+                   help="file: contiguous ranges in file order (Megatron's); random: a seeded random set "
+                        "of documents per split (valid/test from every source of a concatenated file)")
+    p.add_argument("--split-seed", type=int, default=1234)
     p.add_argument("--min-tokens", type=int, default=128)
     p.add_argument("--no-dedup", action="store_true", help="skip MinHash LSH near-dup removal")
     p.add_argument("--dedup-threshold", type=float, default=0.7)

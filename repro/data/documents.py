@@ -17,6 +17,7 @@ its line, or, with `bad_records` (a list), is skipped and noted there.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import re
@@ -54,6 +55,8 @@ def _check_readable(path: Path) -> None:
 
 def _valid_utf8(text: str) -> str:
     """`text` with lone surrogates (from JSON escapes such as \\ud800) replaced by U+FFFD."""
+    if text.isascii():
+        return text
     try:
         text.encode("utf-8")
         return text
@@ -75,13 +78,17 @@ def _record_text(line: str, key: str) -> str:
 
 
 def _lines(path: Path, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
-    """The file's lines ("\\r\\n" read as "\\n", bytes that are not UTF-8 as U+FFFD), telling
-    `on_bytes` how many bytes each took (progress through a large input)."""
+    """The file's lines as text mode gives them (universal newlines; bytes that are not UTF-8 as
+    U+FFFD), telling `on_bytes` how many bytes each took (progress through a large input)."""
     with open(path, "rb") as handle:
         for raw in handle:
             if on_bytes is not None:
                 on_bytes(len(raw))
-            yield raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+            text = raw.decode("utf-8", errors="replace")
+            if "\r" in text:  # \r\n, or a lone \r that text mode also ends a line at
+                yield from io.StringIO(text, newline=None)
+            else:
+                yield text
 
 
 def _jsonl_documents(path: Path, key: str, bad_records: list[str] | None,

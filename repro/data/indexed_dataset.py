@@ -144,16 +144,24 @@ def _parse_header(idx_path: Path, raw: np.ndarray) -> tuple[type, int, int]:
     return dtype, seq_count, doc_count
 
 
+CHECK_CHUNK = 2**24  # sequences per step of the pointer check
+
+
 def _check_index(idx_path: Path, lengths: np.ndarray, pointers: np.ndarray,
                  doc_index: np.ndarray, itemsize: int) -> None:
     if len(doc_index) == 0 or doc_index[0] != 0 or doc_index[-1] != len(lengths):
         raise _fail(idx_path, "document index must start at 0 and end at the sequence count")
-    if np.any(np.diff(doc_index) < 0) or np.any(lengths < 0):
+    if np.any(np.diff(doc_index) < 0):
         raise _fail(idx_path, "document index decreases or a sequence length is negative")
-    expected = np.zeros_like(pointers)
-    np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=expected[1:])
-    if not np.array_equal(pointers, expected):
-        raise _fail(idx_path, "sequence pointers are not back to back")
+    start = 0  # in chunks: BERT at the paper's scale has ~1.5B sequences, 12 GB per int64 copy
+    for lo in range(0, len(lengths), CHECK_CHUNK):
+        if np.any(lengths[lo:lo + CHECK_CHUNK] < 0):
+            raise _fail(idx_path, "document index decreases or a sequence length is negative")
+        chunk = lengths[lo:lo + CHECK_CHUNK].astype(np.int64) * itemsize
+        expected = start + np.concatenate(([0], np.cumsum(chunk[:-1])))
+        if not np.array_equal(pointers[lo:lo + CHECK_CHUNK], expected):
+            raise _fail(idx_path, "sequence pointers are not back to back")
+        start += int(chunk.sum())
 
 
 class IndexedDataset:
@@ -222,18 +230,41 @@ class IndexedDataset:
         return self.tokens[start:start + int(self.sequence_lengths[lo:hi].sum())]
 
 
+def document_runs(doc_ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted document ids as [first, last) runs of consecutive ids: [0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]."""
+    ids = np.asarray(doc_ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+    firsts, lasts = ids[np.r_[0, cuts]], ids[np.r_[cuts - 1, ids.size - 1]] + 1
+    return list(zip(firsts.tolist(), lasts.tolist()))
+
+
 def copy_documents(src: IndexedDataset, first: int, last: int, prefix: str | Path) -> None:
     """Write documents [first, last) of src as a new dataset PREFIX, as one block copy."""
-    lo, hi = int(src.document_indices[first]), int(src.document_indices[last])
-    lengths = np.asarray(src.sequence_lengths[lo:hi])
-    start = src.start(lo) if hi > lo else 0
-    tokens = src.tokens[start:start + int(lengths.sum(dtype=np.int64))]
-    doc_index = np.asarray(src.document_indices[first:last + 1]) - lo
+    copy_document_runs(src, [(first, last)] if last > first else [], prefix)
+
+
+def copy_document_runs(src: IndexedDataset, runs: list[tuple[int, int]], prefix: str | Path) -> None:
+    """Write the documents of `runs` ([first, last) ranges, in order) of src as a new dataset PREFIX:
+    one block copy per run, streamed from the memmap in slices (a split of the paper's corpus is
+    ~85 GB)."""
+    lengths, doc_index, sequences = [], [np.zeros(1, dtype=np.int64)], 0
     prefix, pid = str(prefix), os.getpid()
     with open(f"{prefix}.bin.tmp{pid}", "wb") as handle:
-        for i in range(0, len(tokens), COPY_SLICE):  # from the memmap in slices: a split of the
-            handle.write(memoryview(np.ascontiguousarray(tokens[i:i + COPY_SLICE])))  # paper's corpus is ~85 GB
+        for first, last in runs:
+            lo, hi = int(src.document_indices[first]), int(src.document_indices[last])
+            run_lengths = np.asarray(src.sequence_lengths[lo:hi])
+            start = src.start(lo) if hi > lo else 0
+            tokens = src.tokens[start:start + int(run_lengths.sum(dtype=np.int64))]
+            for i in range(0, len(tokens), COPY_SLICE):
+                handle.write(memoryview(np.ascontiguousarray(tokens[i:i + COPY_SLICE])))
+            lengths.append(run_lengths)
+            doc_index.append(np.asarray(src.document_indices[first + 1:last + 1]) - lo + sequences)
+            sequences += hi - lo
     with open(f"{prefix}.idx.tmp{pid}", "wb") as handle:
-        write_index(handle, lengths, doc_index, src.dtype)
+        all_lengths = lengths[0] if len(lengths) == 1 else (  # one run: the memmap view, no copy
+            np.concatenate(lengths) if lengths else np.zeros(0, np.int32))
+        write_index(handle, all_lengths, np.concatenate(doc_index), src.dtype)
     os.replace(f"{prefix}.bin.tmp{pid}", f"{prefix}.bin")
     os.replace(f"{prefix}.idx.tmp{pid}", f"{prefix}.idx")

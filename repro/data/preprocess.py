@@ -6,12 +6,13 @@
 GPT: one sequence per document, the end-of-document token appended. BERT: one sequence per sentence
 (`split_sentences`), documents marked in the document index. Filters run in this order: length
 (< min_tokens), eval overlap, near-duplicates (first of a cluster kept). The kept documents are split
-in file order into contiguous train/valid/test ranges by the weights of --split (Megatron's rule);
-the per-epoch shuffling happens later, in the datasets. Documents: see repro.data.documents.
+by the weights of --split: into contiguous train/valid/test ranges in file order (Megatron's rule,
+the default), or, with --split-order random, into seeded random sets of the same sizes, each kept in
+file order; the per-epoch shuffling happens later, in the datasets. Documents: see repro.data.documents.
 
-At the paper's scale (174 GB, ~40M documents): interleave the sources into the one input file
-(`paste -d '\n' wiki.jsonl stories.jsonl realnews.jsonl owt.jsonl > corpus.jsonl`; the blank lines of
-exhausted files are skipped), or valid and test come from the last source alone. Tokenizing runs
+At the paper's scale (174 GB, ~40M documents, several sources concatenated into the one input
+file): with the default file order, valid and test are the file's last documents, so the last
+source alone; `--split-order random` draws them (seeded) from the whole file instead. Tokenizing runs
 on every CPU of the allocation by default; the near-duplicate index holds ~2 KB per kept document
 in this process (~80 GB at 40M).
 """
@@ -37,7 +38,7 @@ from repro.data.errors import DataError
 from repro.data.filters import (FilterOptions, MinHasher, NearDuplicateFilter, count_overlap,
                                 eval_ngram_set, ngram_hashes, words)
 from repro.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, best_dtype,
-                                        copy_documents)
+                                        copy_document_runs, document_runs)
 from repro.data.tokenizers import TextTokenizer, build_tokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -61,6 +62,8 @@ class PrepareOptions:
     json_key: str = "text"
     layout: str = "auto"  # plain text: auto | wikitext | paragraph
     split: str = "949,50,1"  # train,valid,test weights over documents
+    split_order: str = "file"  # file: contiguous ranges in file order (Megatron's); random: seeded draw
+    split_seed: int = 1234  # the draw of split_order random
     filters: FilterOptions = field(default_factory=FilterOptions)
     progress: bool = True
     chunk_docs: int = 16  # documents per task sent to a worker
@@ -179,6 +182,23 @@ def parse_split(split: str) -> tuple[float, float, float]:
     return weights
 
 
+def split_runs(weights: tuple[float, ...], num_docs: int, order: str = "file",
+               seed: int = 1234) -> list[list[tuple[int, int]]]:
+    """Each split's documents as [first, last) runs. `file`: one contiguous range each, in file
+    order. `random`: a seeded random set of documents of the same size each (every part of the
+    file, so every concatenated source, reaches valid and test), kept in file order."""
+    bounds = split_bounds(weights, num_docs)
+    if order == "file":
+        return [[(lo, hi)] if hi > lo else [] for lo, hi in zip(bounds, bounds[1:])]
+    if order != "random":
+        raise DataError(f"--split-order {order!r}: choose file or random")
+    owner = np.empty(num_docs, dtype=np.int8)
+    permutation = np.random.default_rng(seed).permutation(num_docs)
+    for split, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        owner[permutation[lo:hi]] = split
+    return [document_runs(np.flatnonzero(owner == split)) for split in range(len(weights))]
+
+
 def split_bounds(weights: tuple[float, ...], num_docs: int) -> list[int]:
     """Document boundaries [0, end of train, end of valid, num_docs] from cumulative rounding."""
     total = sum(weights)
@@ -241,8 +261,8 @@ def output_files(prefix: str) -> list[Path]:
 def _check_input(opts: PrepareOptions) -> None:
     if opts.input.is_dir():
         raise DataError(f"--input {opts.input} is a directory, not a file. Fix: give one JSON-lines or "
-                        f"text file, e.g. `paste -d '\\n' {opts.input}/*.jsonl > corpus.jsonl` (interleaved, so that "
-                        "valid and test sample every file; `cat` would give them the last file's documents)")
+                        f"text file, e.g. `cat {opts.input}/*.jsonl > corpus.jsonl` with --split-order random (with the "
+                        "default file order, valid and test would be the last file's documents)")
     read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)
 
 
@@ -282,10 +302,10 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
         report = _tokenize_all(opts, tokenizer, tmp_prefix)
         _check_kept(opts, report)
         unsplit = IndexedDataset(tmp_prefix)
-        bounds = split_bounds(weights, unsplit.num_documents)
-        for name, lo, hi in zip(SPLIT_NAMES, bounds, bounds[1:]):
-            copy_documents(unsplit, lo, hi, f"{staged}_{name}")
-            report.outputs[f"{opts.output_prefix}_{name}"] = hi - lo
+        runs = split_runs(weights, unsplit.num_documents, opts.split_order, opts.split_seed)
+        for name, split in zip(SPLIT_NAMES, runs):
+            copy_document_runs(unsplit, split, f"{staged}_{name}")
+            report.outputs[f"{opts.output_prefix}_{name}"] = sum(hi - lo for lo, hi in split)
         del unsplit
         _write_report(opts, report, Path(f"{staged}_prepare.json"))
         for src, dst in zip(output_files(staged), output_files(opts.output_prefix)):

@@ -26,6 +26,12 @@ Sample = TypeVar("Sample")
 Batch = TypeVar("Batch")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     """np.save through a temporary file and os.replace, so readers never see a partial file. The
     temporary name is unique (mkstemp), not only per process: ranks on different nodes of a job may
@@ -34,7 +40,7 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             np.save(handle, array)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from the group's other jobs
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the cache from the group's jobs
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -211,7 +211,7 @@ def discover_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
         local = int(env.get("SLURM_LOCALID", 0))
     else:
         rank, world, local = 0, 1, 0
-    addr = env.get("MASTER_ADDR") or (_first_slurm_host() if "SLURM_PROCID" in env else "127.0.0.1")
+    addr = env.get("MASTER_ADDR") or (_first_slurm_host() if "SLURM_PROCID" in env and world > 1 else "127.0.0.1")
     port = int(env.get("MASTER_PORT") or (_slurm_port(env) if "SLURM_PROCID" in env else 29500))
     launched = ("RANK" in env and "WORLD_SIZE" in env) or "SLURM_PROCID" in env
     return LaunchEnv(rank, world, local, addr, port, launched)

@@ -298,6 +298,9 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
         raise RunConfigError("train.compile is for the plain trainer: set train.zero_stage=0 or train.compile=false")
     if t.zero_stage not in (0, 1, 2):
         raise RunConfigError(f"zero_stage={t.zero_stage}: use 0 (no DeepSpeed), 1 or 2")
+    if t.zero_overlap_comm and not t.zero_stage:
+        raise RunConfigError("train.zero_overlap_comm is DeepSpeed's: set train.zero_stage=1 or 2, or leave it "
+                             "false (the plain trainer always overlaps its DP all-reduce with backward)")
     return Derived(dims.dp, t.global_batch_size // per_step, cfg.model.padded_vocab_size(dims.tp))
 
 

@@ -109,7 +109,8 @@ class DataConfig:
     valid_prefix: str = ""
     """Held-out split prefix; empty disables evaluation."""
     cache_dir: str = ""
-    """Where sample indices are cached (default: beside the data)."""
+    """Where sample indices are cached (default: beside the data). Shared storage: only rank 0 writes
+    them; the other ranks read them when there, else build them in memory (on every start)."""
     vocab_dir: str = ""
     """Data directory holding vocab/ (BERT samples need the WordPiece vocab); default REPRO_DATA_DIR or ./data."""
 

@@ -92,8 +92,7 @@ def test_a_damaged_shard_stops_every_rank_with_the_file_named(corpus, tmp_path, 
     damaged = ck.latest_checkpoint(tmp_path / "checkpoints") / damaged_file
     damaged.write_bytes(damaged.read_bytes()[:100])
     errors = run_ranks(_resume_error, 2, TINY, over + ["train.train_iters=4"], timeout=120)
-    assert any(str(damaged) in e and "damaged" in e for e in errors), errors
-    assert all(str(damaged) in e or "another rank could not read its shard" in e for e in errors), errors
+    assert all(str(damaged) in e and "damaged" in e for e in errors), errors
 
 
 def _replicated(path: str) -> dict:

@@ -144,12 +144,17 @@ def _read_shards_everywhere(eng: Engine, path: Path) -> tuple[dict, dict | None]
         shards, failure = _read_shards(eng, path), None
     except ck.CheckpointError as err:
         shards, failure = None, err
+    group = eng.pg.world_group
+    if group is None:
+        if failure:
+            raise failure
+        return shards
     flag = torch.tensor(float(failure is not None), device=eng.device)
-    if eng.pg.world_group is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=eng.pg.world_group)
-    if flag.item():
-        raise failure or ck.CheckpointError(f"{path}: another rank could not read its shard (its error "
-                                            "names the file); nothing was loaded")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():  # every rank raises the first failing rank's error, which names the file
+        messages: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, str(failure) if failure else None, group=group)
+        raise failure or ck.CheckpointError(next(m for m in messages if m))
     return shards
 
 

@@ -11,7 +11,7 @@ from data_fixtures import require
 
 from repro.data.errors import DataError
 from repro.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, best_dtype,
-                                        copy_documents)
+                                        copy_document_runs)
 
 
 def _write_example(prefix) -> None:
@@ -48,7 +48,7 @@ def test_dtype_rule():
 
 
 @pytest.mark.parametrize("slice_tokens", [2**27, 5])  # 5: the copy goes through many slices
-def test_int32_dataset_and_copy_documents(tmp_path, monkeypatch, slice_tokens):
+def test_int32_dataset_and_a_one_run_copy(tmp_path, monkeypatch, slice_tokens):
     from repro.data import indexed_dataset
 
     monkeypatch.setattr(indexed_dataset, "COPY_SLICE", slice_tokens)
@@ -58,7 +58,7 @@ def test_int32_dataset_and_copy_documents(tmp_path, monkeypatch, slice_tokens):
     with IndexedDatasetWriter(tmp_path / "big", np.int32) as writer:
         for doc in docs:
             writer.add_document(doc)
-    copy_documents(IndexedDataset(tmp_path / "big"), 5, 12, tmp_path / "part")
+    copy_document_runs(IndexedDataset(tmp_path / "big"), [(5, 12)], tmp_path / "part")
     part = IndexedDataset(tmp_path / "part")
     assert part.dtype == np.int32 and part.num_documents == 7
     for d in range(7):
@@ -183,7 +183,7 @@ def test_a_shifted_pointer_is_found_in_any_chunk(tmp_path, monkeypatch, chunk):
 
 
 def test_document_runs_and_a_copy_of_several_runs(tmp_path):
-    from repro.data.indexed_dataset import copy_document_runs, document_runs
+    from repro.data.indexed_dataset import document_runs
 
     assert document_runs(np.array([0, 1, 2, 5, 6, 9])) == [(0, 3), (5, 7), (9, 10)]
     assert document_runs(np.array([], dtype=np.int64)) == []

@@ -240,11 +240,6 @@ def document_runs(doc_ids: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(firsts.tolist(), lasts.tolist()))
 
 
-def copy_documents(src: IndexedDataset, first: int, last: int, prefix: str | Path) -> None:
-    """Write documents [first, last) of src as a new dataset PREFIX, as one block copy."""
-    copy_document_runs(src, [(first, last)] if last > first else [], prefix)
-
-
 def copy_document_runs(src: IndexedDataset, runs: list[tuple[int, int]], prefix: str | Path) -> None:
     """Write the documents of `runs` ([first, last) ranges, in order) of src as a new dataset PREFIX:
     one block copy per run, streamed from the memmap in slices (a split of the paper's corpus is

@@ -50,3 +50,45 @@ def to_hf_gpt2(model) -> "torch.nn.Module":
     if missing or unexpected:
         raise RuntimeError(f"weight mapping to GPT2LMHeadModel failed: missing {missing}, unexpected {unexpected}")
     return hf
+
+
+# ---- import: transformers.GPT2LMHeadModel -> our model ---------------------------------------------
+
+_SUPPORTED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+              "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
+              "tie_word_embeddings": (True,)}
+
+
+def config_from_hf(hf_config, make_vocab_size_divisible_by: int = 1024) -> ModelConfig:
+    """Our ModelConfig of a transformers.GPT2Config; ValueError naming each setting this GPT lacks."""
+    if getattr(hf_config, "model_type", None) != "gpt2":
+        raise ValueError(f"model_type {getattr(hf_config, 'model_type', None)!r} is not 'gpt2': only "
+                         "GPT2LMHeadModel checkpoints (gpt2, gpt2-medium, ...) can be imported")
+    unsupported = [f"{key}={getattr(hf_config, key, None)!r} (this GPT has {' or '.join(map(repr, ok))})"
+                   for key, ok in _SUPPORTED.items() if getattr(hf_config, key, ok[0]) not in ok]
+    inner = hf_config.n_inner or 4 * hf_config.n_embd
+    if inner != 4 * hf_config.n_embd:
+        unsupported.append(f"n_inner={inner} (this GPT's MLP is 4 x n_embd = {4 * hf_config.n_embd})")
+    if unsupported:
+        raise ValueError("the model uses settings this GPT does not implement: " + "; ".join(unsupported))
+    return ModelConfig(num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
+                       num_attention_heads=hf_config.n_head, seq_length=hf_config.n_positions,
+                       vocab_size=hf_config.vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                       hidden_dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
+                       init_method_std=hf_config.initializer_range, layernorm_epsilon=hf_config.layer_norm_epsilon)
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's state dict -> our tp=1 one with the unpadded vocab (float32, Conv1D
+    weights transposed, the tied lm_head and the attention-mask buffers dropped)."""
+    out = {}
+    for name, tensor in hf_state.items():
+        if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):  # mask buffers
+            continue
+        tensor = tensor.float()
+        out[name] = (tensor.t() if name.endswith(_CONV1D_SUFFIXES) else tensor).contiguous()
+    head = hf_state.get("lm_head.weight")
+    if head is not None and not torch.equal(head.float(), out["transformer.wte.weight"]):
+        raise ValueError("lm_head.weight differs from transformer.wte.weight: this GPT ties its output "
+                         "layer to the input embedding (as GPT-2 does), so an untied head cannot be imported")
+    return out

@@ -18,6 +18,7 @@ through different nodes) and broadcast over the DP group on resume (`load_replic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import pad_vocab_rows, shard_master, unshard
-from repro.provenance import write_atomic
+from repro.provenance import git_sha, write_atomic
 
 FORMAT_VERSION = 1
 
@@ -326,11 +327,42 @@ def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
     cfg.validate(tp)
     _, full = load_full_model_state(src)
     with new_directory(dst) as tmp:
-        spec = partition_spec(cfg, meta.get("family", "gpt"))
-        for rank in range(tp):
-            torch.save(shard_state(full, spec, rank, tp, cfg.padded_vocab_size(tp)), tmp / f"model_tp{rank:02d}.pt")
-        new_meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "resharded_from": str(src), "model_only": True}
-        write_atomic(tmp / "meta.json", json.dumps(new_meta, indent=1).encode())
+        _write_model_only(tmp, full, cfg, {**meta, "resharded_from": str(src)}, tp)
+    return dst
+
+
+def _write_model_only(tmp: Path, full: dict, cfg: ModelConfig, meta: dict, tp: int) -> None:
+    """Shard full (TP=1, unpadded-vocab) tensors over `tp` ranks into `tmp`, with a model-only meta.json."""
+    spec = partition_spec(cfg, meta.get("family", "gpt"))
+    for rank in range(tp):
+        torch.save(shard_state(full, spec, rank, tp, cfg.padded_vocab_size(tp)), tmp / f"model_tp{rank:02d}.pt")
+    meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "model_only": True}
+    write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+
+
+def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisible_by: int = 1024) -> Path:
+    """Write a transformers GPT2LMHeadModel (a save_pretrained directory, or a hub name where the hub
+    is reachable) as a model-only GPT checkpoint at TP degree `tp` into the new directory `dst`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from repro.models.hf import config_from_hf, from_hf_state_dict
+
+    dst = Path(dst)
+    _check_new_dir(dst)
+    try:
+        cfg = config_from_hf(GPT2Config.from_pretrained(source), make_vocab_size_divisible_by)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
+    cfg.validate(tp)
+    hf = GPT2LMHeadModel.from_pretrained(source, dtype=torch.float32)
+    try:
+        full = from_hf_state_dict(hf.state_dict())
+    except ValueError as err:
+        raise CheckpointError(f"{source}: cannot import ({err})") from None
+    meta = {"format": FORMAT_VERSION, "family": "gpt", "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
+            "model": dataclasses.asdict(cfg), "imported_from": str(source), "git_sha": git_sha()}
+    with new_directory(dst) as tmp:
+        _write_model_only(tmp, full, cfg, meta, tp)
     return dst
 
 

@@ -111,6 +111,14 @@ def _export_hf(args) -> int:
     return 0
 
 
+def _import_hf(args) -> int:
+    from repro.train.checkpoint import import_hf
+
+    out = import_hf(args.model, args.out, args.tp, args.make_vocab_size_divisible_by)
+    print(f"wrote {out} at tp={args.tp} (model only): evaluate it with `repro eval ... --checkpoint {out}`")
+    return 0
+
+
 def _wrap(fn):
     """Run a command handler, turning bad-input errors into repro.cli.UserError (exit 2)."""
     def run(args) -> int:
@@ -143,3 +151,11 @@ def register(sub) -> None:
     e.add_argument("checkpoint")
     e.add_argument("--out", required=True)
     e.set_defaults(func=_wrap(_export_hf))
+    i = csub.add_parser("import-hf", help="write a transformers GPT2LMHeadModel (e.g. OpenAI's GPT-2) as a "
+                        "model-only checkpoint at any TP degree")
+    i.add_argument("model", help="a save_pretrained directory, or a hub name (gpt2-medium) where the hub is reachable")
+    i.add_argument("--out", required=True, help="a new directory")
+    i.add_argument("--tp", type=int, default=1)
+    i.add_argument("--make-vocab-size-divisible-by", type=int, default=1024,
+                   help="vocab padding unit (1024: the paper's 51,200 rows for GPT-2's 50,257 tokens)")
+    i.set_defaults(func=_wrap(_import_hf))

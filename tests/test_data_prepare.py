@@ -21,7 +21,9 @@ NO_FILTERS = FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)
 
 
 def _prepare(data_dir, input_path, prefix, **kw) -> tuple:
-    opts = PrepareOptions(input=Path(input_path), output_prefix=str(prefix), data_dir=data_dir,
+    """prepare() of one input file, or of a tuple of files and directories."""
+    inputs = tuple(map(Path, input_path)) if isinstance(input_path, tuple) else Path(input_path)
+    opts = PrepareOptions(input=inputs, output_prefix=str(prefix), data_dir=data_dir,
                           progress=False, **{"workers": 1, **kw})
     return opts, prepare(opts)
 
@@ -264,3 +266,66 @@ def test_data_bench_runs_and_writes_its_tables(data_dir, tmp_path):
     assert record["dedup"]["same_decisions"] and record["dedup"]["ours"]["kept"] == record["dedup"]["datasketch"]["kept"]
     assert record["pipeline_filters"]["documents"] == record["pipeline_no_filters"]["documents"] > 0
     assert "| ours |" in (tmp_path / "data_preprocess.md").read_text()
+
+
+def _write_jsonl(path: Path, docs: list[str]) -> Path:
+    import gzip
+
+    data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+def test_several_inputs_are_one_corpus_deduplicated_across_files(data_dir, gpt2_tokenizer, tmp_path):
+    """60 WikiText articles over a file, a gzip file and a directory, one article repeated in the last
+    file: the output is the 60 articles in input order, the repeat removed as a near-duplicate across
+    files, and each file's documents and kept ones counted; progress sums to the bytes on disk."""
+    from repro.data.documents import _lines
+
+    articles = list(read_documents(data_dir / "wikitext" / "wikitext-2.valid.tokens"))
+    first = _write_jsonl(tmp_path / "a.jsonl", articles[:20])
+    second = _write_jsonl(tmp_path / "b.jsonl.gz", articles[20:40])
+    (tmp_path / "more").mkdir()
+    third = _write_jsonl(tmp_path / "more" / "c.jsonl", articles[40:50] + [articles[5]] + articles[50:])
+    _write_jsonl(tmp_path / "more" / ".hidden.jsonl", articles[:3])  # not a corpus file
+    read: list[int] = []
+    assert [d for d in read_documents(second, on_bytes=read.append)] == articles[20:40]
+    assert sum(read) == second.stat().st_size < sum(len(line) for line in _lines(second, None))
+    filters = FilterOptions(min_tokens=0, eval_overlap=False)
+    _, report = _prepare(data_dir, (first, second, tmp_path / "more"), tmp_path / "one", split="1,0,0",
+                         filters=filters, workers=2)
+    ds = IndexedDataset(tmp_path / "one_train")
+    direct = [gpt2_tokenizer.encode(d) + [gpt2_tokenizer.eod] for d in articles]
+    assert [ds.document_tokens(d).tolist() for d in range(ds.num_documents)] == direct
+    assert (report.documents, report.kept, report.near_duplicates) == (61, 60, 1)
+    assert report.inputs == {str(first): {"documents": 20, "kept": 20}, str(second): {"documents": 20, "kept": 20},
+                             str(third): {"documents": 21, "kept": 20}}
+    saved = json.loads((tmp_path / "one_prepare.json").read_text())["report"]["inputs"]
+    assert saved[str(third)] == {"documents": 21, "kept": 20}
+
+
+def test_bad_inputs_among_several_are_named_and_leave_nothing(data_dir, tmp_path):
+    good = _write_jsonl(tmp_path / "good.jsonl", ["a document"])
+    cut = tmp_path / "cut.jsonl.gz"
+    _write_jsonl(tmp_path / "whole.jsonl.gz", ["another document"] * 200)
+    cut.write_bytes((tmp_path / "whole.jsonl.gz").read_bytes()[:-12])
+    (tmp_path / "empty_dir").mkdir()
+    cases = [((good, good), "names .*good.jsonl twice"), ((good, tmp_path / "empty_dir"), "directory without files"),
+             ((good, tmp_path / "nope.jsonl"), "nope.jsonl: input file is missing"),
+             ((good, cut), "cut.jsonl.gz: the gzip stream is damaged or cut short")]
+    for inputs, message in cases:
+        with pytest.raises(DataError, match=message):
+            _prepare(data_dir, inputs, tmp_path / "out", filters=NO_FILTERS, split="1,0,0")
+        assert not list(tmp_path.glob("out*")), inputs
+
+
+def test_several_inputs_in_file_order_warn_that_valid_and_test_are_the_last_files(data_dir, tmp_path, capsys):
+    docs = [f"document number {i} " * 5 for i in range(40)]
+    a, b = _write_jsonl(tmp_path / "a.jsonl", docs[:20]), _write_jsonl(tmp_path / "b.jsonl", docs[20:])
+    with pytest.warns(UserWarning, match="come from b.jsonl"):
+        _prepare(data_dir, (a, b), tmp_path / "f", filters=NO_FILTERS, split="8,1,1")
+    assert main(["data", "prepare", "--input", str(a), str(b), "--output-prefix", str(tmp_path / "cli"),
+                 "--data-dir", str(data_dir), "--workers", "1", "--no-progress", "--split-order", "random",
+                 "--no-dedup", "--no-eval-filter", "--min-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"{a}: kept 20 of 20 documents" in out and f"{b}: kept 20 of 20 documents" in out

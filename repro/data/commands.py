@@ -33,7 +33,7 @@ def _prepare(args: argparse.Namespace) -> int:
                             dedup_threshold=args.dedup_threshold,
                             eval_overlap=not args.no_eval_filter, min_matches=args.eval_min_matches)
     opts = PrepareOptions(
-        input=Path(args.input), output_prefix=args.output_prefix, tokenizer=args.tokenizer,
+        input=tuple(Path(x) for x in args.input), output_prefix=args.output_prefix, tokenizer=args.tokenizer,
         data_dir=Path(args.data_dir) if args.data_dir else data_dir_from_env(),
         input_format=args.format, json_key=args.json_key,
         layout=args.layout, split=args.split, filters=filters, progress=not args.no_progress,
@@ -49,6 +49,9 @@ def _prepare(args: argparse.Namespace) -> int:
     if report.skipped_records:
         print(f"skipped {report.skipped_records} JSON lines without text, e.g. {report.skipped_examples[0]} "
               f"(the first {len(report.skipped_examples)} are in the report)")
+    if len(report.inputs) > 1:
+        for path, count in report.inputs.items():
+            print(f"  {path}: kept {count['kept']:,} of {count['documents']:,} documents")
     for prefix, docs in report.outputs.items():
         print(f"  {prefix}.bin/.idx  {docs} documents")
     return 0
@@ -56,7 +59,9 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize, filter and split text into indexed datasets")
-    p.add_argument("--input", required=True, help="JSON lines with a 'text' key, or plain text")
+    p.add_argument("--input", required=True, nargs="+", metavar="PATH",
+                   help="JSON lines with a 'text' key, or plain text (.gz too); several files or directories "
+                        "(each file in it, sorted) are one corpus, deduplicated across them")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{train,valid,test}")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing dataset at PREFIX (swapped in only once complete)")

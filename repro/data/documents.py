@@ -9,6 +9,7 @@ What a document is:
   must be followed by a blank line: two formula lines inside "Constant k filter" look like
   headings but are not (the WikiText test file then has its 60 articles, not 62).
 - Other plain text: paragraphs separated by blank lines are documents.
+A `.gz` file is read as the text it holds (`corpus.jsonl.gz` is JSON lines).
 Whitespace-only documents are skipped. Bytes that are not UTF-8 read as U+FFFD, and so do the lone
 surrogates a JSON escape can hold (web crawls have both): one bad byte never stops a long run. A
 record that holds no text (malformed JSON, no `json_key`, a non-string value) is an error naming
@@ -17,10 +18,13 @@ its line, or, with `bad_records` (a list), is skipped and noted there.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import io
 import itertools
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -77,18 +81,32 @@ def _record_text(line: str, key: str) -> str:
     return _valid_utf8(text)
 
 
+def is_gzip(path: Path) -> bool:
+    """A gzip-compressed input (`.gz`), read as the text it holds."""
+    return path.suffix == ".gz"
+
+
 def _lines(path: Path, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
     """The file's lines as text mode gives them (universal newlines; bytes that are not UTF-8 as
-    U+FFFD), telling `on_bytes` how many bytes each took (progress through a large input)."""
-    with open(path, "rb") as handle:
-        for raw in handle:
-            if on_bytes is not None:
-                on_bytes(len(raw))
-            text = raw.decode("utf-8", errors="replace")
-            if "\r" in text:  # \r\n, or a lone \r that text mode also ends a line at
-                yield from io.StringIO(text, newline=None)
-            else:
-                yield text
+    U+FFFD), telling `on_bytes` how many bytes of the file on disk each took (progress through a
+    large input; compressed bytes for a `.gz`). A damaged or truncated `.gz` is a DataError."""
+    with open(path, "rb") as raw:
+        handle = gzip.GzipFile(fileobj=raw) if is_gzip(path) else raw
+        seen = 0
+        try:
+            for line in handle:
+                if on_bytes is not None:
+                    position = raw.tell() if handle is not raw else seen + len(line)
+                    on_bytes(position - seen)
+                    seen = position
+                text = line.decode("utf-8", errors="replace")
+                if "\r" in text:  # \r\n, or a lone \r that text mode also ends a line at
+                    yield from io.StringIO(text, newline=None)
+                else:
+                    yield text
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise DataError(f"{path}: the gzip stream is damaged or cut short ({err}). Fix: download or "
+                            "compress the file again (`gzip -t FILE` checks it)") from None
 
 
 def _jsonl_documents(path: Path, key: str, bad_records: list[str] | None,
@@ -141,10 +159,10 @@ def _text_documents(path: Path, layout: str, on_bytes: Callable[[int], None] | N
 
 
 def _is_jsonl(path: Path) -> bool:
-    if path.suffix in (".json", ".jsonl"):
+    if path.suffix in (".json", ".jsonl") or path.suffixes[-2:] in ([".json", ".gz"], [".jsonl", ".gz"]):
         return True
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        first = next((line for line in handle if line.strip()), "")
+    with contextlib.closing(_lines(path, None)) as lines:
+        first = next((line for line in lines if line.strip()), "")
     return first.lstrip().startswith("{")
 
 

@@ -1,6 +1,7 @@
 """`repro data prepare`: documents -> filtered, tokenized Megatron indexed datasets, split by document.
 
     repro data prepare --input corpus.jsonl --output-prefix data/corpus --tokenizer gpt2
+    repro data prepare --input wiki.jsonl realnews.jsonl.gz openwebtext/ --split-order random ...
     # -> data/corpus_train.{bin,idx}, data/corpus_valid.{bin,idx}, data/corpus_test.{bin,idx}
 
 GPT: one sequence per document, the end-of-document token appended. BERT: one sequence per sentence
@@ -10,9 +11,12 @@ by the weights of --split: into contiguous train/valid/test ranges in file order
 the default), or, with --split-order random, into seeded random sets of the same sizes, each kept in
 file order; the per-epoch shuffling happens later, in the datasets. Documents: see repro.data.documents.
 
-At the paper's scale (174 GB, ~40M documents, several sources concatenated into the one input
-file): with the default file order, valid and test are the file's last documents, so the last
-source alone; `--split-order random` draws them (seeded) from the whole file instead. Tokenizing runs
+Several inputs (files, or directories standing for their files; `.gz` read as the text it holds)
+are read in the order given as one stream: the near-duplicate filter runs across all of them, as
+the paper's did across its sources, and the report counts each file's documents and kept ones.
+At the paper's scale (174 GB, ~40M documents from several sources): with the default file order,
+valid and test are the last documents read, so the last source alone (a warning says so);
+`--split-order random` draws them (seeded) from every input instead. Tokenizing runs
 on every CPU of the allocation by default; the near-duplicate index holds ~2 KB per kept document
 in this process (~80 GB at 40M).
 """
@@ -53,7 +57,7 @@ def available_cpus() -> int:
 class PrepareOptions:
     """Everything `prepare` needs; field names match the command-line flags."""
 
-    input: Path
+    input: Path | tuple[Path, ...]  # files or directories (each file in it), read in this order
     output_prefix: str
     tokenizer: str = "gpt2"  # gpt2 | bert
     data_dir: Path = Path("data")  # holds vocab/ and the eval sets (see `repro data fetch`)
@@ -86,6 +90,7 @@ class PrepareReport:
     outputs: dict[str, int] = field(default_factory=dict)  # output prefix -> documents
     skipped_records: int = 0  # JSON lines without text, with skip_bad_records
     skipped_examples: list[str] = field(default_factory=list)  # the first few, "file:line: why"
+    inputs: dict[str, dict[str, int]] = field(default_factory=dict)  # input file -> documents, kept
 
     @property
     def tokens_per_s(self) -> float:
@@ -207,7 +212,8 @@ def split_bounds(weights: tuple[float, ...], num_docs: int) -> list[int]:
 
 
 def _account(result: DocResult, report: PrepareReport, dedup: NearDuplicateFilter | None,
-             writer: IndexedDatasetWriter) -> None:
+             writer: IndexedDatasetWriter) -> bool:
+    """Count one processed document; write it and return True when it is kept."""
     report.documents += 1
     report.tokens_read += result.num_tokens
     if result.status == "short":
@@ -220,6 +226,42 @@ def _account(result: DocResult, report: PrepareReport, dedup: NearDuplicateFilte
         report.kept += 1
         writer.add_document(result.sequences)
         report.tokens_written = writer.num_tokens
+        return True
+    return False
+
+
+def input_files(inputs: Path | str | Iterable[Path | str]) -> list[Path]:
+    """The files to read, in order: each given file, and each directory's visible files sorted by
+    name. A missing path, an empty directory or a file given twice is a DataError."""
+    items = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+    files: list[Path] = []
+    for item in map(Path, items):
+        if item.is_dir():
+            found = sorted(p for p in item.iterdir() if p.is_file() and not p.name.startswith("."))
+            if not found:
+                raise DataError(f"--input {item} is a directory without files. Fix: give the "
+                                "directory that holds the corpus files, or the files themselves")
+            files.extend(found)
+        else:
+            files.append(item)
+    if not files:
+        raise DataError("no --input given. Fix: give one or more JSON-lines or text files")
+    seen: dict[Path, Path] = {}
+    for path in files:
+        if path.resolve() in seen:
+            raise DataError(f"--input names {path} twice ({seen[path.resolve()]}): every document would be "
+                            "a near-duplicate of itself. Fix: give each file once")
+        seen[path.resolve()] = path
+    return files
+
+
+def _documents(files: list[Path], opts: PrepareOptions, bad: list[str] | None, on_bytes,
+               sources: collections.deque) -> Iterator[str]:
+    """The documents of every file in order; the index of each one's file is appended to `sources`."""
+    for index, path in enumerate(files):
+        for doc in read_documents(path, opts.input_format, opts.json_key, opts.layout, bad, on_bytes):
+            sources.append(index)
+            yield doc
 
 
 def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: str) -> PrepareReport:
@@ -229,25 +271,29 @@ def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: st
     processor = DocumentProcessor(tokenizer, filters, eval_set)
     dedup = NearDuplicateFilter(filters.dedup_threshold, filters.num_perm) if filters.dedup else None
     bad: list[str] | None = [] if opts.skip_bad_records else None
+    files, sources = input_files(opts.input), collections.deque()
+    counts = np.zeros((len(files), 2), dtype=np.int64)  # documents, kept
     report, start = PrepareReport(), time.perf_counter()
     with IndexedDatasetWriter(tmp_prefix, best_dtype(tokenizer.vocab_size)) as writer, \
-            tqdm(total=opts.input.stat().st_size, unit="B", unit_scale=True, disable=not opts.progress,
-                 desc="prepare") as bar:  # input bytes read: an ETA for a multi-hour run
-        docs = read_documents(opts.input, opts.input_format, opts.json_key, opts.layout, bad, bar.update)
+            tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+                 disable=not opts.progress, desc="prepare") as bar:  # input bytes read: an ETA for a multi-hour run
+        docs = _documents(files, opts, bad, bar.update, sources)
         for result in process_documents(docs, processor, opts.workers, opts.chunk_docs):
-            _account(result, report, dedup, writer)
+            source = sources.popleft()
+            counts[source] += (1, _account(result, report, dedup, writer))
             if report.documents % 256 == 0:
                 rate = report.tokens_read / (time.perf_counter() - start)
                 bar.set_postfix_str(f"{report.documents:,} docs, {rate:,.0f} tok/s", refresh=False)
     report.seconds = time.perf_counter() - start
     if bad:
         report.skipped_records, report.skipped_examples = len(bad), bad[:10]
+    report.inputs = {str(f): {"documents": int(n), "kept": int(k)} for f, (n, k) in zip(files, counts)}
     return report
 
 
 def _check_kept(opts: PrepareOptions, report: PrepareReport) -> None:
     if report.kept == 0:
-        raise DataError(f"{opts.input}: none of its {report.documents} documents survived the "
+        raise DataError(f"{_describe(opts.input)}: none of its {report.documents} documents survived the "
                         f"filters ({report.too_short} under {opts.filters.min_tokens} tokens, "
                         f"{report.eval_overlap} overlapping eval sets, {report.near_duplicates} "
                         "near-duplicates). Fix: lower --min-tokens or disable a filter")
@@ -258,12 +304,20 @@ def output_files(prefix: str) -> list[Path]:
     return [Path(f"{prefix}_{n}{x}") for n in SPLIT_NAMES for x in (".bin", ".idx")] + [Path(f"{prefix}_prepare.json")]
 
 
+def _describe(inputs) -> str:
+    files = input_files(inputs)
+    return str(files[0]) if len(files) == 1 else f"{len(files)} input files ({files[0]}, ...)"
+
+
 def _check_input(opts: PrepareOptions) -> None:
-    if opts.input.is_dir():
-        raise DataError(f"--input {opts.input} is a directory, not a file. Fix: give one JSON-lines or "
-                        f"text file, e.g. `cat {opts.input}/*.jsonl > corpus.jsonl` with --split-order random (with the "
-                        "default file order, valid and test would be the last file's documents)")
-    read_documents(opts.input, opts.input_format, opts.json_key, opts.layout)
+    """Every input file exists, is not empty and has a known format, before any work starts."""
+    files = input_files(opts.input)
+    for path in files:
+        read_documents(path, opts.input_format, opts.json_key, opts.layout)
+    if len(files) > 1 and opts.split_order == "file" and parse_split(opts.split)[1:] != (0, 0):
+        warnings.warn(f"{len(files)} input files with --split-order file: valid and test are the last "
+                      f"documents read, so come from {files[-1].name} (and the files just before it) alone. "
+                      "--split-order random draws them from every file", stacklevel=3)
 
 
 def _warn_stale_temporaries(prefix: str) -> None:

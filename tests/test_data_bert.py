@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from data_fixtures import bert_tokenizer, data_dir, data_mirror  # noqa: F401
 
-from repro.data.bert_dataset import IGNORE_INDEX, BertDataset, BertOptions, bert_loader
+from repro.data import bert_dataset
+from repro.data.bert_dataset import (IGNORE_INDEX, BertDataset, BertOptions, bert_loader,
+                                     build_sample_map, sample_target)
 from repro.data.filters import FilterOptions
 from repro.data.preprocess import PrepareOptions, prepare
 
@@ -114,3 +117,104 @@ def test_loader_batches(dataset):
     assert all(t.dtype == torch.int64 for t in batch.values())
     assert torch.equal(batch["tokens"][0], torch.from_numpy(dataset.at(12)["tokens"]))
     assert loader.consumed_samples == 16
+
+
+# --- the sample map: vectorized builder against a plain loop over sentences ---
+
+
+def _corpus(sentences_per_doc, lengths) -> SimpleNamespace:
+    counts = np.asarray(sentences_per_doc, dtype=np.int64)
+    return SimpleNamespace(sequence_lengths=np.asarray(lengths, dtype=np.int32),
+                           document_indices=np.concatenate([[0], np.cumsum(counts)]),
+                           num_documents=len(counts))
+
+
+def _random_corpus(seed: int, docs: int, max_sentences: int = 60, max_length: int = 50):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, max_sentences + 1, docs)  # empty and one-sentence documents too
+    return _corpus(counts, rng.integers(0, max_length + 1, int(counts.sum())))  # zero lengths too
+
+
+def _reference_map(data, opts: BertOptions) -> np.ndarray:
+    """The semantics as a plain loop over sentences (as the pre-vectorized builder)."""
+    max_tokens, lengths, bounds = opts.max_seq_length - 3, data.sequence_lengths, data.document_indices
+    hashed = sample_target(opts.seed, np.arange(len(lengths) + 1), max_tokens, opts.short_seq_prob)
+    rows = []
+    for d in range(data.num_documents):
+        lo, hi = int(bounds[d]), int(bounds[d + 1])
+        start, size, target = lo, 0, max_tokens
+        for j in range(lo, hi):
+            size += int(lengths[j])
+            if j > start and (size >= target or j == hi - 1):
+                rows.append((start, j + 1, target))
+                start, size, target = j + 1, 0, int(hashed[j + 1])
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def test_sample_map_by_hand():
+    """max_tokens 5: greedy runs of >= 2 sentences; a last lone sentence and a 1-sentence doc dropped."""
+    data = _corpus([3, 1, 0, 5, 2], [3, 3, 3,  9,  1, 1, 1, 2, 4,  0, 0])
+    got = build_sample_map(data, BertOptions(max_seq_length=8, short_seq_prob=0.0))
+    assert got.tolist() == [[0, 2, 5], [4, 8, 5], [9, 11, 5]]  # sentence 8 is a lone remainder
+    assert got.dtype == np.int64
+
+
+@pytest.mark.parametrize("case", ["random", "short_docs", "long_docs", "all_short_targets"])
+def test_vectorized_map_matches_reference_loop(case, monkeypatch):
+    data, opts = {
+        "random": (_random_corpus(0, 400), BertOptions(max_seq_length=128, seed=3)),
+        "short_docs": (_random_corpus(1, 300, max_sentences=2), BertOptions(max_seq_length=16)),
+        "long_docs": (_random_corpus(2, 6, max_sentences=3000), BertOptions(max_seq_length=64)),
+        "all_short_targets": (_random_corpus(3, 200), BertOptions(max_seq_length=512,
+                                                                   short_seq_prob=1.0)),
+    }[case]
+    monkeypatch.setattr(bert_dataset, "CHUNK_SENTENCES", 500)  # long documents span chunks
+    expected = _reference_map(data, opts)
+    assert len(expected) > 20
+    np.testing.assert_array_equal(build_sample_map(data, opts), expected)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 37, 1000, 1 << 40])
+def test_sample_map_does_not_depend_on_chunk_size(chunk, monkeypatch):
+    data, opts = _random_corpus(4, 300), BertOptions(max_seq_length=96, short_seq_prob=0.5)
+    expected = build_sample_map(data, opts)
+    monkeypatch.setattr(bert_dataset, "CHUNK_SENTENCES", chunk)
+    np.testing.assert_array_equal(build_sample_map(data, opts), expected)
+
+
+def test_sample_map_is_a_function_of_the_seed():
+    data = _random_corpus(5, 300)
+    a, b = (build_sample_map(data, BertOptions(max_seq_length=128, seed=11)) for _ in range(2))
+    np.testing.assert_array_equal(a, b)
+    c = build_sample_map(data, BertOptions(max_seq_length=128, seed=12))
+    assert a.shape != c.shape or not np.array_equal(a[:, 2], c[:, 2])
+
+
+def test_short_targets_share_and_range():
+    max_tokens, p, n = 509, 0.1, 400_000
+    targets = sample_target(1234, np.arange(n), max_tokens, p)
+    short = targets != max_tokens  # a short draw equals max_tokens w.p. 1/508: negligible here
+    assert abs(short.mean() - p) <= 4 * np.sqrt(p * (1 - p) / n)
+    assert abs(targets[short].mean() - (2 + max_tokens) / 2) <= 5
+    counts = np.bincount(sample_target(7, np.arange(n), max_tokens, 1.0))
+    assert not counts[:2].any() and len(counts) == max_tokens + 1  # uniform in [2, max_tokens]:
+    assert counts[2:].min() > 0.8 * n / (max_tokens - 1)  # each length about n / 508 times
+    data = _random_corpus(6, 3000, max_length=200)
+    rows = build_sample_map(data, BertOptions(max_seq_length=512, short_seq_prob=p))
+    first = np.isin(rows[:, 0], data.document_indices)
+    assert (rows[first, 2] == max_tokens).all()  # each document's first sample is full length
+    later = rows[~first, 2] != max_tokens
+    assert len(later) > 2000 and abs(later.mean() - p) <= 4 * np.sqrt(p * (1 - p) / len(later))
+
+
+@pytest.mark.parametrize("chunk", [1, 50, 400])
+def test_document_chunks_cover_documents_within_the_bound(chunk, monkeypatch):
+    monkeypatch.setattr(bert_dataset, "CHUNK_SENTENCES", chunk)
+    bounds = _random_corpus(7, 200, max_sentences=120).document_indices
+    chunks = bert_dataset._document_chunks(bounds)
+    assert [c[0] for c in chunks[1:]] == [c[1] for c in chunks[:-1]]
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(bounds) - 1
+    sizes = np.array([bounds[end] - bounds[first] for first, end in chunks])
+    alone = np.array([end - first == 1 for first, end in chunks])
+    assert (alone | (sizes <= chunk)).all()  # only a lone document may exceed the bound
+    assert chunk == 1 or sizes.mean() > chunk / 2  # chunks are filled, not one document each

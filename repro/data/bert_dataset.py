@@ -1,7 +1,10 @@
 """BERT samples: sentence pairs with sentence-order prediction and whole-word n-gram masking.
 
-A sample is a run of >= 2 consecutive sentences of one document, grown until it reaches its target
-length (max_seq_length - 3, or w.p. short_seq_prob a random shorter one); the sample map is
+A sample is a run of >= 2 consecutive sentences of one document, packed greedily from the
+document's first sentence and grown until it reaches its target length: max_seq_length - 3, or for
+a document's later samples w.p. short_seq_prob a uniform length in [2, max_seq_length - 3], drawn
+from a hash of (seed, first sentence) so the map is a pure function of data and options. A last
+single sentence of a document is dropped. The sample map (numpy, vectorized over documents) is
 built once and cached beside the data. Drawing sample i at epoch e (its own seeded RNG, so the
 masks change each epoch): split the run at a random sentence into A and B, swap them w.p. 0.5
 (sop_label 1 = swapped), trim the longer segment until both fit, and lay out
@@ -46,22 +49,79 @@ class BertOptions:
     seed: int = 1234
 
 
+CHUNK_SENTENCES = 1 << 18  # sentences a step of build_sample_map: its 2 MiB cumsum stays in cache
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on a uint64 array (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sample_target(seed: int, first_sentence: np.ndarray, max_tokens: int,
+                  short_seq_prob: float) -> np.ndarray:
+    """int64 target length of a sample (not a document's first) starting at each first_sentence.
+
+    Stateless: h = splitmix64(splitmix64(seed) + first * 0x9E3779B97F4A7C15); the sample is short
+    when h's top 53 bits / 2**53 < short_seq_prob, then its length is 2 + splitmix64(h) %
+    (max_tokens - 1), else max_tokens.
+    """
+    first = np.atleast_1d(np.asarray(first_sentence, dtype=np.int64)).astype(np.uint64)
+    key = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))
+    h = _splitmix64(key + first * _GOLDEN)
+    short = (h >> np.uint64(11)) * 2.0**-53 < short_seq_prob
+    length = 2 + (_splitmix64(h) % np.uint64(max_tokens - 1)).astype(np.int64)
+    return np.where(short, length, np.int64(max_tokens))
+
+
 def build_sample_map(data: IndexedDataset, opts: BertOptions) -> np.ndarray:
-    """int64 [n, 3]: first sentence, end sentence (exclusive), target length of each sample."""
-    rng = np.random.default_rng([opts.seed, 7])
-    max_tokens, lengths = opts.max_seq_length - 3, data.sequence_lengths
-    rows: list[tuple[int, int, int]] = []
-    for d in range(data.num_documents):
-        lo, hi = int(data.document_indices[d]), int(data.document_indices[d + 1])
-        start, size, target = lo, 0, max_tokens
-        for j in range(lo, hi):
-            size += int(lengths[j])
-            if (size >= target and j > start) or (j == hi - 1 and j > start):
-                rows.append((start, j + 1, target))
-                start, size = j + 1, 0
-                target = (int(rng.integers(2, max_tokens + 1))
-                          if rng.random() < opts.short_seq_prob else max_tokens)
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+    """int64 [n, 3]: first sentence, end sentence (exclusive), target length of each sample, in
+    file order. Documents go in chunks of about CHUNK_SENTENCES sentences; the map does not
+    depend on the chunk size."""
+    max_tokens = opts.max_seq_length - 3
+    if max_tokens < 2:
+        raise ValueError(f"max_seq_length={opts.max_seq_length} leaves no room for two sentences")
+    parts = [_chunk_samples(data, first_doc, end_doc, opts.seed, max_tokens, opts.short_seq_prob)
+             for first_doc, end_doc in _document_chunks(data.document_indices)]
+    return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.int64)
+
+
+def _document_chunks(doc_index: np.ndarray) -> list[tuple[int, int]]:
+    """[first, end) document ranges of about CHUNK_SENTENCES sentences (at least one document)."""
+    chunks, first, num_documents = [], 0, len(doc_index) - 1
+    while first < num_documents:
+        limit = int(doc_index[first]) + CHUNK_SENTENCES
+        end = max(int(np.searchsorted(doc_index, limit, side="right")) - 1, first + 1)
+        chunks.append((first, min(end, num_documents)))
+        first = chunks[-1][1]
+    return chunks
+
+
+def _chunk_samples(data: IndexedDataset, first_doc: int, end_doc: int, seed: int,
+                   max_tokens: int, short_seq_prob: float) -> np.ndarray:
+    """The samples of documents [first_doc, end_doc): each round, every document with >= 2
+    sentences left emits one sample, its end found by searchsorted on the chunk's cumsum."""
+    bounds = np.asarray(data.document_indices[first_doc:end_doc + 1], dtype=np.int64)
+    offset = int(bounds[0])
+    lengths = data.sequence_lengths[offset:int(bounds[-1])]
+    cum = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # cum[i]: tokens before i
+    start, stop = bounds[:-1] - offset, bounds[1:] - offset  # local sentence indices
+    target = np.full(len(start), max_tokens, dtype=np.int64)
+    rounds = []
+    while True:
+        left = stop - start >= 2
+        start, stop, target = start[left], stop[left], target[left]
+        if not len(start):
+            break
+        end = np.searchsorted(cum, cum[start] + target)  # first end with enough tokens
+        end = np.minimum(np.maximum(end, start + 2), stop)
+        rounds.append(np.stack([start + offset, end + offset, target], axis=1))
+        start = end
+        target = sample_target(seed, start + offset, max_tokens, short_seq_prob)
+    rows = np.concatenate(rounds) if rounds else np.empty((0, 3), dtype=np.int64)
+    return rows[np.argsort(rows[:, 0], kind="stable")]
 
 
 def _truncate(a: np.ndarray, b: np.ndarray, limit: int, rng: np.random.Generator):
@@ -99,7 +159,7 @@ class BertDataset:
         self.random_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), special)
         cache = _cache_prefix(str(prefix), cache_dir)
         key = (f"L{opts.max_seq_length}_p{opts.short_seq_prob}_seed{opts.seed}"
-               f"_t{self.data.num_tokens}")
+               f"_t{self.data.num_tokens}_v2")  # v2: hashed targets (older caches differ)
         path = Path(f"{cache}_bert_map_{key}.npy")
         self.samples = cached_array(path, lambda: build_sample_map(self.data, opts),
                                     lambda a: a.ndim == 2 and a.shape[1] == 3, write_cache)

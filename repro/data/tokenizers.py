@@ -2,9 +2,14 @@
 
 Both behind one small interface (`TextTokenizer`): encode / encode_batch / decode, vocab_size and
 the special ids the datasets need (eod, cls, sep, mask, pad; None where a vocabulary has none).
+A special token's spelling in the text ("<|endoftext|>", "[SEP]", "[MASK]" in a web page about
+language models) is encoded as ordinary text, as OpenAI's GPT-2 encoder and Google's BERT tokenizer
+(the ones Megatron-LM uses) do: only the datasets place special ids, so a document never gains a
+false end-of-document or [SEP] from its own words.
 
     tok = build_tokenizer("gpt2", "data")      # data/vocab/gpt2-vocab.json + gpt2-merges.txt
-    tok.encode("hello <|endoftext|>")          # [31373, 220, 50256]
+    tok.encode("hello <|endoftext|>")          # [31373, 1279, 91, 437, 1659, 5239, 91, 29]: text
+    tok.eod                                    # 50256: the id prepare appends to each document
     bert = build_tokenizer("bert", "data")     # data/vocab/bert-large-uncased-vocab.txt
     bert.encode("the")                         # [1996]; no [CLS]/[SEP] added: datasets add them
 """
@@ -45,6 +50,11 @@ class TextTokenizer:
         self.kind = kind
         self.backend = backend
         self.special = special
+        backend.encode_special_tokens = True  # special-token spellings in text are text
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.backend.encode_special_tokens = True  # not part of the backend's pickled state
 
     @property
     def vocab_size(self) -> int:

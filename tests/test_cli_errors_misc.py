@@ -192,11 +192,14 @@ def test_prepare_refuses_to_overwrite_and_overwrite_loses_nothing_on_failure(dat
     assert sorted(_snapshot(tmp_path / "out")) == sorted(first)  # no temporary files left behind
 
 
-@pytest.mark.parametrize("bad, needle", [("threshold", "--dedup-threshold 2.0 is not"), ("dir", "is a directory")])
-def test_prepare_names_a_bad_threshold_or_a_directory_input(data_dir, tmp_path, capsys, bad, needle):
+@pytest.mark.parametrize("bad, needle", [("threshold", "--dedup-threshold 2.0 is not"),
+                                         ("dir", "is a directory without corpus files")])
+def test_prepare_names_a_bad_threshold_or_a_directory_without_corpus(data_dir, tmp_path, capsys, bad, needle):
     src = tmp_path / "docs.jsonl"
     src.write_text(json.dumps({"text": "a document"}) + "\n")
-    argv = ["data", "prepare", "--input", str(tmp_path if bad == "dir" else src), "--output-prefix",
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a corpus file")
+    argv = ["data", "prepare", "--input", str(tmp_path / "notes" if bad == "dir" else src), "--output-prefix",
             str(tmp_path / "out" / "c"), "--data-dir", str(data_dir), "--no-progress"]
     rc, _, err = _cli(capsys, *argv, *(["--dedup-threshold", "2"] if bad == "threshold" else []))
     assert rc == 2 and needle in err and "Fix:" in err and not (tmp_path / "out").exists()

@@ -214,7 +214,8 @@ def test_records_without_text_stop_the_run_or_are_skipped_and_counted(data_dir, 
             "--data-dir", str(data_dir), "--min-tokens", "0", "--no-dedup", "--no-eval-filter", "--no-progress",
             "--skip-bad-records"]
     assert main(args) == 0
-    assert "skipped 3 JSON lines without text, e.g. r.jsonl:2: its 'text' is null" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipped 3 JSON lines without text, e.g. " in out and f"{path}:2: its 'text' is null" in out
 
 
 def test_leftovers_of_a_killed_prepare_are_reported(data_dir, tmp_path):
@@ -285,23 +286,43 @@ def test_several_inputs_are_one_corpus_deduplicated_across_files(data_dir, gpt2_
     articles = list(read_documents(data_dir / "wikitext" / "wikitext-2.valid.tokens"))
     first = _write_jsonl(tmp_path / "a.jsonl", articles[:20])
     second = _write_jsonl(tmp_path / "b.jsonl.gz", articles[20:40])
-    (tmp_path / "more").mkdir()
-    third = _write_jsonl(tmp_path / "more" / "c.jsonl", articles[40:50] + [articles[5]] + articles[50:])
+    (tmp_path / "more" / "sub").mkdir(parents=True)
+    third = _write_jsonl(tmp_path / "more" / "sub" / "c.jsonl", articles[40:50] + [articles[5]] + articles[50:])
     _write_jsonl(tmp_path / "more" / ".hidden.jsonl", articles[:3])  # not a corpus file
+    (tmp_path / "more" / "README.md").write_text(articles[0])  # nor this
     read: list[int] = []
     assert [d for d in read_documents(second, on_bytes=read.append)] == articles[20:40]
     assert sum(read) == second.stat().st_size < sum(len(line) for line in _lines(second, None))
     filters = FilterOptions(min_tokens=0, eval_overlap=False)
-    _, report = _prepare(data_dir, (first, second, tmp_path / "more"), tmp_path / "one", split="1,0,0",
-                         filters=filters, workers=2)
+    with pytest.warns(UserWarning, match="1 files are not read, e.g. README.md"):
+        _, report = _prepare(data_dir, (first, second, tmp_path / "more"), tmp_path / "one", split="1,0,0",
+                             filters=filters, workers=2)
     ds = IndexedDataset(tmp_path / "one_train")
     direct = [gpt2_tokenizer.encode(d) + [gpt2_tokenizer.eod] for d in articles]
     assert [ds.document_tokens(d).tolist() for d in range(ds.num_documents)] == direct
     assert (report.documents, report.kept, report.near_duplicates) == (61, 60, 1)
     assert report.inputs == {str(first): {"documents": 20, "kept": 20}, str(second): {"documents": 20, "kept": 20},
                              str(third): {"documents": 21, "kept": 20}}
-    saved = json.loads((tmp_path / "one_prepare.json").read_text())["report"]["inputs"]
-    assert saved[str(third)] == {"documents": 21, "kept": 20}
+    saved = json.loads((tmp_path / "one_prepare.json").read_text())
+    assert saved["report"]["inputs"][str(third)] == {"documents": 21, "kept": 20}
+    assert saved["options"]["input"] == [str(first), str(second), str(tmp_path / "more")]
+
+
+def test_gzip_is_known_by_its_bytes_and_other_binaries_are_refused(data_dir, tmp_path):
+    """A gzip file without .gz in its name (a symlink, a bare download) is still decompressed; an xz
+    file is refused by name; --layout file makes each whole file one document."""
+    import lzma
+
+    docs = ["first document here", "second document here"]
+    hidden = _write_jsonl(tmp_path / "x.jsonl.gz", docs).rename(tmp_path / "download")
+    (tmp_path / "link").symlink_to(hidden)
+    assert list(read_documents(tmp_path / "link")) == list(read_documents(hidden)) == docs
+    (tmp_path / "c.jsonl.xz").write_bytes(lzma.compress(b'{"text": "x"}\n' * 100))
+    with pytest.raises(DataError, match="c.jsonl.xz: not text .*decompress or extract it first"):
+        _prepare(data_dir, tmp_path / "c.jsonl.xz", tmp_path / "out", filters=NO_FILTERS)
+    (tmp_path / "page.txt").write_text("A web page.\n\nIts second paragraph.\n")
+    assert list(read_documents(tmp_path / "page.txt", layout="file")) == ["A web page.\n\nIts second paragraph.\n"]
+    assert len(list(read_documents(tmp_path / "page.txt"))) == 2  # paragraphs, by default
 
 
 def test_bad_inputs_among_several_are_named_and_leave_nothing(data_dir, tmp_path):
@@ -310,13 +331,25 @@ def test_bad_inputs_among_several_are_named_and_leave_nothing(data_dir, tmp_path
     _write_jsonl(tmp_path / "whole.jsonl.gz", ["another document"] * 200)
     cut.write_bytes((tmp_path / "whole.jsonl.gz").read_bytes()[:-12])
     (tmp_path / "empty_dir").mkdir()
-    cases = [((good, good), "names .*good.jsonl twice"), ((good, tmp_path / "empty_dir"), "directory without files"),
+    cases = [((good, good), "names .*good.jsonl twice"), ((good, tmp_path / "empty_dir"), "directory without corpus"),
              ((good, tmp_path / "nope.jsonl"), "nope.jsonl: input file is missing"),
              ((good, cut), "cut.jsonl.gz: the gzip stream is damaged or cut short")]
     for inputs, message in cases:
         with pytest.raises(DataError, match=message):
             _prepare(data_dir, inputs, tmp_path / "out", filters=NO_FILTERS, split="1,0,0")
         assert not list(tmp_path.glob("out*")), inputs
+    # the cut-short gzip is found before tokenizing starts: no temporary dataset was begun
+    import repro.data.preprocess as pre
+
+    begun = []
+    original = pre._tokenize_all
+    pre._tokenize_all = lambda *a: begun.append(a) or original(*a)
+    try:
+        with pytest.raises(DataError, match="cut.jsonl.gz: the gzip stream is damaged"):
+            _prepare(data_dir, (good, cut), tmp_path / "out", filters=NO_FILTERS, split="1,0,0")
+    finally:
+        pre._tokenize_all = original
+    assert begun == []
 
 
 def test_several_inputs_in_file_order_warn_that_valid_and_test_are_the_last_files(data_dir, tmp_path, capsys):

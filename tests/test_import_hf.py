@@ -24,7 +24,7 @@ def _hf_model(**overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, **overrides)
+    cfg = GPT2Config(**{"vocab_size": VOCAB, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, **overrides})
     model = GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # non-trivial layer norms and biases, so a mapping error cannot hide in 1s and 0s
         for name, p in model.named_parameters():
@@ -94,6 +94,7 @@ def test_import_then_export_is_bit_identical(hf_dir, tmp_path):
     ({"activation_function": "relu"}, "activation_function='relu'"),
     ({"n_inner": 100}, "n_inner=100"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+    ({"vocab_size": 21128}, "vocab_size=21128"),
 ])
 def test_a_model_this_gpt_cannot_express_is_refused_by_name(overrides, named, tmp_path):
     _hf_model(**overrides).save_pretrained(tmp_path / "hf")
@@ -144,3 +145,22 @@ def test_eval_scores_an_imported_model_like_hugging_face(hf_dir, tmp_path):
             total += F.cross_entropy(hf(ids[None, :-1]).logits[0], ids[1:], reduction="sum").item()
     assert metrics["num_targets"] == len(tokens) - 1 > 500
     assert metrics["sum_nll"] == pytest.approx(total, rel=1e-5)
+
+
+def test_missing_or_damaged_weights_are_refused_not_filled_at_random(hf_dir, tmp_path):
+    """transformers fills a missing weight with random values and only warns: import-hf refuses."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    partial = tmp_path / "partial"
+    shutil.copytree(hf_dir, partial)
+    weights = load_file(partial / "model.safetensors")
+    del weights["transformer.h.1.mlp.c_fc.weight"]
+    save_file(weights, partial / "model.safetensors", metadata={"format": "pt"})
+    proc = _cli("checkpoint", "import-hf", str(partial), "--out", str(tmp_path / "a"))
+    assert proc.returncode == 2 and "h.1.mlp.c_fc.weight" in proc.stderr, proc.stderr
+    (partial / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = _cli("checkpoint", "import-hf", str(partial), "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "cannot import" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 from repro.data.fetch import DEFAULT_DATA_DIR
@@ -50,8 +51,10 @@ def _prepare(args: argparse.Namespace) -> int:
         print(f"skipped {report.skipped_records} JSON lines without text, e.g. {report.skipped_examples[0]} "
               f"(the first {len(report.skipped_examples)} are in the report)")
     if len(report.inputs) > 1:
-        for path, count in report.inputs.items():
+        for path, count in itertools.islice(report.inputs.items(), 20):
             print(f"  {path}: kept {count['kept']:,} of {count['documents']:,} documents")
+        if len(report.inputs) > 20:
+            print(f"  ... and {len(report.inputs) - 20} more input files (each in {args.output_prefix}_prepare.json)")
     for prefix, docs in report.outputs.items():
         print(f"  {prefix}.bin/.idx  {docs} documents")
     return 0
@@ -60,8 +63,9 @@ def _prepare(args: argparse.Namespace) -> int:
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize, filter and split text into indexed datasets")
     p.add_argument("--input", required=True, nargs="+", metavar="PATH",
-                   help="JSON lines with a 'text' key, or plain text (.gz too); several files or directories "
-                        "(each file in it, sorted) are one corpus, deduplicated across them")
+                   help="JSON lines with a 'text' key, or plain text (gzip too); several files or directories "
+                        "(their .jsonl/.json/.txt/.text/.tokens/.raw files and .gz, recursively, sorted) are one "
+                        "corpus, deduplicated across them")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{train,valid,test}")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing dataset at PREFIX (swapped in only once complete)")
@@ -74,8 +78,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-bad-records", action="store_true",
                    help="skip JSON lines without text (malformed, no --json-key, not a string), counted "
                         "in the report, instead of stopping at the first")
-    p.add_argument("--layout", choices=("auto", "wikitext", "paragraph"), default="auto",
-                   help="plain text: WikiText articles or blank-line paragraphs as documents")
+    p.add_argument("--layout", choices=("auto", "wikitext", "paragraph", "file"), default="auto",
+                   help="plain text: WikiText articles, blank-line paragraphs, or each whole file (one page "
+                        "per file, as extracted OpenWebText) as documents")
     p.add_argument("--split", default="949,50,1", help="train,valid,test weights over documents")
     p.add_argument("--split-order", choices=("file", "random"), default="file",
                    help="file: contiguous ranges in file order (Megatron's); random: a seeded random set "

@@ -9,7 +9,9 @@ What a document is:
   must be followed by a blank line: two formula lines inside "Constant k filter" look like
   headings but are not (the WikiText test file then has its 60 articles, not 62).
 - Other plain text: paragraphs separated by blank lines are documents.
-A `.gz` file is read as the text it holds (`corpus.jsonl.gz` is JSON lines).
+- Layout `file`: the whole file is one document (an extracted OpenWebText page per .txt file).
+A gzip file (known by its first bytes, whatever its name) is read as the text it holds
+(`corpus.jsonl.gz` is JSON lines). Other binary files (xz, zstd, bz2, tar) are refused by name.
 Whitespace-only documents are skipped. Bytes that are not UTF-8 read as U+FFFD, and so do the lone
 surrogates a JSON escape can hold (web crawls have both): one bad byte never stops a long run. A
 record that holds no text (malformed JSON, no `json_key`, a non-string value) is an error naming
@@ -33,7 +35,8 @@ from repro.data.errors import DataError
 _WIKITEXT_TITLE = re.compile(r"^ = (?!=).*(?<!=) = $")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 FORMATS = ("auto", "jsonl", "text")
-LAYOUTS = ("auto", "wikitext", "paragraph")
+LAYOUTS = ("auto", "wikitext", "paragraph", "file")
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def is_wikitext_title(line: str) -> bool:
@@ -82,21 +85,51 @@ def _record_text(line: str, key: str) -> str:
 
 
 def is_gzip(path: Path) -> bool:
-    """A gzip-compressed input (`.gz`), read as the text it holds."""
-    return path.suffix == ".gz"
+    """A gzip-compressed file (by its first two bytes, so also a symlink or a name without .gz)."""
+    with open(path, "rb") as handle:
+        return handle.read(2) == GZIP_MAGIC
+
+
+def _gzip_error(path: Path, err: Exception) -> DataError:
+    return DataError(f"{path}: the gzip stream is damaged or cut short ({err}). Fix: download or "
+                     "compress the file again (`gzip -t FILE` checks it)")
+
+
+def check_gzip(path: Path) -> None:
+    """Decompress a gzip file to nowhere: a damaged or cut-short one is a DataError now, not when a
+    long run reaches it."""
+    try:
+        with gzip.open(path, "rb") as handle:
+            while handle.read(1 << 24):
+                pass
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise _gzip_error(path, err) from None
+
+
+def _check_text(path: Path) -> None:
+    """Refuse a binary file (a NUL byte in its first 4 KiB, after gzip decompression)."""
+    try:
+        with (gzip.open(path, "rb") if is_gzip(path) else open(path, "rb")) as handle:
+            head = handle.read(4096)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise _gzip_error(path, err) from None
+    if b"\0" in head:
+        raise DataError(f"{path}: not text (a binary file: xz, zstd, bz2, tar or another format?). Fix: "
+                        "decompress or extract it first; plain text, JSON lines and their gzip are read")
 
 
 def _lines(path: Path, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
     """The file's lines as text mode gives them (universal newlines; bytes that are not UTF-8 as
     U+FFFD), telling `on_bytes` how many bytes of the file on disk each took (progress through a
     large input; compressed bytes for a `.gz`). A damaged or truncated `.gz` is a DataError."""
+    compressed = is_gzip(path)
     with open(path, "rb") as raw:
-        handle = gzip.GzipFile(fileobj=raw) if is_gzip(path) else raw
+        handle = gzip.GzipFile(fileobj=raw) if compressed else raw
         seen = 0
         try:
             for line in handle:
                 if on_bytes is not None:
-                    position = raw.tell() if handle is not raw else seen + len(line)
+                    position = raw.tell() if compressed else seen + len(line)
                     on_bytes(position - seen)
                     seen = position
                 text = line.decode("utf-8", errors="replace")
@@ -105,8 +138,9 @@ def _lines(path: Path, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
                 else:
                     yield text
         except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-            raise DataError(f"{path}: the gzip stream is damaged or cut short ({err}). Fix: download or "
-                            "compress the file again (`gzip -t FILE` checks it)") from None
+            raise _gzip_error(path, err) from None
+        if on_bytes is not None and raw.tell() > seen:  # a gzip trailer read after the last line
+            on_bytes(raw.tell() - seen)
 
 
 def _jsonl_documents(path: Path, key: str, bad_records: list[str] | None,
@@ -120,7 +154,7 @@ def _jsonl_documents(path: Path, key: str, bad_records: list[str] | None,
             if bad_records is None:
                 raise DataError(f"{path}:{number}: {err}. Fix: one JSON object per line with a string "
                                 "under --json-key, or pass --skip-bad-records to skip such lines") from None
-            bad_records.append(f"{path.name}:{number}: {err}")
+            bad_records.append(f"{path}:{number}: {err}")
             continue
         if text.strip():
             yield text
@@ -154,12 +188,16 @@ def _text_documents(path: Path, layout: str, on_bytes: Callable[[int], None] | N
     if layout == "auto":
         layout = "wikitext" if any(is_wikitext_title(x) for x in head) else "paragraph"
     lines = itertools.chain(head, handle)
+    if layout == "file":
+        text = "".join(lines)
+        yield from [text] if text.strip() else []
+        return
     split = _wikitext_documents if layout == "wikitext" else _paragraph_documents
     yield from (doc for doc in split(lines) if doc.strip())
 
 
 def _is_jsonl(path: Path) -> bool:
-    if path.suffix in (".json", ".jsonl") or path.suffixes[-2:] in ([".json", ".gz"], [".jsonl", ".gz"]):
+    if Path(path.name.removesuffix(".gz")).suffix in (".json", ".jsonl"):
         return True
     with contextlib.closing(_lines(path, None)) as lines:
         first = next((line for line in lines if line.strip()), "")
@@ -177,6 +215,7 @@ def read_documents(path: Path | str, input_format: str = "auto", json_key: str =
         raise DataError(f"{path}: format {input_format!r} / layout {layout!r} unknown. Fix: use "
                         f"a format from {FORMATS} and a layout from {LAYOUTS}")
     _check_readable(path)
+    _check_text(path)
     if input_format == "jsonl" or (input_format == "auto" and _is_jsonl(path)):
         return _jsonl_documents(path, json_key, bad_records, on_bytes)
     return _text_documents(path, layout, on_bytes)

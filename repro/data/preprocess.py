@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from repro.data.documents import read_documents, split_sentences
+from repro.data.documents import check_gzip, is_gzip, read_documents, split_sentences
 from repro.data.errors import DataError
 from repro.data.filters import (FilterOptions, MinHasher, NearDuplicateFilter, count_overlap,
                                 eval_ngram_set, ngram_hashes, words)
@@ -230,20 +230,35 @@ def _account(result: DocResult, report: PrepareReport, dedup: NearDuplicateFilte
     return False
 
 
+CORPUS_SUFFIXES = (".jsonl", ".json", ".txt", ".text", ".tokens", ".raw")  # also with .gz
+
+
+def _is_corpus_file(path: Path) -> bool:
+    name = path.name.removesuffix(".gz")
+    return Path(name).suffix in CORPUS_SUFFIXES and not name.endswith("_prepare.json")
+
+
+def _directory_files(directory: Path) -> list[Path]:
+    """The corpus files under a directory, recursively, sorted by path; others are named in a warning."""
+    found = sorted(p for p in directory.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    kept = [p for p in found if _is_corpus_file(p)]
+    if len(kept) < len(found):
+        other = [p.name for p in found if not _is_corpus_file(p)]
+        warnings.warn(f"--input {directory}: {len(other)} files are not read, e.g. {', '.join(other[:3])} "
+                      f"(a directory contributes its {', '.join(CORPUS_SUFFIXES)} files and their .gz; "
+                      "name other files explicitly)", stacklevel=4)
+    if not kept:
+        raise DataError(f"--input {directory} is a directory without corpus files ({', '.join(CORPUS_SUFFIXES)} "
+                        "or their .gz). Fix: give the directory that holds the corpus, or the files themselves")
+    return kept
+
+
 def input_files(inputs: Path | str | Iterable[Path | str]) -> list[Path]:
-    """The files to read, in order: each given file, and each directory's visible files sorted by
-    name. A missing path, an empty directory or a file given twice is a DataError."""
+    """The files to read, in order: each given file, and each directory's corpus files (recursively,
+    sorted). An empty directory or a file given twice is a DataError."""
     items = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
-    files: list[Path] = []
-    for item in map(Path, items):
-        if item.is_dir():
-            found = sorted(p for p in item.iterdir() if p.is_file() and not p.name.startswith("."))
-            if not found:
-                raise DataError(f"--input {item} is a directory without files. Fix: give the "
-                                "directory that holds the corpus files, or the files themselves")
-            files.extend(found)
-        else:
-            files.append(item)
+    files = [f for item in map(Path, items) for f in (_directory_files(item) if item.is_dir() else [item])]
     if not files:
         raise DataError("no --input given. Fix: give one or more JSON-lines or text files")
     seen: dict[Path, Path] = {}
@@ -264,14 +279,14 @@ def _documents(files: list[Path], opts: PrepareOptions, bad: list[str] | None, o
             yield doc
 
 
-def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: str) -> PrepareReport:
+def _tokenize_all(opts: PrepareOptions, files: list[Path], tokenizer: TextTokenizer, tmp_prefix: str) -> PrepareReport:
     filters = opts.filters
     eval_set = (eval_ngram_set(opts.data_dir, filters.eval_files, filters.ngram)
                 if filters.eval_overlap else None)
     processor = DocumentProcessor(tokenizer, filters, eval_set)
     dedup = NearDuplicateFilter(filters.dedup_threshold, filters.num_perm) if filters.dedup else None
     bad: list[str] | None = [] if opts.skip_bad_records else None
-    files, sources = input_files(opts.input), collections.deque()
+    sources: collections.deque = collections.deque()
     counts = np.zeros((len(files), 2), dtype=np.int64)  # documents, kept
     report, start = PrepareReport(), time.perf_counter()
     with IndexedDatasetWriter(tmp_prefix, best_dtype(tokenizer.vocab_size)) as writer, \
@@ -291,9 +306,11 @@ def _tokenize_all(opts: PrepareOptions, tokenizer: TextTokenizer, tmp_prefix: st
     return report
 
 
-def _check_kept(opts: PrepareOptions, report: PrepareReport) -> None:
+def _check_kept(opts: PrepareOptions, files: list[Path], report: PrepareReport) -> None:
+    if report.documents == 0:
+        raise DataError(f"{_describe(files)} holds no documents (only blank text). Fix: give the corpus files")
     if report.kept == 0:
-        raise DataError(f"{_describe(opts.input)}: none of its {report.documents} documents survived the "
+        raise DataError(f"{_describe(files)}: none of its {report.documents} documents survived the "
                         f"filters ({report.too_short} under {opts.filters.min_tokens} tokens, "
                         f"{report.eval_overlap} overlapping eval sets, {report.near_duplicates} "
                         "near-duplicates). Fix: lower --min-tokens or disable a filter")
@@ -304,16 +321,17 @@ def output_files(prefix: str) -> list[Path]:
     return [Path(f"{prefix}_{n}{x}") for n in SPLIT_NAMES for x in (".bin", ".idx")] + [Path(f"{prefix}_prepare.json")]
 
 
-def _describe(inputs) -> str:
-    files = input_files(inputs)
+def _describe(files: list[Path]) -> str:
     return str(files[0]) if len(files) == 1 else f"{len(files)} input files ({files[0]}, ...)"
 
 
-def _check_input(opts: PrepareOptions) -> None:
-    """Every input file exists, is not empty and has a known format, before any work starts."""
-    files = input_files(opts.input)
-    for path in files:
+def _check_input(opts: PrepareOptions, files: list[Path]) -> None:
+    """Every input file exists, is text (a gzip one decompresses whole) and has a known format,
+    before any work starts."""
+    for path in tqdm(files, desc="check inputs", unit="file", disable=not opts.progress or len(files) < 2):
         read_documents(path, opts.input_format, opts.json_key, opts.layout)
+        if is_gzip(path):
+            check_gzip(path)  # a cut-short download found now, not hours into the run
     if len(files) > 1 and opts.split_order == "file" and parse_split(opts.split)[1:] != (0, 0):
         warnings.warn(f"{len(files)} input files with --split-order file: valid and test are the last "
                       f"documents read, so come from {files[-1].name} (and the files just before it) alone. "
@@ -345,7 +363,8 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
     Everything is written under temporary names and renamed into place at the end, so a failure
     leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite)."""
     weights = parse_split(opts.split)
-    _check_input(opts)  # input errors first
+    files = input_files(opts.input)
+    _check_input(opts, files)  # input errors first
     _check_outputs(opts)
     _warn_stale_temporaries(opts.output_prefix)
     tokenizer = build_tokenizer(opts.tokenizer, opts.data_dir)
@@ -353,8 +372,8 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
     tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{os.getpid()}"
     staged = f"{opts.output_prefix}.tmp{os.getpid()}"
     try:
-        report = _tokenize_all(opts, tokenizer, tmp_prefix)
-        _check_kept(opts, report)
+        report = _tokenize_all(opts, files, tokenizer, tmp_prefix)
+        _check_kept(opts, files, report)
         unsplit = IndexedDataset(tmp_prefix)
         runs = split_runs(weights, unsplit.num_documents, opts.split_order, opts.split_seed)
         for name, split in zip(SPLIT_NAMES, runs):
@@ -373,7 +392,9 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
 def _write_report(opts: PrepareOptions, report: PrepareReport, path: Path) -> None:
     from repro.provenance import write_atomic
 
-    record = {"options": {k: str(v) for k, v in asdict(opts).items() if k != "filters"},
+    given = [opts.input] if isinstance(opts.input, (str, Path)) else opts.input
+    record = {"options": {**{k: str(v) for k, v in asdict(opts).items() if k != "filters"},
+                          "input": [str(p) for p in given]},
               "filters": asdict(opts.filters), "report": asdict(report),
               "tokens_per_s": report.tokens_per_s}
     write_atomic(path, (json.dumps(record, indent=2) + "\n").encode())

@@ -185,7 +185,8 @@ def register(subparsers) -> None:
     """Add `repro generate`."""
     parser = subparsers.add_parser("generate", help="sample text from a GPT checkpoint (greedy, top-k, top-p)")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory of a GPT training run")
-    parser.add_argument("--prompt", default="", help="text to continue (default: none, unconditional)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: none, unconditional: from the end-of-document token; a "
+                             "spelled-out '<|endoftext|>' is text, not that token)")
     parser.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file instead")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")

@@ -54,6 +54,7 @@ def to_hf_gpt2(model) -> "torch.nn.Module":
 
 # ---- import: transformers.GPT2LMHeadModel -> our model ---------------------------------------------
 
+GPT2_VOCAB_SIZE = 50257
 _SUPPORTED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
               "tie_word_embeddings": (True,)}
@@ -66,6 +67,9 @@ def config_from_hf(hf_config, make_vocab_size_divisible_by: int = 1024) -> Model
                          "GPT2LMHeadModel checkpoints (gpt2, gpt2-medium, ...) can be imported")
     unsupported = [f"{key}={getattr(hf_config, key, None)!r} (this GPT has {' or '.join(map(repr, ok))})"
                    for key, ok in _SUPPORTED.items() if getattr(hf_config, key, ok[0]) not in ok]
+    if hf_config.vocab_size != GPT2_VOCAB_SIZE:
+        unsupported.append(f"vocab_size={hf_config.vocab_size} (this project tokenizes with GPT-2's BPE of "
+                           f"{GPT2_VOCAB_SIZE} tokens; a model with another vocabulary cannot be evaluated with it)")
     inner = hf_config.n_inner or 4 * hf_config.n_embd
     if inner != 4 * hf_config.n_embd:
         unsupported.append(f"n_inner={inner} (this GPT's MLP is 4 x n_embd = {4 * hf_config.n_embd})")

@@ -343,9 +343,9 @@ def _write_model_only(tmp: Path, full: dict, cfg: ModelConfig, meta: dict, tp: i
 def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisible_by: int = 1024) -> Path:
     """Write a transformers GPT2LMHeadModel (a save_pretrained directory, or a hub name where the hub
     is reachable) as a model-only GPT checkpoint at TP degree `tp` into the new directory `dst`."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
 
-    from repro.models.hf import config_from_hf, from_hf_state_dict
+    from repro.models.hf import config_from_hf
 
     dst = Path(dst)
     _check_new_dir(dst)
@@ -354,16 +354,31 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
     cfg.validate(tp)
-    hf = GPT2LMHeadModel.from_pretrained(source, dtype=torch.float32)
-    try:
-        full = from_hf_state_dict(hf.state_dict())
-    except ValueError as err:
-        raise CheckpointError(f"{source}: cannot import ({err})") from None
+    full = _hf_weights(source)
     meta = {"format": FORMAT_VERSION, "family": "gpt", "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
             "model": dataclasses.asdict(cfg), "imported_from": str(source), "git_sha": git_sha()}
     with new_directory(dst) as tmp:
         _write_model_only(tmp, full, cfg, meta, tp)
     return dst
+
+
+def _hf_weights(source: str) -> dict:
+    """Our TP=1 state dict of a GPT2LMHeadModel; a CheckpointError for unreadable or missing weights
+    (transformers would fill missing ones with random values and only warn)."""
+    from safetensors import SafetensorError
+    from transformers import GPT2LMHeadModel
+
+    from repro.models.hf import from_hf_state_dict
+
+    try:
+        hf, info = GPT2LMHeadModel.from_pretrained(source, output_loading_info=True)
+        missing = [k for k in info.get("missing_keys", []) if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+        wrong = [str(k) for k in info.get("mismatched_keys", [])]
+        if missing or wrong:
+            raise ValueError(f"weights missing {missing[:5]} or of the wrong shape {wrong[:5]}")
+        return from_hf_state_dict(hf.state_dict())
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
 
 
 def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):

@@ -152,7 +152,7 @@ def register(sub) -> None:
     e.add_argument("--out", required=True)
     e.set_defaults(func=_wrap(_export_hf))
     i = csub.add_parser("import-hf", help="write a transformers GPT2LMHeadModel (e.g. OpenAI's GPT-2) as a "
-                        "model-only checkpoint at any TP degree")
+                        "model-only checkpoint at a TP degree that divides its heads")
     i.add_argument("model", help="a save_pretrained directory, or a hub name (gpt2-medium) where the hub is reachable")
     i.add_argument("--out", required=True, help="a new directory")
     i.add_argument("--tp", type=int, default=1)

@@ -1,7 +1,7 @@
 """`repro data prepare`: documents -> filtered, tokenized Megatron indexed datasets, split by document.
 
     repro data prepare --input corpus.jsonl --output-prefix data/corpus --tokenizer gpt2
-    repro data prepare --input wiki.jsonl realnews.jsonl.gz openwebtext/ --split-order random ...
+    repro data prepare --input wiki.jsonl realnews.jsonl.gz owt_pages/ --layout file --split-order random ...
     # -> data/corpus_train.{bin,idx}, data/corpus_valid.{bin,idx}, data/corpus_test.{bin,idx}
 
 GPT: one sequence per document, the end-of-document token appended. BERT: one sequence per sentence

@@ -54,9 +54,12 @@ def read_script(path: Path) -> JobScript:
     return JobScript(path, options, match.group(0) if match else None)
 
 
+NOT_EXPERIMENTS = ("launch.sh", "task.sh", "prepare_data.sh")  # helpers, and the corpus every experiment reads
+
+
 def job_scripts() -> list[JobScript]:
-    """Every job script (launch.sh and task.sh are helpers, not jobs)."""
-    return [read_script(p) for p in sorted(slurm_dir().glob("*.sh")) if p.name not in ("launch.sh", "task.sh")]
+    """Every experiment's job script (of a paper table, naming its experiments/*.yaml)."""
+    return [read_script(p) for p in sorted(slurm_dir().glob("*.sh")) if p.name not in NOT_EXPERIMENTS]
 
 
 def table_scripts(table: str) -> list[Path]:

@@ -164,3 +164,23 @@ def test_missing_or_damaged_weights_are_refused_not_filled_at_random(hf_dir, tmp
     proc = _cli("checkpoint", "import-hf", str(partial), "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "cannot import" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_zero_shot_table_names_an_imported_model_by_its_source(hf_dir, tmp_path, monkeypatch):
+    """An eval of imported weights is logged with `imported_from`, and the zero-shot table gives it a
+    row of its own, named by the source, instead of an 'unknown' training run."""
+    from repro.analysis.zeroshot import measured_models
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    ck.import_hf(str(hf_dir), tmp_path / "ck")
+    for task, limit in (("lambada", ["--max-examples", "16"]), ("wikitext", ["--max-lines", "20", "--window", "64"])):
+        proc = _cli("eval", task, "--checkpoint", str(tmp_path / "ck"), "--data-dir", str(mirror()),
+                    "--out", str(tmp_path / "eval.jsonl"), *limit)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = measured_models(uri)
+    assert len(rows) == 1, rows
+    row = rows.iloc[0]
+    assert row["model"] == f"{hf_dir} (imported)" and not row["paper_size"]
+    assert 0 <= row["lambada_acc"] <= 100 and row["wikitext_word_ppl"] > 1
+    assert "import-hf" in row["provenance"] and "first 16 passages" in row["protocol"]

@@ -38,8 +38,14 @@ def _latest_by_model(evals: pd.DataFrame, task: str) -> dict[str, pd.Series]:
     part = evals[evals["tags.task"] == task].sort_values("start_time", ascending=False)
     out = {}
     for _, ev in part.iterrows():
-        out.setdefault(R.get(ev, "tags.training_run_id", "unknown"), ev)
+        out.setdefault(_model_key(ev), ev)
     return out
+
+
+def _model_key(ev) -> str:
+    """The evaluated model: its training run id, `imported:SOURCE` for `checkpoint import-hf` weights."""
+    imported = R.get(ev, "params.imported_from")
+    return R.get(ev, "tags.training_run_id") or (f"imported:{imported}" if imported else "unknown")
 
 
 def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.DataFrame:
@@ -49,6 +55,9 @@ def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.Data
     rows = []
     for train_id in dict.fromkeys([*wiki, *lamb]):
         w, l = wiki.get(train_id), lamb.get(train_id)
+        if train_id.startswith("imported:"):
+            rows.append(_imported_row(train_id.removeprefix("imported:"), w, l))
+            continue
         train = R.get_run_row(tracking_uri, train_id) if train_id != "unknown" else None
         size = R.get(train, "params.model_size") if train else None
         acc = R.get(l, "metrics.lambada/accuracy") if l is not None else None
@@ -62,6 +71,19 @@ def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.Data
                      + "; eval runs " + ", ".join(str(e["run_id"])[:8] for e in (w, l) if e is not None),
                      "training_run_id": train_id})
     return pd.DataFrame(rows)
+
+
+def _imported_row(source: str, w, l) -> dict:
+    """A row for weights imported with `repro checkpoint import-hf` (OpenAI's GPT-2, say)."""
+    acc = R.get(l, "metrics.lambada/accuracy") if l is not None else None
+    return {"model": f"{source} (imported)", "paper_size": False,
+            "wikitext_word_ppl": R.get(w, "metrics.wikitext/word_ppl") if w is not None else None,
+            "lambada_acc": 100 * acc if acc is not None else None,
+            "label": "imported Hugging Face weights, not trained here",
+            "protocol": "; ".join(p for p in (_protocol(w), _protocol(l)) if p),
+            "provenance": f"`repro checkpoint import-hf {source}`; eval runs "
+            + ", ".join(str(e["run_id"])[:8] for e in (w, l) if e is not None),
+            "training_run_id": ""}
 
 
 def build(tracking_uri: str, experiment: str = "zero-shot") -> pd.DataFrame:

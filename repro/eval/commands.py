@@ -143,6 +143,7 @@ def _options(args) -> EvalOptions:
 
 def _handle(args) -> int:
     from repro.data.tokenizers import build_tokenizer
+    from repro.train.checkpoint import read_meta
 
     opts, pg = _options(args), process_groups(args.tp)
     ckpt = gpt_checkpoint(Path(args.checkpoint))
@@ -155,6 +156,9 @@ def _handle(args) -> int:
         raise UserError(str(err)) from err
     record.training_run_id, record.time = run_id, time.time()
     record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
+    imported = read_meta(ckpt).get("imported_from")
+    if imported:  # weights from `repro checkpoint import-hf`: no training run, the source names the model
+        record.params["imported_from"] = imported
     if pg.rank == 0:
         print(format_table(record))
         write_json(record, out)

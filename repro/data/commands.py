@@ -96,8 +96,59 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_prepare)
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from repro.cli import UserError
+    from repro.data import summary as S
+    from repro.data.fetch import data_dir_from_env
+
+    seq_length, global_batch, train_iters, family = args.seq_length, args.global_batch, None, args.tokenizer
+    prefix = args.prefix
+    if args.config:
+        from repro.train.config import load_config
+
+        cfg = load_config(args.config)
+        prefix = prefix or cfg.data.train_prefix
+        seq_length, global_batch = seq_length or cfg.model.seq_length, global_batch or cfg.train.global_batch_size
+        train_iters, family = cfg.train.train_iters, "bert" if cfg.family == "bert" else "gpt2"
+    if not prefix:
+        raise UserError("give a dataset PREFIX, or --config CONFIG whose data.train_prefix names one")
+    rows = [S.summarize(p) for p in S.split_prefixes(prefix)]
+    print(S.format_summaries(rows))
+    report = S.prepare_report(rows[0].prefix)
+    if report:
+        r = report["report"]
+        given = report["options"].get("input")
+        given = given if isinstance(given, list) else [given]
+        source = ", ".join(map(str, given)) if len(given) <= 3 else f"{len(given)} inputs ({given[0]}, ...)"
+        print(f"prepared from {source}: kept {r['kept']:,} of {r['documents']:,} documents "
+              f"({r['too_short']:,} short, {r['eval_overlap']:,} eval overlap, {r['near_duplicates']:,} near-duplicates)")
+    train = next((r for r in rows if r.prefix.endswith("_train")), rows[0])
+    if seq_length and global_batch and family == "gpt2":
+        print(S.format_epochs(train.tokens, seq_length, global_batch, train_iters))
+    if args.show:
+        from repro.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(family, Path(args.data_dir) if args.data_dir else data_dir_from_env())
+        for number, text in enumerate(S.preview(train.prefix, tokenizer, args.show, args.chars)):
+            print(f"[{train.prefix} document {number}] {text}")
+    return 0
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="counts, lengths, epochs and a decoded preview of a prepared dataset")
+    p.add_argument("prefix", nargs="?", help="prepare's --output-prefix, or one PREFIX_train/_valid/_test")
+    p.add_argument("--config", help="a training config: its data.train_prefix, seq length, batch and iterations")
+    p.add_argument("--tokenizer", choices=("gpt2", "bert"), default="gpt2", help="to decode the preview")
+    p.add_argument("--data-dir", help=f"vocabularies (REPRO_DATA_DIR, {DEFAULT_DATA_DIR})")
+    p.add_argument("--seq-length", type=int, default=None, help="GPT: samples per epoch at this length")
+    p.add_argument("--global-batch", type=int, default=None, help="GPT: iterations per epoch at this batch")
+    p.add_argument("--show", type=int, default=2, help="decoded documents to preview (0: none)")
+    p.add_argument("--chars", type=int, default=200, help="characters of each previewed document")
+    p.set_defaults(func=_inspect)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `repro data fetch` and `repro data prepare`."""
+    """Add `repro data fetch`, `repro data prepare` and `repro data inspect`."""
     data = subparsers.add_parser("data", help="evaluation data, vocabularies, indexed datasets")
     sub = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     f = sub.add_parser("fetch", help="copy (REPRO_DATA_MIRROR) or download the eval sets and "
@@ -107,3 +158,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--only", nargs="*", help="relative paths to fetch (default: all)")
     f.set_defaults(func=_fetch)
     _add_prepare(sub)
+    _add_inspect(sub)

@@ -1,0 +1,59 @@
+"""`repro data inspect`: the counts it prints are the dataset's, epochs follow GPTDataset's sample
+rule, a config supplies the run's numbers, and a wrong prefix is a user error naming the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_fixtures import data_dir, data_mirror, gpt2_tokenizer  # noqa: F401
+
+from repro.cli import main
+from repro.data.filters import FilterOptions
+from repro.data.gpt_dataset import GPTDataset
+from repro.data.indexed_dataset import IndexedDataset
+from repro.data.preprocess import PrepareOptions, prepare
+from repro.data.summary import gpt_epoch, summarize
+
+
+@pytest.fixture(scope="module")
+def corpus(data_dir, tmp_path_factory) -> Path:
+    prefix = tmp_path_factory.mktemp("inspect") / "wt"
+    prepare(PrepareOptions(input=data_dir / "wikitext" / "wikitext-2.valid.tokens", output_prefix=str(prefix),
+                           data_dir=data_dir, workers=1, split="50,10,0", progress=False,
+                           filters=FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)))
+    return prefix
+
+
+def test_summary_counts_are_the_datasets(corpus):
+    data, got = IndexedDataset(f"{corpus}_train"), summarize(f"{corpus}_train")
+    per_doc = [len(data.document_tokens(d)) for d in range(data.num_documents)]
+    assert (got.documents, got.sequences, got.tokens) == (50, 50, data.num_tokens) == (50, 50, sum(per_doc))
+    assert got.doc_tokens_max == max(per_doc) and got.doc_tokens_median == np.median(per_doc)
+    assert got.doc_tokens_mean == pytest.approx(np.mean(per_doc))
+    assert summarize(f"{corpus}_test").documents == 0
+
+
+def test_epochs_follow_the_gpt_dataset(corpus):
+    for seq in (64, 128, 1000):
+        samples, iters = gpt_epoch(summarize(f"{corpus}_train").tokens, seq, 8)
+        assert samples == len(GPTDataset(f"{corpus}_train", seq, cache_dir=corpus.parent / "cache")) and iters == samples // 8
+
+
+def test_cli_prints_splits_report_epochs_and_a_decoded_preview(corpus, data_dir, tmp_path, capsys):
+    assert main(["data", "inspect", str(corpus), "--data-dir", str(data_dir), "--seq-length", "128",
+                 "--global-batch", "8", "--show", "1", "--chars", "60"]) == 0
+    out = capsys.readouterr().out
+    samples, iters = gpt_epoch(summarize(f"{corpus}_train").tokens, 128, 8)
+    assert f"{corpus}_train" in out and f"{corpus}_valid" in out and f"{corpus}_test" in out
+    assert "kept 60 of 60 documents" in out and f"{samples:,} samples = {iters:,} iterations per epoch" in out
+    assert "document 0]  = Homarus gammarus = " in out
+    config = tmp_path / "run.yaml"
+    config.write_text(f"include: [{Path(__file__).parents[1] / 'experiments/tiny/gpt_tiny.yaml'}]\n"
+                      f"data:\n  train_prefix: {corpus}_train\ntrain:\n  train_iters: {2 * iters}\n")
+    assert main(["data", "inspect", "--config", str(config), "--show", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"{2 * iters:,} iterations = " in out and " epochs" in out
+    assert main(["data", "inspect", str(tmp_path / "nothing")]) == 2
+    assert "nothing_train.idx. Fix: give the --output-prefix" in capsys.readouterr().err

@@ -57,3 +57,17 @@ def test_cli_prints_splits_report_epochs_and_a_decoded_preview(corpus, data_dir,
     assert f"{2 * iters:,} iterations = " in out and " epochs" in out
     assert main(["data", "inspect", str(tmp_path / "nothing")]) == 2
     assert "nothing_train.idx. Fix: give the --output-prefix" in capsys.readouterr().err
+
+
+def test_bad_config_and_damaged_report_are_named_not_tracebacks(corpus, tmp_path, capsys):
+    assert main(["data", "inspect", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    import shutil
+
+    for name in ("train", "valid"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(f"{corpus}_{name}{ext}", tmp_path / f"c_{name}{ext}")
+    (tmp_path / "c_prepare.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="c_prepare.json: not a readable prepare report"):
+        assert main(["data", "inspect", str(tmp_path / "c"), "--show", "0"]) == 0
+    assert "c_train" in capsys.readouterr().out

@@ -362,3 +362,35 @@ def test_several_inputs_in_file_order_warn_that_valid_and_test_are_the_last_file
                  "--no-dedup", "--no-eval-filter", "--min-tokens", "0"]) == 0
     out = capsys.readouterr().out
     assert f"{a}: kept 20 of 20 documents" in out and f"{b}: kept 20 of 20 documents" in out
+
+
+def test_sigterm_mid_run_removes_the_temporary_files_and_keeps_the_old_dataset(data_dir, tmp_path):
+    """Slurm's time limit sends SIGTERM: the CLI exits 143 with no temporary file left, and an
+    earlier dataset at the prefix (from a first run) is untouched."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(5000)]
+    corpus = tmp_path / "big.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=300))}) + "\n" for _ in range(20000)))
+    small = _write_jsonl(tmp_path / "small.jsonl", ["an earlier dataset"] * 3)
+    _prepare(data_dir, small, tmp_path / "out", filters=NO_FILTERS, split="1,0,0")
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out_*")}
+    cmd = [sys.executable, "-m", "repro.cli", "data", "prepare", "--input", str(corpus), "--output-prefix",
+           str(tmp_path / "out"), "--overwrite", "--data-dir", str(data_dir), "--workers", "2", "--no-progress",
+           "--no-eval-filter", "--min-tokens", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("out.unsplit-tmp*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # well into tokenizing
+    assert proc.poll() is None, "prepare ended before the signal: make the corpus larger"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stdout.read()
+    assert not list(tmp_path.glob("out.*tmp*")), list(tmp_path.glob("out.*tmp*"))
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out_*")} == before

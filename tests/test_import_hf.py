@@ -68,7 +68,7 @@ def test_imported_gpt2_gives_hugging_faces_logits_at_tp1_and_tp2(hf_dir, tmp_pat
     proc = _cli("checkpoint", "import-hf", str(hf_dir), "--out", str(tmp_path / "ck"), "--tp", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     meta = ck.read_meta(tmp_path / "ck")
-    assert meta["tp"] == 2 and meta["imported_from"] == str(hf_dir) and meta["model_only"]
+    assert meta["tp"] == 2 and meta["imported_from"] == str(hf_dir.resolve()) and meta["model_only"]
     assert meta["model"]["seq_length"] == 64 and ck.ModelConfig(**meta["model"]).padded_vocab_size(2) == 51200
     ref = _hf_logits(hf_dir)
     scale = ref.abs().max()
@@ -168,11 +168,13 @@ def test_missing_or_damaged_weights_are_refused_not_filled_at_random(hf_dir, tmp
 
 def test_zero_shot_table_names_an_imported_model_by_its_source(hf_dir, tmp_path, monkeypatch):
     """An eval of imported weights is logged with `imported_from`, and the zero-shot table gives it a
-    row of its own, named by the source, instead of an 'unknown' training run."""
+    row of its own, named by the source, instead of an 'unknown' training run; also when the import
+    sits inside a training run's directory (whose mlflow_run_id names that run)."""
     from repro.analysis.zeroshot import measured_models
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    (tmp_path / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef")  # a training run's directory
     ck.import_hf(str(hf_dir), tmp_path / "ck")
     for task, limit in (("lambada", ["--max-examples", "16"]), ("wikitext", ["--max-lines", "20", "--window", "64"])):
         proc = _cli("eval", task, "--checkpoint", str(tmp_path / "ck"), "--data-dir", str(mirror()),
@@ -181,6 +183,6 @@ def test_zero_shot_table_names_an_imported_model_by_its_source(hf_dir, tmp_path,
     rows = measured_models(uri)
     assert len(rows) == 1, rows
     row = rows.iloc[0]
-    assert row["model"] == f"{hf_dir} (imported)" and not row["paper_size"]
+    assert row["model"] == f"{hf_dir.resolve()} (imported)" and not row["paper_size"]
     assert 0 <= row["lambada_acc"] <= 100 and row["wikitext_word_ppl"] > 1
     assert "import-hf" in row["provenance"] and "first 16 passages" in row["protocol"]

@@ -229,20 +229,21 @@ def test_eval_script_refuses_a_checkpoint_pointer_file(slurm_cluster, site, smok
 
 
 def test_prepare_data_smoke_writes_the_corpus_with_a_worker_per_allocated_cpu(slurm_cluster, site):  # noqa: F811
-    """slurm/prepare_data.sh --smoke on 1 task of 2 CPUs: the WikiText-2 articles through the paper's
-    filters into the run dir's train/valid/test, tokenized by 2 workers (the allocation's CPUs); and
-    without --input/--output-prefix the job stops before srun, naming them."""
-    job = _submit(slurm_cluster, site, "-n1", "-c2", "slurm/prepare_data.sh", "--smoke")
+    """slurm/prepare_data.sh --smoke on 1 task of 1 CPU (the test node has more, and binds no task to
+    its CPUs): the WikiText-2 articles through the paper's filters into the run dir's train/valid/test,
+    tokenized by 1 worker, the allocation's count; without --input/--output-prefix (here spelled
+    --input=...) the job stops before srun, naming them."""
+    job = _submit(slurm_cluster, site, "-n1", "-c1", "slurm/prepare_data.sh", "--smoke")
     record = slurm_cluster.wait_job(job, timeout=240)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", _job_output(site, job)
     prefix = site["runs"] / f"prepare_data-{job}" / "data" / "wiki"
     saved = json.loads(Path(f"{prefix}_prepare.json").read_text())
-    assert saved["options"]["workers"] == "2" and saved["filters"]["dedup"] and saved["filters"]["eval_overlap"]
+    assert saved["options"]["workers"] == "1" and saved["filters"]["dedup"] and saved["filters"]["eval_overlap"]
     from repro.data.indexed_dataset import IndexedDataset
 
     counts = [IndexedDataset(f"{prefix}_{name}").num_documents for name in ("train", "valid", "test")]
     assert counts == [54, 6, 0] and saved["report"]["kept"] == 60, saved["report"]
-    job = _submit(slurm_cluster, site, "-n1", "-c1", "slurm/prepare_data.sh", "--tokenizer", "bert")
+    job = _submit(slurm_cluster, site, "-n1", "-c1", "slurm/prepare_data.sh", "--tokenizer", "bert", "--input=x.jsonl")
     record, out = slurm_cluster.wait_job(job, timeout=60), _job_output(site, job)
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", out
     assert "give prepare's --input FILE... and --output-prefix PREFIX" in out and "step:" not in out, out

@@ -45,7 +45,7 @@ def _latest_by_model(evals: pd.DataFrame, task: str) -> dict[str, pd.Series]:
 def _model_key(ev) -> str:
     """The evaluated model: its training run id, `imported:SOURCE` for `checkpoint import-hf` weights."""
     imported = R.get(ev, "params.imported_from")
-    return R.get(ev, "tags.training_run_id") or (f"imported:{imported}" if imported else "unknown")
+    return f"imported:{imported}" if imported else R.get(ev, "tags.training_run_id") or "unknown"
 
 
 def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.DataFrame:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import signal
 from pathlib import Path
 
 from repro.data.fetch import DEFAULT_DATA_DIR
@@ -19,6 +20,12 @@ def _fetch(args: argparse.Namespace) -> int:
         print(f"{action:>20}  {data_dir / path}")
     print(f"{len(done)} files in {data_dir}, sha256 verified")
     return 0
+
+
+def _exit_for_signal(signum: int, frame) -> None:
+    """SIGTERM as SystemExit, so prepare's cleanup of its temporary files runs (the default action
+    would leave tens of GB of them at the paper's scale)."""
+    raise SystemExit(128 + signum)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -41,6 +48,7 @@ def _prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, skip_bad_records=args.skip_bad_records, split_order=args.split_order,
         split_seed=args.split_seed,
         **({"workers": args.workers} if args.workers is not None else {}))
+    signal.signal(signal.SIGTERM, _exit_for_signal)  # Slurm's time limit or scancel: clean up, then exit
     report = prepare(opts)
     print(f"documents {report.documents}: kept {report.kept}, under {filters.min_tokens} tokens "
           f"{report.too_short}, eval overlap {report.eval_overlap}, near-duplicates "
@@ -104,9 +112,12 @@ def _inspect(args: argparse.Namespace) -> int:
     seq_length, global_batch, train_iters, family = args.seq_length, args.global_batch, None, args.tokenizer
     prefix = args.prefix
     if args.config:
-        from repro.train.config import load_config
+        from repro.train.config import RunConfigError, load_config
 
-        cfg = load_config(args.config)
+        try:
+            cfg = load_config(args.config)
+        except (RunConfigError, OSError) as err:
+            raise UserError(str(err)) from None
         prefix = prefix or cfg.data.train_prefix
         seq_length, global_batch = seq_length or cfg.model.seq_length, global_batch or cfg.train.global_batch_size
         train_iters, family = cfg.train.train_iters, "bert" if cfg.family == "bert" else "gpt2"
@@ -115,6 +126,7 @@ def _inspect(args: argparse.Namespace) -> int:
     rows = [S.summarize(p) for p in S.split_prefixes(prefix)]
     print(S.format_summaries(rows))
     report = S.prepare_report(rows[0].prefix)
+    family = family or (report or {}).get("options", {}).get("tokenizer") or "gpt2"
     if report:
         r = report["report"]
         given = report["options"].get("input")
@@ -125,6 +137,8 @@ def _inspect(args: argparse.Namespace) -> int:
     train = next((r for r in rows if r.prefix.endswith("_train")), rows[0])
     if seq_length and global_batch and family == "gpt2":
         print(S.format_epochs(train.tokens, seq_length, global_batch, train_iters))
+    elif seq_length and global_batch:
+        print("BERT: samples per epoch depend on how sentences pack into samples (built when training starts); not computed here")
     if args.show:
         from repro.data.tokenizers import build_tokenizer
 
@@ -138,7 +152,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="counts, lengths, epochs and a decoded preview of a prepared dataset")
     p.add_argument("prefix", nargs="?", help="prepare's --output-prefix, or one PREFIX_train/_valid/_test")
     p.add_argument("--config", help="a training config: its data.train_prefix, seq length, batch and iterations")
-    p.add_argument("--tokenizer", choices=("gpt2", "bert"), default="gpt2", help="to decode the preview")
+    p.add_argument("--tokenizer", choices=("gpt2", "bert"), default=None,
+                   help="to decode the preview (default: the one prepare used, from PREFIX_prepare.json)")
     p.add_argument("--data-dir", help=f"vocabularies (REPRO_DATA_DIR, {DEFAULT_DATA_DIR})")
     p.add_argument("--seq-length", type=int, default=None, help="GPT: samples per epoch at this length")
     p.add_argument("--global-batch", type=int, default=None, help="GPT: iterations per epoch at this batch")

@@ -28,6 +28,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -142,6 +143,7 @@ class DocumentProcessor:
 def _init_worker(processor: DocumentProcessor) -> None:
     # The only module-level state: set once in each pool worker process, never in the parent.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool stops its workers with SIGTERM
     _process_chunk.processor = processor
 
 

@@ -14,6 +14,7 @@ iterations per epoch (4.38 epochs of a 35.9B-token corpus).
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,16 +41,24 @@ class SplitSummary:
     doc_tokens_max: int
 
 
+def document_lengths(data: IndexedDataset) -> np.ndarray:
+    """Tokens of each document from the memory-mapped sequence pointers: O(documents) memory, not
+    O(sentences) (a BERT corpus at the paper's scale has ~1.5B of them)."""
+    bounds = np.asarray(data.document_indices, dtype=np.int64)
+    pointers, end = data.sequence_pointers, data.num_tokens * np.dtype(data.dtype).itemsize
+    if len(pointers) == 0:
+        return np.zeros(len(bounds) - 1, dtype=np.int64)
+    at = np.where(bounds < len(pointers), pointers[np.minimum(bounds, len(pointers) - 1)], end)
+    return np.diff(at) // np.dtype(data.dtype).itemsize
+
+
 def summarize(prefix: str | Path) -> SplitSummary:
     """Counts and document-length statistics of one indexed dataset, from its index alone."""
     data = IndexedDataset(prefix)
-    lengths = np.asarray(data.sequence_lengths, dtype=np.int64)
-    bounds = np.asarray(data.document_indices, dtype=np.int64)
-    cum = np.concatenate([[0], np.cumsum(lengths)])
-    per_doc = cum[bounds[1:]] - cum[bounds[:-1]]
+    per_doc = document_lengths(data)
     stats = (float(per_doc.mean()), float(np.median(per_doc)), float(np.percentile(per_doc, 99)),
              int(per_doc.max())) if len(per_doc) else (0.0, 0.0, 0.0, 0)
-    return SplitSummary(str(prefix), data.num_documents, len(data), int(cum[-1]), *stats)
+    return SplitSummary(str(prefix), data.num_documents, len(data), data.num_tokens, *stats)
 
 
 def split_prefixes(prefix: str | Path) -> list[str]:
@@ -70,12 +79,21 @@ def gpt_epoch(tokens: int, seq_length: int, global_batch: int) -> tuple[int, int
 
 
 def prepare_report(prefix: str | Path) -> dict | None:
-    """The PREFIX_prepare.json `repro data prepare` wrote beside the splits, if any."""
+    """The PREFIX_prepare.json `repro data prepare` wrote beside the splits, if any (an unreadable
+    one is skipped with a warning: the datasets themselves are what counts)."""
     base = str(prefix)
     for name in SPLIT_NAMES:
         base = base.removesuffix(f"_{name}")
     path = Path(f"{base}_prepare.json")
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text())
+        report["report"]["kept"]
+        return report
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        warnings.warn(f"{path}: not a readable prepare report ({err}); skipped", stacklevel=2)
+        return None
 
 
 def format_summaries(rows: list[SplitSummary]) -> str:

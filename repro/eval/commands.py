@@ -157,8 +157,8 @@ def _handle(args) -> int:
     record.training_run_id, record.time = run_id, time.time()
     record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
     imported = read_meta(ckpt).get("imported_from")
-    if imported:  # weights from `repro checkpoint import-hf`: no training run, the source names the model
-        record.params["imported_from"] = imported
+    if imported:  # weights from `repro checkpoint import-hf`: no training run (even inside a run's directory)
+        record.params["imported_from"], record.training_run_id = imported, None
     if pg.rank == 0:
         print(format_table(record))
         write_json(record, out)

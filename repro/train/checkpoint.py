@@ -356,7 +356,8 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
     cfg.validate(tp)
     full = _hf_weights(source)
     meta = {"format": FORMAT_VERSION, "family": "gpt", "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
-            "model": dataclasses.asdict(cfg), "imported_from": str(source), "git_sha": git_sha()}
+            "model": dataclasses.asdict(cfg), "git_sha": git_sha(),
+            "imported_from": str(Path(source).resolve()) if Path(source).exists() else str(source)}
     with new_directory(dst) as tmp:
         _write_model_only(tmp, full, cfg, meta, tp)
     return dst

@@ -142,6 +142,12 @@ def test_training_inside_a_users_active_mlflow_run_gets_its_own_run(corpus, tmp_
     assert final["mlflow_run_id"] != mine.info.run_id
     run = client.get_run(final["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.params["tp"] == "1" and "loss" in run.data.metrics
+    from repro.data.gpt_dataset import GPTDataset
+
+    cfg = load_config(TINY, over)
+    samples = len(GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=tmp_path / "cache"))
+    assert run.data.params["data_train_samples_per_epoch"] == str(samples)
+    assert float(run.data.params["data_epochs"]) == pytest.approx(2 * cfg.train.global_batch_size / samples, abs=1e-4)
     assert client.get_run(mine.info.run_id).data.metrics == {}
 
 def test_unreachable_server_then_sync(corpus, tmp_path):

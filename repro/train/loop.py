@@ -83,6 +83,14 @@ def run_params(cfg: RunConfig, eng: Engine) -> dict[str, str]:
             "torch_version": torch.__version__}
 
 
+def data_params(cfg: RunConfig, train_data) -> dict[str, str]:
+    """The training split's size and how many epochs of it the run makes (MLflow params, and a line
+    at start): the paper's GPT-2 runs made 300k iterations at 68,507 an epoch, 4.38 epochs."""
+    samples = len(train_data)
+    return {"data_train_tokens": str(train_data.data.num_tokens), "data_train_samples_per_epoch": str(samples),
+            "data_epochs": f"{cfg.train.train_iters * cfg.train.global_batch_size / samples:.4f}"}
+
+
 def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
     """Write a complete checkpoint of every rank (atomic: temp dir, rename, then `latest`).
 
@@ -263,7 +271,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         valid = _valid_loader(cfg, pg)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
-        logger = _logger(cfg, eng, resume_id, tags or {}) if pg.rank == 0 else None
+        logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data)) if pg.rank == 0 else None
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
         interval, final = _Interval(), {}
         if "rng" in meta:
@@ -315,11 +323,14 @@ def _say_finishing(cfg: RunConfig, saved: dict, rank: int) -> None:
               "and final metrics", flush=True)
 
 
-def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags) -> RunLogger:
+def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str]) -> RunLogger:
     all_tags = {"family": cfg.tracking.experiment, "paper_ref": cfg.tracking.paper_ref,
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), **tags}
-    logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name, run_params(cfg, eng), all_tags,
-                       use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id)
+    print(f" train data {cfg.data.train_prefix}: {int(data['data_train_tokens']):,} tokens, "
+          f"{int(data['data_train_samples_per_epoch']):,} samples an epoch; {cfg.train.train_iters:,} iterations "
+          f"of {cfg.train.global_batch_size} = {float(data['data_epochs']):.2f} epochs", flush=True)
+    logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name, {**run_params(cfg, eng), **data},
+                       all_tags, use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id)
     config_path = Path(cfg.run_dir) / "config.yaml"
     write_atomic(config_path, to_yaml(cfg).encode())
     logger.log_artifact(config_path)

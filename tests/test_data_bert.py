@@ -218,3 +218,28 @@ def test_document_chunks_cover_documents_within_the_bound(chunk, monkeypatch):
     alone = np.array([end - first == 1 for first, end in chunks])
     assert (alone | (sizes <= chunk)).all()  # only a lone document may exceed the bound
     assert chunk == 1 or sizes.mean() > chunk / 2  # chunks are filled, not one document each
+
+
+def test_truncation_lengths_and_sides_match_the_token_by_token_rule():
+    """The closed form gives the lengths of trimming one token at a time from the longer segment (A on
+    a tie); the tokens removed from the front are Binomial(n, 1/2), as 1/2 per token is."""
+    from repro.data.bert_dataset import _truncate, truncated_lengths
+
+    def one_at_a_time(la: int, lb: int, limit: int) -> tuple[int, int]:
+        while la + lb > limit:
+            la, lb = (la - 1, lb) if la >= lb else (la, lb - 1)
+        return la, lb
+
+    for la in range(0, 30):
+        for lb in range(0, 30):
+            for limit in (0, 1, 5, 17, 29, 60):
+                assert truncated_lengths(la, lb, limit) == one_at_a_time(la, lb, limit), (la, lb, limit)
+    rng = np.random.default_rng(0)
+    a, b = np.arange(100), np.arange(100, 130)
+    fronts = []
+    for _ in range(4000):
+        ta, tb = _truncate(a, b, 50, rng)
+        assert (len(ta), len(tb)) == truncated_lengths(100, 30, 50) == (25, 25)
+        assert np.array_equal(ta, np.arange(ta[0], ta[0] + 25)) and np.array_equal(tb, np.arange(tb[0], tb[0] + 25))
+        fronts.append(ta[0])
+    assert abs(np.mean(fronts) - 37.5) < 0.3 and abs(np.var(fronts) - 75 / 4) < 1.5  # Binomial(75, 1/2)

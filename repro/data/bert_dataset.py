@@ -124,13 +124,25 @@ def _chunk_samples(data: IndexedDataset, first_doc: int, end_doc: int, seed: int
     return rows[np.argsort(rows[:, 0], kind="stable")]
 
 
+def truncated_lengths(len_a: int, len_b: int, limit: int) -> tuple[int, int]:
+    """Lengths after trimming one token at a time from the longer segment (A on a tie) until
+    len_a + len_b <= limit, in closed form."""
+    excess = len_a + len_b - limit
+    if excess <= 0:
+        return len_a, len_b
+    gap = min(abs(len_a - len_b), excess)  # first the longer one, down to the other's length
+    len_a, len_b = (len_a - gap, len_b) if len_a >= len_b else (len_a, len_b - gap)
+    rest = excess - gap  # then alternately, A first
+    return len_a - (rest + 1) // 2, len_b - rest // 2
+
+
 def _truncate(a: np.ndarray, b: np.ndarray, limit: int, rng: np.random.Generator):
-    while len(a) + len(b) > limit:
-        if len(a) >= len(b):
-            a = a[1:] if rng.random() < 0.5 else a[:-1]
-        else:
-            b = b[1:] if rng.random() < 0.5 else b[:-1]
-    return a, b
+    """Trim the longer segment token by token until both fit, each token from the front or the back
+    with probability 1/2 (as the 2020 Megatron code): the count from the front is Binomial(n, 1/2),
+    drawn at once, so a 10k-token web "sentence" costs one draw, not 10k."""
+    keep_a, keep_b = truncated_lengths(len(a), len(b), limit)
+    front_a, front_b = rng.binomial([len(a) - keep_a, len(b) - keep_b], 0.5)
+    return a[front_a:front_a + keep_a], b[front_b:front_b + keep_b]
 
 
 def _word_spans(tokens: np.ndarray, continuation: np.ndarray, real: np.ndarray) -> list[range]:

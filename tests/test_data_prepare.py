@@ -394,3 +394,31 @@ def test_sigterm_mid_run_removes_the_temporary_files_and_keeps_the_old_dataset(d
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stdout.read()
     assert not list(tmp_path.glob("out.*tmp*")), list(tmp_path.glob("out.*tmp*"))
     assert {p.name: p.read_bytes() for p in tmp_path.glob("out_*")} == before
+
+
+def test_file_order_train_split_is_the_unsplit_file_cut_not_a_copy(data_dir, gpt2_tokenizer, tmp_path, monkeypatch):
+    """In file order train is the first documents: the unsplit .bin is cut and renamed into train (its
+    inode survives; no second copy on disk), with the same datasets a copy gives (random order)."""
+    import os
+
+    import repro.data.indexed_dataset as ix
+    import repro.data.preprocess as pre
+
+    path = data_dir / "wikitext" / "wikitext-2.valid.tokens"
+    inodes = {}
+    original = ix.move_leading_documents
+
+    def spy(src, n, prefix):
+        inodes["unsplit"] = os.stat(f"{src}.bin").st_ino
+        original(src, n, prefix)
+        inodes["train"] = os.stat(f"{prefix}.bin").st_ino
+    monkeypatch.setattr(pre, "move_leading_documents", spy)
+    _prepare(data_dir, path, tmp_path / "cut", split="40,15,5", filters=NO_FILTERS)
+    assert inodes["unsplit"] == inodes["train"]
+    monkeypatch.setattr(pre, "move_leading_documents", original)
+    docs = [gpt2_tokenizer.encode(d) + [gpt2_tokenizer.eod] for d in read_documents(path)]
+    for name, (lo, hi) in zip(("train", "valid", "test"), ((0, 40), (40, 55), (55, 60))):
+        ds = IndexedDataset(tmp_path / f"cut_{name}")
+        assert [ds.document_tokens(d).tolist() for d in range(ds.num_documents)] == docs[lo:hi], name
+        assert Path(f"{tmp_path}/cut_{name}.bin").stat().st_size == sum(map(len, docs[lo:hi])) * 2
+    assert not list(tmp_path.glob("cut.*tmp*"))

@@ -240,6 +240,22 @@ def document_runs(doc_ids: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(firsts.tolist(), lasts.tolist()))
 
 
+def move_leading_documents(src_prefix: str | Path, num_documents: int, prefix: str | Path) -> None:
+    """Make the first `num_documents` documents of dataset SRC the new dataset PREFIX without copying
+    a token: SRC's .bin is cut to their bytes and renamed (a train split of the paper's corpus is
+    ~85 GB that would otherwise exist twice on disk). SRC's .idx stays; SRC is no longer a dataset."""
+    src, pid = IndexedDataset(src_prefix), os.getpid()
+    sequences = int(src.document_indices[num_documents])
+    lengths = src.sequence_lengths[:sequences]  # views of the .idx memmap, which is not touched
+    nbytes = int(lengths.sum(dtype=np.int64)) * np.dtype(src.dtype).itemsize
+    with open(f"{prefix}.idx.tmp{pid}", "wb") as handle:
+        write_index(handle, lengths, src.document_indices[:num_documents + 1], src.dtype)
+    del src  # no mapping of the .bin may outlive its truncation
+    os.truncate(f"{src_prefix}.bin", nbytes)
+    os.replace(f"{src_prefix}.bin", f"{prefix}.bin")
+    os.replace(f"{prefix}.idx.tmp{pid}", f"{prefix}.idx")
+
+
 def copy_document_runs(src: IndexedDataset, runs: list[tuple[int, int]], prefix: str | Path) -> None:
     """Write the documents of `runs` ([first, last) ranges, in order) of src as a new dataset PREFIX:
     one block copy per run, streamed from the memmap in slices (a split of the paper's corpus is

@@ -43,7 +43,7 @@ from repro.data.errors import DataError
 from repro.data.filters import (FilterOptions, MinHasher, NearDuplicateFilter, count_overlap,
                                 eval_ngram_set, ngram_hashes, words)
 from repro.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, best_dtype,
-                                        copy_document_runs, document_runs)
+                                        copy_document_runs, document_runs, move_leading_documents)
 from repro.data.tokenizers import TextTokenizer, build_tokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -378,10 +378,14 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
         _check_kept(opts, files, report)
         unsplit = IndexedDataset(tmp_prefix)
         runs = split_runs(weights, unsplit.num_documents, opts.split_order, opts.split_seed)
+        train_leads = len(runs[0]) == 1 and runs[0][0][0] == 0  # train = the first documents (file order)
         for name, split in zip(SPLIT_NAMES, runs):
-            copy_document_runs(unsplit, split, f"{staged}_{name}")
+            if not (train_leads and name == "train"):
+                copy_document_runs(unsplit, split, f"{staged}_{name}")
             report.outputs[f"{opts.output_prefix}_{name}"] = sum(hi - lo for lo, hi in split)
         del unsplit
+        if train_leads:  # the unsplit file, cut after train's documents, becomes train: no second copy
+            move_leading_documents(tmp_prefix, runs[0][0][1], f"{staged}_train")
         _write_report(opts, report, Path(f"{staged}_prepare.json"))
         for src, dst in zip(output_files(staged), output_files(opts.output_prefix)):
             os.replace(src, dst)

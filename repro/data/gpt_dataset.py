@@ -32,6 +32,11 @@ class GPTBatch(NamedTuple):
     labels: torch.Tensor
 
 
+def samples_per_epoch(num_tokens: int, seq_length: int) -> int:
+    """Samples of seq_length + 1 tokens, overlapping by one, that num_tokens tokens hold."""
+    return (num_tokens - 1) // seq_length if seq_length > 0 and num_tokens > 0 else 0
+
+
 def _cache_prefix(prefix: str, cache_dir: Path | str | None) -> str:
     if cache_dir is None:
         return prefix
@@ -47,7 +52,7 @@ class GPTDataset:
         self.data = IndexedDataset(prefix)
         self.seq_length = seq_length
         tokens = self.data.num_tokens
-        self.samples_per_epoch = (tokens - 1) // seq_length if seq_length > 0 else 0
+        self.samples_per_epoch = samples_per_epoch(tokens, seq_length)
         if self.samples_per_epoch < 1:
             raise DataError(f"{prefix}.bin: {tokens} tokens cannot fill one sample of "
                             f"seq_length + 1 = {seq_length + 1}. Fix: use a shorter seq_length "

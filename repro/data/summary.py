@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from repro.data.errors import DataError
+from repro.data.gpt_dataset import samples_per_epoch
 from repro.data.indexed_dataset import IndexedDataset
 from repro.data.preprocess import SPLIT_NAMES
 
@@ -73,8 +74,8 @@ def split_prefixes(prefix: str | Path) -> list[str]:
 
 
 def gpt_epoch(tokens: int, seq_length: int, global_batch: int) -> tuple[int, int]:
-    """(samples, iterations) per epoch of a GPT corpus: seq_length + 1 tokens a sample, as GPTDataset."""
-    samples = max(tokens - 1, 0) // seq_length
+    """(samples, iterations) per epoch of a GPT corpus, by GPTDataset's rule."""
+    samples = samples_per_epoch(tokens, seq_length)
     return samples, samples // global_batch
 
 

@@ -97,7 +97,8 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         h, init = cfg.hidden_size, normal_init(cfg.init_method_std)
         self.word = VocabParallelEmbedding(padded_vocab, h, tp_group=tp_group, init=init,
-                                           generator=generator, device=device)
+                                           generator=generator, device=device, vocab_size=cfg.vocab_size,
+                                           drawn_rows=cfg.padded_vocab_size(1))  # same draws at every tp
         self.position = nn.Embedding(cfg.seq_length, h, device=device)
         self.tokentype = nn.Embedding(cfg.num_tokentypes, h, device=device)
         _init_replicated(self.position.weight, init, generator)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from repro.models.bert import BERT, IGNORE_INDEX, BertConfig
-from repro.parallel.checks import TOLERANCE, Check, full_grads, rel_error
+from repro.parallel.checks import TOLERANCE, Check, full_grads, max_grad_error, rel_error, tiny_dims
 from repro.parallel.grads import all_reduce_gradients
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.mappings import gather_from_tensor_parallel_region
@@ -66,8 +66,7 @@ def _dp_mean(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
 def check_bert_equivalence(pg: ProcessGroups, order: str = "pre", dtype=torch.float32,
                            per_rank: int = 2) -> list[Check]:
     """MLM/SOP logits, MLM/SOP losses and every gradient of TP x DP BERT equal the serial model's."""
-    heads = max(TINY_BERT.num_attention_heads, pg.tp_size)
-    cfg = BertConfig(**{**TINY_BERT.__dict__, "num_attention_heads": heads, "layernorm_order": order})
+    cfg = BertConfig(**{**TINY_BERT.__dict__, **tiny_dims(pg.tp_size), "layernorm_order": order})
     tol, tag = TOLERANCE[dtype], f"bert {order} tp={pg.tp_size} dp={pg.dp_size} {str(dtype)[6:]}"
     batch = random_bert_batch(cfg, per_rank * pg.dp_size)
     ref_out, ref_loss, ref_grads = _serial_reference(cfg, batch, pg.dp_size, per_rank, dtype)
@@ -85,7 +84,7 @@ def check_bert_equivalence(pg: ProcessGroups, order: str = "pre", dtype=torch.fl
         Check(f"{tag}: SOP logits", rel_error(out.sop_logits.detach(), ref_out.sop_logits[rows]), tol),
         Check(f"{tag}: MLM loss", rel_error(_dp_mean(losses["mlm"], pg), ref_loss["mlm"]), tol),
         Check(f"{tag}: SOP loss", rel_error(_dp_mean(losses["sop"], pg), ref_loss["sop"]), tol),
-        Check(f"{tag}: every gradient", max(rel_error(grads[n], ref_grads[n]) for n in ref_grads), tol),
+        Check(f"{tag}: every gradient", max_grad_error(grads, ref_grads), tol),
     ]
 
 

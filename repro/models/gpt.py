@@ -108,7 +108,8 @@ class GPT(nn.Module):
         init = normal_init(cfg.init_method_std)
         self.transformer = nn.ModuleDict(dict(
             wte=VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group=tp_group,
-                                       init=init, generator=generator, device=device),
+                                       init=init, generator=generator, device=device, vocab_size=cfg.vocab_size,
+                                       drawn_rows=cfg.padded_vocab_size(1)),  # same draws at every tp
             wpe=nn.Embedding(cfg.seq_length, cfg.hidden_size, device=device),
             drop=nn.Dropout(cfg.hidden_dropout),
             h=nn.ModuleList(Block(cfg, tp_group, rng, generator, device) for _ in range(cfg.num_layers)),

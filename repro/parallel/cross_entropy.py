@@ -61,5 +61,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     probability and zero gradient. `inplace=True` (float32/float64 logits) overwrites `logits` with the
     softmax instead of allocating a copy, as Megatron does: only for logits nobody reads afterwards and
     no autograd node saved (a matmul's output is not saved).
+
+    There is no ignore-index: every target must be in [0, padded vocab), and -100 (or any other id
+    outside) raises (a RuntimeError on CPU, a device-side assert on GPU; no host sync). To skip
+    positions, clamp their targets into range and mask their losses, as `BERT.losses` does.
     """
+    vocab = logits.shape[-1] * group_size(tp_group)
+    torch._assert_async(((target >= 0) & (target < vocab)).all(),
+                        f"vocab_parallel_cross_entropy: a target is outside [0, {vocab}) (no ignore-index: "
+                        "clamp the targets of skipped positions and mask their losses)")
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, inplace)

@@ -1,7 +1,8 @@
 """Tensor-parallel layers: the paper's column- and row-parallel linears and vocab-parallel embedding.
 
 Every layer draws its *full* master weight from a generator shared by all ranks and keeps only
-its own slice, so a model built from the same seed is bit-identical at every TP degree. Sharded
+its own slice, so a model built from the same seed is bit-identical at every TP degree (the
+embedding draws a tp-independent number of rows although its padding depends on tp). Sharded
 parameters carry `tensor_model_parallel=True`, `partition_dim` and `partition_stride`, which the
 gradient norm, DeepSpeed ZeRO and checkpoint resharding read.
 """
@@ -82,15 +83,37 @@ def pad_vocab_rows(tensor: torch.Tensor, padded_vocab: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(padded_vocab - tensor.shape[0], *tensor.shape[1:])])
 
 
+def tp_markers(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """name -> (partition_dim, partition_stride) of every TP-sharded parameter of `module`."""
+    return {n: (p.partition_dim, getattr(p, "partition_stride", 1))
+            for n, p in module.named_parameters() if is_tensor_parallel(p)}
+
+
+def to_empty_keeping_markers(module: nn.Module, device) -> nn.Module:
+    """`module.to_empty(device=device)` with the TP markers kept (to_empty replaces every Parameter)."""
+    markers = tp_markers(module)
+    module = module.to_empty(device=device)
+    for name, p in module.named_parameters():
+        if name in markers:
+            mark_tensor_parallel(p, *markers[name])
+    return module
+
+
 def _init_sharded(
     param: nn.Parameter, full_shape: tuple[int, ...], dim: int, group, stride: int,
-    init: InitFn, generator: torch.Generator | None,
+    init: InitFn, generator: torch.Generator | None, drawn_rows: int | None = None,
 ) -> None:
-    """Draw the full master weight on CPU, then copy this rank's slice into `param`."""
+    """Draw the full master weight on CPU, then copy this rank's slice into `param`.
+
+    With `drawn_rows`, only that many rows (dim 0) are drawn and the rest are zero.
+    """
     if param.is_meta:
         return
-    master = torch.empty(full_shape, dtype=torch.float32)
+    rows = full_shape[0] if drawn_rows is None else drawn_rows
+    master = torch.empty(rows, *full_shape[1:], dtype=torch.float32)
     init(master, generator)
+    if rows < full_shape[0]:
+        master = pad_vocab_rows(master, full_shape[0])
     shard = shard_master(master, dim, group_rank(group), group_size(group), stride)
     with torch.no_grad():
         param.copy_(shard)
@@ -114,6 +137,10 @@ class ColumnParallelLinear(nn.Module):
         generator: torch.Generator | None = None, device=None, dtype=None,
     ) -> None:
         super().__init__()
+        if gather_output and stride > 1:
+            raise ValueError(f"ColumnParallelLinear: gather_output=True with stride={stride} is not supported "
+                             "(the gathered columns would come out interleaved per rank, not in the serial "
+                             "order): keep the output parallel (gather_output=False)")
         self.tp_group, self.gather_output = tp_group, gather_output
         tp = group_size(tp_group)
         self.out_per_rank = _divide(out_features, tp * stride, "out_features / stride") * stride
@@ -157,25 +184,33 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding split along the vocabulary: rank i owns ids [i*V/tp, (i+1)*V/tp).
 
-    Ids outside this rank's range give zero rows; g sums the partial lookups.
+    Ids outside this rank's range give zero rows; g sums the partial lookups. An id outside
+    [0, vocab_size) fails at every TP degree alike (a RuntimeError on CPU, a device-side assert on
+    GPU; no host sync). Only `drawn_rows` rows (default all) are drawn from `generator`, the rest
+    are zero: pass a tp-independent count (the tp=1 padded vocab) so that the generator stream,
+    and so every later layer, is the same at every TP degree.
     """
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
         init: InitFn = normal_init(0.02), generator: torch.Generator | None = None,
-        device=None, dtype=None,
+        device=None, dtype=None, vocab_size: int | None = None, drawn_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.num_embeddings = num_embeddings
+        self.vocab_size = num_embeddings if vocab_size is None else vocab_size
+        self._bad_id = f"VocabParallelEmbedding: a token id is outside [0, {self.vocab_size})"
         per_rank = _divide(num_embeddings, group_size(tp_group), "padded vocab size")
         self.vocab_start = group_rank(tp_group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=0)
-        _init_sharded(self.weight, (num_embeddings, embedding_dim), 0, tp_group, 1, init, generator)
+        _init_sharded(self.weight, (num_embeddings, embedding_dim), 0, tp_group, 1, init, generator,
+                      drawn_rows=drawn_rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        torch._assert_async(((ids >= 0) & (ids < self.vocab_size)).all(), self._bad_id)
         if group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

@@ -35,6 +35,14 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The default generator of `device` itself (for CUDA: of that GPU, not of the current one)."""
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
 def seed_default_generators(seed: int, device: torch.device) -> None:
     """Seed the CPU generator and, on GPU, the device's generator (same seed on all TP ranks)."""
     torch.manual_seed(seed)
@@ -51,11 +59,8 @@ class RNGTracker:
         self._state = self._fresh_state(self.seed)
 
     def _fresh_state(self, seed: int) -> torch.Tensor:
-        saved = _get_state(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
+        saved = _get_state(self.device)  # also initialises CUDA, so default_generators is filled
+        _default_generator(self.device).manual_seed(seed)
         fresh = _get_state(self.device)
         _set_state(self.device, saved)
         return fresh

@@ -58,7 +58,7 @@ def print_table(rows: list[dict], title: str) -> None:
 def _run(args) -> int:
     import torch.distributed as dist
 
-    from repro.parallel.spawn import run_ranks
+    from repro.parallel.spawn import check_gpu_count, run_ranks
 
     from repro.parallel.groups import default_backend, discover_launch_env
 
@@ -75,10 +75,14 @@ def _run(args) -> int:
             return 0
         rows, world = merge(gathered), pg.dims.world_size
     else:
-        if args.nproc < 1:
-            from repro.cli import UserError
+        from repro.cli import UserError
 
+        if args.nproc < 1:
             raise UserError(f"--nproc {args.nproc}: spawn at least one rank. Fix: e.g. --nproc 2")
+        try:
+            check_gpu_count(args.nproc, backend)
+        except ValueError as err:
+            raise UserError(str(err)) from None
         world = args.nproc
         rows = merge(run_ranks(rank_main, world, world, timeout=args.timeout, backend=backend))
     print_table(rows, f"repro selftest: {world} ranks, {backend}, torch {torch.__version__}")

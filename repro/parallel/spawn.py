@@ -25,6 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_gpu_count(world_size: int, backend: str, visible: int | None = None) -> None:
+    """Raise ValueError when NCCL ranks would outnumber the visible GPUs (rank r uses GPU r)."""
+    if backend != "nccl":
+        return
+    visible = torch.cuda.device_count() if visible is None else visible
+    if world_size > visible:
+        raise ValueError(f"{world_size} NCCL ranks need {world_size} GPUs (one per rank), but {visible} "
+                         f"{'is' if visible == 1 else 'are'} visible: spawn at most {visible} ranks "
+                         "(--nproc), or use more GPUs (check CUDA_VISIBLE_DEVICES)")
+
+
 def _entry(rank, world_size, port, backend, fn, args, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -46,9 +57,11 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
               backend: str = "gloo") -> list[Any]:
     """Spawn `world_size` ranks running fn(*args); return their results in rank order.
 
-    Raises RuntimeError with the failing rank's traceback, or TimeoutError after `timeout`
-    seconds (the ranks are then killed, so a hung collective never hangs the caller).
+    Raises ValueError before spawning when NCCL ranks outnumber the visible GPUs, RuntimeError with
+    the failing rank's traceback, or TimeoutError after `timeout` seconds (the ranks are then
+    killed, so a hung collective never hangs the caller).
     """
+    check_gpu_count(world_size, backend)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
-from repro.parallel.layers import pad_vocab_rows, shard_master, unshard
+from repro.parallel.layers import pad_vocab_rows, shard_master, to_empty_keeping_markers, unshard
 from repro.provenance import git_sha, write_atomic
 
 FORMAT_VERSION = 1
@@ -396,6 +396,6 @@ def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):
         state = shard_state(full, spec, pg.tp_rank, pg.tp_size, cfg.padded_vocab_size(pg.tp_size))
     with torch.device("meta"):
         model = _build(cfg, meta.get("family", "gpt"), tp_group=pg.tp_group)
-    model = model.to_empty(device=device)
+    model = to_empty_keeping_markers(model, device)  # grad norm, ZeRO and resharding read the TP markers
     model.load_state_dict(state)
     return model.eval()

@@ -1,0 +1,223 @@
+"""Edges of the TP layers found in review: world sizes with a factor other than 2, out-of-range ids
+and targets, the same model at every TP degree whatever the vocab padding, TP markers after a
+meta-device load, and the spawn harness's GPU count check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from repro.models.bert import BERT, BertConfig
+from repro.models.bert_checks import TINY_BERT, run_bert_checks
+from repro.models.gpt import GPT
+from repro.parallel import checks
+from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
+from repro.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, gather_full, is_tensor_parallel
+from repro.parallel.spawn import check_gpu_count, run_ranks
+
+BAD_ID = r"token id is outside \[0, 1000\)"
+BAD_TARGET = r"target is outside \[0, 1024\)"
+
+
+# --- world size 3: the selftest checks and the same model at tp=3 as at tp=1 -----------------------
+
+def _full_state(model: torch.nn.Module, tp_group, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Every parameter unsharded, vocabulary-indexed ones cut to the real vocab."""
+    from repro.train.checkpoint import VOCAB_ROWS
+
+    full = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = gather_full(p, tp_group) if is_tensor_parallel(p) and tp_group is not None else p
+            full[name] = t[:vocab_size] if name in VOCAB_ROWS else t
+    return full
+
+
+def _same_as_serial(family, cfg, pg) -> dict:
+    """Does the tp=3 model equal the serial one with the same seed (the vocab padding differs)?"""
+    serial, sharded = family(cfg, seed=42), family(cfg, pg.tp_group, seed=42)
+    ours, ref = _full_state(sharded, pg.tp_group, cfg.vocab_size), _full_state(serial, None, cfg.vocab_size)
+    return {"padded": (serial.padded_vocab, sharded.padded_vocab), "names": sorted(ours) == sorted(ref),
+            "differ": [n for n in ref if not torch.equal(ours[n], ref[n])]}
+
+
+def _world_of_three() -> dict:
+    from repro.parallel.groups import ParallelDims, build_process_groups
+    from repro.parallel.selftest import layouts_for
+
+    rows = checks.run_all(layouts_for(3), include_hf=False) + run_bert_checks([(3, 1)])
+    pg = build_process_groups(ParallelDims(3, 1))
+    gpt = checks.tiny_config(3, make_vocab_size_divisible_by=1024)
+    bert = BertConfig(**{**TINY_BERT.__dict__, **checks.tiny_dims(3), "make_vocab_size_divisible_by": 1024})
+    return {"rows": rows, "gpt": _same_as_serial(GPT, gpt, pg), "bert": _same_as_serial(BERT, bert, pg)}
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict]:
+    return run_ranks(_world_of_three, 3, timeout=240)
+
+
+def test_selftest_checks_pass_on_three_ranks(three_ranks):
+    """Every (tp, dp) layout of 3 ranks ((1, 3) and (3, 1)) reproduces the serial GPT and BERT: the
+    tiny models have lcm(4, tp) heads, so tp=3 splits them."""
+    rows = [r for result in three_ranks for r in result["rows"]]
+    names = {r["name"] for r in rows}
+    assert any("tp=3 dp=1" in n for n in names) and any("tp=1 dp=3" in n for n in names)
+    assert any("bert pre tp=3" in n for n in names) and any("collectives" in n for n in names)
+    assert not [r for r in rows if not r["passed"]]
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert"])
+def test_same_seed_gives_the_same_model_at_tp3_as_at_tp1(three_ranks, family):
+    """divisible_by=1024 pads the vocab to 1024 at tp=1 but 3072 at tp=3; the real vocab rows and
+    every other parameter are still bit-identical (the generator draws the same values)."""
+    for result in three_ranks:
+        got = result[family]
+        assert got["padded"] == (1024, 3072) and got["names"]
+        assert got["differ"] == []
+
+
+def test_tiny_models_split_at_every_tp():
+    for tp in range(1, 9):
+        checks.tiny_config(tp).validate(tp)
+        assert checks.tiny_config(tp).head_dim == checks.TINY.head_dim
+    assert checks.tiny_config(2) == checks.TINY  # the sizes of the existing checks are unchanged
+
+
+# --- out-of-range token ids and targets ------------------------------------------------------------
+
+def _errors(tp_group=None) -> dict[str, str]:
+    """The error message (or "ok") of each out-of-range id and target, vocab 1000 padded to 1024."""
+    emb = VocabParallelEmbedding(1024, 8, tp_group=tp_group, vocab_size=1000)
+    tp = 1 if tp_group is None else tp_group.size()
+    logits = torch.randn(2, 1024 // tp)
+    cases = {f"id {i}": lambda i=i: emb(torch.tensor([[3, i]])) for i in (-1, 999, 1000, 1023, 5000)}
+    cases |= {f"target {t}": lambda t=t: vocab_parallel_cross_entropy(logits, torch.tensor([3, t]), tp_group)
+              for t in (-100, -1, 1023, 1024)}
+    out = {}
+    for name, case in cases.items():
+        try:
+            case()
+            out[name] = "ok"
+        except RuntimeError as err:
+            out[name] = str(err)
+    return out
+
+
+def _errors_at_tp2() -> dict[str, str]:
+    from repro.parallel.groups import ParallelDims, build_process_groups
+
+    return _errors(build_process_groups(ParallelDims(2, 1)).tp_group)
+
+
+def _assert_refused(errors: dict[str, str]) -> None:
+    import re
+
+    for name in ("id -1", "id 1000", "id 1023", "id 5000"):  # 1023: a padded row, not a token
+        assert re.search(BAD_ID, errors[name]), (name, errors[name])
+    for name in ("target -100", "target -1", "target 1024"):
+        assert re.search(BAD_TARGET, errors[name]), (name, errors[name])
+    assert errors["id 999"] == errors["target 1023"] == "ok"
+
+
+def test_out_of_range_ids_and_targets_fail_alike_at_tp1_and_tp2():
+    """An id outside [0, vocab) and a target outside [0, padded vocab) (-100 included: there is no
+    ignore-index) raise the same error at every TP degree, instead of a zero embedding or a loss
+    that trains every logit down."""
+    _assert_refused(_errors())
+    for errors in run_ranks(_errors_at_tp2, 2):
+        _assert_refused(errors)
+
+
+def test_assert_async_raises_on_cpu():
+    """The checks use torch._assert_async (no host sync on GPU); on CPU it raises at once."""
+    torch._assert_async(torch.tensor(True), "fine")
+    with pytest.raises(RuntimeError, match="named failure"):
+        torch._assert_async(torch.tensor(False), "named failure")
+
+
+def test_bert_losses_still_mask_ignored_positions():
+    """BERT.losses clamps the -100 labels of unpredicted positions before the cross-entropy and
+    masks their losses: the MLM loss is the mean over the predicted tokens only."""
+    from repro.models.bert_checks import random_bert_batch
+
+    model = BERT(TINY_BERT, seed=1)
+    batch = random_bert_batch(TINY_BERT, 2)
+    assert (batch["mlm_labels"] == -100).any()
+    out = model(batch["tokens"], batch["token_types"], batch["padding_mask"])
+    predict = batch["mlm_labels"] != -100
+    want = torch.nn.functional.cross_entropy(out.mlm_logits[predict][:, :1000], batch["mlm_labels"][predict])
+    assert torch.allclose(model.losses(batch)["mlm"], want, rtol=1e-6)
+
+
+# --- ColumnParallelLinear ----------------------------------------------------------------------------
+
+def test_strided_column_linear_refuses_to_gather_its_output():
+    """With stride > 1 a gathered output would come out per rank ([q0 k0 v0 q1 k1 v1]), not in the
+    serial order: the combination is refused where the layer is built."""
+    with pytest.raises(ValueError, match="gather_output=True with stride=3"):
+        ColumnParallelLinear(8, 24, stride=3, gather_output=True)
+    assert ColumnParallelLinear(8, 24, stride=3).weight.shape == (24, 8)
+    assert ColumnParallelLinear(8, 24, gather_output=True).weight.shape == (24, 8)
+
+
+# --- load_model_for_eval keeps the TP markers --------------------------------------------------------
+
+def _loaded_vs_direct(ckpt: str) -> dict:
+    """A model saved at TP=2 and loaded by load_model_for_eval, against the one built directly."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from repro.parallel.grads import global_grad_norm
+    from repro.parallel.groups import ParallelDims, build_process_groups
+    from repro.parallel.layers import tp_markers
+    from repro.train import checkpoint as ck
+
+    pg = build_process_groups(ParallelDims(2, 1))
+    cfg = checks.tiny_config(2)
+    direct = GPT(cfg, pg.tp_group, seed=3)
+    torch.save(direct.state_dict(), Path(ckpt) / f"model_tp{pg.tp_rank:02d}.pt")
+    if pg.rank == 0:
+        (Path(ckpt) / "meta.json").write_text(json.dumps({"tp": 2, "family": "gpt", "model": dataclasses.asdict(cfg)}))
+    dist.barrier()
+    loaded = ck.load_model_for_eval(ckpt, pg)
+    ids, labels = checks.random_batch(cfg, 2, "cpu")
+    norms = []
+    for model in (direct, loaded):
+        model.loss(ids, labels).mean().backward()
+        norms.append(global_grad_norm(model.parameters(), pg.tp_group).item())
+    return {"direct": tp_markers(direct), "loaded": tp_markers(loaded), "norms": norms}
+
+
+def test_a_model_loaded_for_eval_keeps_its_tp_markers(tmp_path):
+    """The meta-device build + to_empty of load_model_for_eval used to drop tensor_model_parallel,
+    partition_dim and partition_stride, so the global grad norm counted sharded gradients on TP rank 0
+    only. At TP=2 the markers and the norm now equal those of the model built directly."""
+    for got in run_ranks(_loaded_vs_direct, 2, str(tmp_path)):
+        assert got["loaded"] == got["direct"]
+        assert got["direct"]["transformer.h.0.attn.c_attn.weight"] == (0, 3)
+        assert got["norms"][1] == pytest.approx(got["norms"][0], rel=1e-6)
+
+
+# --- the spawn harness and the RNG tracker -----------------------------------------------------------
+
+def test_spawning_more_nccl_ranks_than_gpus_is_refused_clearly():
+    check_gpu_count(4, "nccl", visible=4)
+    check_gpu_count(8, "gloo", visible=0)
+    with pytest.raises(ValueError, match="4 NCCL ranks need 4 GPUs .* but 2 are visible: spawn at most 2"):
+        check_gpu_count(4, "nccl", visible=2)
+    with pytest.raises(ValueError, match="but 1 is visible"):
+        check_gpu_count(2, "nccl", visible=1)
+
+
+def test_rng_tracker_seeds_its_own_state_and_leaves_the_default_one():
+    from repro.parallel.random import TP_REGION_SEED_OFFSET, RNGTracker
+
+    before = torch.get_rng_state()
+    tracker = RNGTracker(5, 1)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(tracker.get_state(), torch.Generator().manual_seed(5 + TP_REGION_SEED_OFFSET + 1).get_state())

@@ -1,4 +1,5 @@
-"""`repro bench` and `repro scaling-model`: performance benchmarks and the analytic scaling model."""
+"""`repro bench`, `repro scaling-model` and `repro plan`: benchmarks, the analytic scaling model, and
+memory and time of a run config before launch."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("scaling-model", help="predict Table 1's weak-scaling efficiency on a described cluster")
     s.add_argument("--out", type=Path, default=Path("results/scaling_model"))
     s.set_defaults(func=_scaling)
+    pl = sub.add_parser("plan", help="memory per GPU and time to train of a config on a cluster, before launch")
+    pl.add_argument("config", type=Path)
+    pl.add_argument("--gpus", type=int, default=None,
+                    help="GPUs of the run (default: what the slurm/ script running this config asks for)")
+    pl.add_argument("--cluster", choices=("dgx2h", "h200"), default="h200",
+                    help="dgx2h: the paper's V100 32 GB servers; h200: 8x H200 nodes (default)")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_plan)
 
 
 def _bench(args) -> int:
@@ -45,4 +55,38 @@ def _scaling(args) -> int:
         raise UserError(f"--out {args.out}: {blocking} is a file, not a directory (the tables are written "
                         "into a directory). Fix: give a directory path, e.g. --out results/scaling_model")
     print(write_tables(args.out))
+    return 0
+
+
+def _script_gpus(config: Path) -> int | None:
+    """The task count of the slurm/ script that trains `config`, if the training scripts agree on one."""
+    from repro.launch.scripts import job_scripts
+
+    try:
+        wanted = config.resolve()
+        counts = {s.ntasks for s in job_scripts() if s.config and "launch_train" in s.path.read_text()
+                  and (s.path.parents[1] / s.config).resolve() == wanted}
+    except (OSError, ValueError):
+        return None
+    return counts.pop() if len(counts) == 1 else None
+
+
+def _plan(args) -> int:
+    import json
+
+    from repro.cli import UserError
+    from repro.parallel.groups import LayoutError
+    from repro.perf.plan import CLUSTERS, format_plan, plan, plan_dict
+    from repro.train.config import RunConfigError, load_config
+
+    gpus = args.gpus if args.gpus is not None else _script_gpus(args.config)
+    if gpus is None:
+        raise UserError(f"{args.config}: no slurm/ script runs this config, so the GPU count is unknown. "
+                        "Fix: pass --gpus N")
+    try:
+        cfg = load_config(args.config, args.set)
+        result = plan(cfg, gpus, CLUSTERS[args.cluster])
+    except (RunConfigError, LayoutError, ValueError) as err:
+        raise UserError(f"{args.config} at {gpus} GPUs: {err}") from None
+    print(json.dumps(plan_dict(result), indent=2) if args.json else format_plan(result, cfg))
     return 0

@@ -69,6 +69,8 @@ class RunResult:
     mfu: float = float("nan")
     hfu: float = float("nan")
     peak_memory_gib: float | None = None
+    planned_memory_gib: float | None = None
+    """`repro plan`'s peak for this configuration (repro.perf.plan; eager execution)."""
     peak_tflops: float | None = None
     loss_first: float = float("nan")
     loss_last: float = float("nan")
@@ -145,10 +147,24 @@ def _fill(result: RunResult, cfg: ModelConfig, phases: list[dict], losses: list[
     result.loss_first, result.loss_last = losses[0], losses[-1]
 
 
+def planned_memory_gib(cfg: ModelConfig, spec: RunSpec, device_type: str) -> float:
+    """The memory model's peak for this configuration on one device (the trainer's step: AdamW,
+    fp32 main grads for half parameters)."""
+    from dataclasses import replace
+
+    from repro.perf.plan import memory_plan
+    from repro.train.config import PrecisionConfig, RunConfig, TrainConfig, derive
+
+    run = RunConfig(model=replace(cfg, activation_checkpointing=spec.checkpointing),
+                    precision=PrecisionConfig(precision=spec.dtype, params=spec.params),
+                    train=TrainConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch))
+    return memory_plan(run, derive(run, 1), device_type).peak / 2**30
+
+
 def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmup: int,
                peak: float | None, deadline: float) -> RunResult:
     """Time `steps` training steps after `warmup` ones; stops early at the deadline."""
-    result = RunResult(spec, peak_tflops=peak)
+    result = RunResult(spec, peak_tflops=peak, planned_memory_gib=planned_memory_gib(cfg, spec, device.type))
     model.cfg.activation_checkpointing = spec.checkpointing
     masters = MasterWeights(model, DTYPES[spec.dtype]) if spec.params == "half" else None
     main = MainGrads(masters.pairs()) if masters is not None else None
@@ -243,8 +259,8 @@ def markdown(report: dict) -> str:
     lines.append(f"Command: `{p['command']}`. Peak TFLOP/s per dtype: {report['peak_source']}.")
     lines.append(f"{report['precision']} TFLOP/s: {report['flops_formula']}.\n")
     lines.append("| dtype | params | ckpt | batch | compile | status | step s | tokens/s | model TFLOP/s | MFU | "
-                 "HFU | peak TFLOP/s | peak GiB | fwd / bwd / opt s |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "HFU | peak TFLOP/s | peak GiB | planned GiB | fwd / bwd / opt s |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["results"]:
         s, ph = r["spec"], r["phase_s_median"]
         phases = " / ".join(f"{ph[k]:.3f}" for k in ("forward", "backward", "optimizer")) if ph else "-"
@@ -252,7 +268,8 @@ def markdown(report: dict) -> str:
             f"| {s['dtype']} | {s.get('params', 'fp32')} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {s['compile']} | "
             f"{r['status']} {r['error'][:60]} | {_fmt(r['step_s_median'], '.4f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['model_tflops'], '.3g')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['hfu'], '.1%')} | "
-            f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | {phases} |")
+            f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | "
+            f"{_fmt(r.get('planned_memory_gib'), '.1f')} | {phases} |")
     return "\n".join(lines) + "\n"
 
 

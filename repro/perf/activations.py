@@ -1,0 +1,164 @@
+"""Activation memory of this project's GPT: what the backward keeps, by formula and by direct count.
+
+Per transformer layer and TP rank, with b micro-batch sequences of s tokens, hidden h, a heads, TP
+degree t (bytes per element: r residual stream, c compute, m dropout mask; tensors as saved by
+repro.models.gpt on torch 2.13):
+
+    replicated:  b s h (2 r + 2 c + 2 m) + 4 b s f      layer-norm inputs (the residual stream) and
+                                                        outputs (the QKV and MLP matmul inputs), the
+                                                        two hidden-dropout masks, LN mean and rstd (f)
+    sharded:     b s h (4 c + 8 c) / t                  QKV (q, k, v share one buffer) and the attention
+                                                        output; GeLU input and output (4h wide each)
+               + b a s 4 / t                            fused attention: the fp32 log-sum-exp
+               or (b s h (3 x 4 - 3 c) + b a s^2 3 x 4) / t  math attention (CPU with attention dropout):
+                                                        fp32 q, k, v, softmax, dropped probabilities
+                                                        and mask, whatever the input dtype
+
+Outside the layers: the embedding's dropout mask (and, at t > 1, its mask of ids outside this
+rank's vocabulary slice), the final layer norm's input and output, the
+fp32 softmax the vocab-parallel cross-entropy keeps (b s V/t x 4), token ids. Under autocast
+(`precision.params: fp32` with bf16/fp16) every matmul weight is also kept as a half copy until
+the backward: 2 bytes per matrix parameter. With activation checkpointing a layer keeps only its
+input (b s h r), its full set is rebuilt once in the backward, and autograd keeps only the output
+layer's half weight; the layers' half weights live in torch's autocast cache until the forward ends.
+
+Dtypes: on CUDA a dropout mask is a bool (1 byte) and attention is fused (flash or memory-efficient
+SDPA); on CPU a mask has its input's dtype and SDPA falls back to the math kernel when attention
+dropout is on. Layer-norm statistics are fp32 on CUDA and in the input dtype on CPU.
+
+`count_saved_bytes` counts what autograd actually keeps (every distinct storage handed to a
+saved-tensor hook, parameters excluded); the tests hold the formula to it exactly on small models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from repro.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ActivationDtypes:
+    """Bytes per element of what the backward keeps."""
+
+    residual: int  # the residual stream: layer inputs, layer-norm inputs
+    compute: int  # matmul inputs, attention tensors, GeLU input and output
+    mask: int  # one hidden-dropout mask element
+    stats: int  # layer-norm mean and rstd
+    autocast: bool  # half copies of the matmul weights are kept until the backward
+
+    @classmethod
+    def of(cls, precision: str, params: str, device_type: str) -> "ActivationDtypes":
+        """The dtypes a run with `precision` (fp32/bf16/fp16) and `params` (fp32/half) keeps."""
+        cuda = device_type == "cuda"
+        if precision == "fp32":
+            return cls(4, 4, 1 if cuda else 4, 4, False)
+        if params == "half":
+            return cls(2, 2, 1 if cuda else 2, 4 if cuda else 2, False)
+        return cls(4, 2, 1 if cuda else 4, 4, True)  # autocast: fp32 residual stream, half matmuls
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Bytes one TP rank keeps for the backward of one micro batch, by part."""
+
+    layers: int  # all transformer layers as kept (their inputs only, when checkpointing)
+    outside_layers: int  # embedding, final layer norm, cross-entropy softmax, ids
+    autocast_weights: int  # half copies of matmul weights autograd keeps (autocast only)
+    autocast_cache: int  # the other half copies, alive until the forward ends (autocast only)
+    rebuilt_layer: int  # one layer's full set, rebuilt in the backward (checkpointing only)
+
+    @property
+    def kept(self) -> int:
+        """What autograd holds when the forward ends."""
+        return self.layers + self.outside_layers + self.autocast_weights
+
+
+def math_attention(device_type: str, attention_dropout: float) -> bool:
+    """Whether SDPA runs its unfused math kernel (saves s x s tensors): CPU with attention dropout."""
+    return device_type != "cuda" and attention_dropout > 0
+
+
+def layer_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, math: bool) -> int:
+    """Bytes one TP rank keeps for one transformer layer's backward (no checkpointing)."""
+    b, s, h, a = batch, cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
+    replicated = b * s * h * (2 * dt.residual + 2 * dt.compute + 2 * dt.mask) + 4 * b * s * dt.stats
+    mlp = b * s * h * 8 * dt.compute
+    if math:  # fp32 copies of q, k, v and fp32 scores whatever the input dtype; the output cast back
+        attention = b * s * h * (3 * 4 + dt.compute) + b * a * s * s * 3 * 4
+    else:
+        attention = b * s * h * 4 * dt.compute + b * a * s * 4
+    return replicated + (mlp + attention) // tp
+
+
+def activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, math: bool = False,
+                      recompute: bool | None = None) -> ActivationMemory:
+    """Activation bytes per TP rank for one micro batch of `batch` sequences of this GPT."""
+    recompute = cfg.activation_checkpointing if recompute is None else recompute
+    b, s, h, l = batch, cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    vocab = cfg.padded_vocab_size(tp)
+    full_layer = layer_bytes(cfg, batch, tp, dt, math)
+    layers = l * b * s * h * dt.residual if recompute else l * full_layer
+    embedding = 8 * b * s + 8 * s + b * s * h * dt.mask + (b * s if tp > 1 else 0)  # tp > 1: ids off this slice
+    final_norm = b * s * h * (dt.residual + dt.compute) + 2 * b * s * dt.stats
+    loss = b * s * vocab // tp * 4 + b * s + 8 * b * s  # fp32 softmax, outside-slice mask, local targets
+    layer_matrices = l * 12 * h * h // tp * (dt.compute if dt.autocast else 0)
+    output_matrix = vocab * h // tp * (dt.compute if dt.autocast else 0)
+    return ActivationMemory(layers=layers, outside_layers=embedding + final_norm + loss,
+                            autocast_weights=output_matrix + (0 if recompute else layer_matrices),
+                            autocast_cache=layer_matrices if recompute else 0,
+                            rebuilt_layer=full_layer if recompute else 0)
+
+
+def count_saved_bytes(module: torch.nn.Module, run) -> int:
+    """Bytes of the distinct storages autograd saves while `run()` executes, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(saved.values())
+
+
+def peak_bytes_during(run, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
+    """(bytes allocated when `run()` starts, highest bytes allocated while it runs) on `device`.
+
+    CUDA: torch.cuda's allocator statistics. CPU, which has no peak counter: the running sum of
+    every allocation and free torch.profiler records (CPU blocks allocated before `run()` are not
+    seen, so the start is 0: build what is measured inside `run`).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return start, torch.cuda.max_memory_allocated(device)
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in _walk(prof.profiler.kineto_results.experimental_event_tree())
+                     if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu"),
+                    key=lambda e: e.start_time_ns)
+    current = peak = 0
+    for event in events:
+        current += event.typed[1].alloc_size
+        peak = max(peak, current)
+    return 0, peak
+
+
+def _walk(nodes):
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)

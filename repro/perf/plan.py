@@ -1,0 +1,243 @@
+"""`repro plan`: memory per GPU and time to train of a run config on a described cluster, before launch.
+
+Memory per rank, in two phases of a training step (plain trainer; n = parameters of one TP rank):
+
+    forward/backward:  weights + masters + optimizer + gradient buffers + activations
+    optimizer step:    weights + masters + optimizer + gradient buffers + gradients
+
+- weights: n x 4 (fp32, autocast) or n x 2 (`precision.params: half`); masters: n x 4 (half only);
+  optimizer: Adam's m and v, n x 8 (fused AdamW on CUDA: no temporaries).
+- gradients: `.grad` in the parameter dtype, set to None when a step starts, so they exist in the
+  forward only when accumulating over micro batches; a half model's step gives its masters fp32
+  `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (a copy of the gradients,
+  dp > 1) or the fp32 main-gradient buffer (`main_grads: fp32`, n x 4, the masters' `.grad`).
+- activations: repro.perf.activations for one micro batch: what autograd keeps when the forward
+  ends (plus torch's autocast weight cache while it runs), or, checkpointing, the layer inputs plus
+  one layer rebuilt in the backward.
+- DeepSpeed ZeRO-1/2: repro.perf.memory's partitioned weights, gradients and optimizer state, with
+  the same activations; DeepSpeed's communication buckets are not counted.
+Not counted: the CUDA context, NCCL's buffers and allocator fragmentation: `HEADROOM_GIB` is kept
+free for them (about what a CUDA context plus NCCL take on an H100-class GPU).
+
+Time: repro.perf.scaling_model's iteration time for the rank's batch on the cluster (its
+assumptions and its measured error against the paper), times the run's iterations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from repro.perf.activations import ActivationDtypes, ActivationMemory, activation_memory, math_attention
+from repro.perf.memory import memory_per_rank, params_per_rank
+from repro.perf.scaling_model import (
+    DGX2H,
+    H200_CLUSTER,
+    Cluster,
+    calibrate_gemm_efficiency,
+    iteration_time,
+)
+from repro.train.config import Derived, RunConfig, derive
+
+HEADROOM_GIB = 3.0
+GIB = 2**30
+CLUSTERS: dict[str, Cluster] = {"dgx2h": DGX2H, "h200": H200_CLUSTER}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank by part; `peak` is the larger of the two phases."""
+
+    weights: int
+    masters: int
+    optimizer: int
+    grad_buffers: int  # torch DDP's buckets or fp32 main gradients: alive all run
+    grads_forward: int  # .grad alive during forward/backward (accumulation over micro batches)
+    grads_step: int  # .grad the optimizer step reads
+    activations: ActivationMemory
+    logits_copy: int  # half logits alive beside the cross-entropy's fp32 copy
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.masters + self.optimizer + self.grad_buffers
+
+    @property
+    def activation_peak(self) -> int:
+        a = self.activations
+        return a.kept + max(a.autocast_cache + self.logits_copy, a.rebuilt_layer)
+
+    @property
+    def forward_backward(self) -> int:
+        return self.static + self.grads_forward + self.activation_peak
+
+    @property
+    def step(self) -> int:
+        return self.static + self.grads_step
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_backward, self.step)
+
+
+def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> MemoryPlan:
+    """Bytes per rank of `cfg` laid out as `derived`, on a CUDA device (or "cpu")."""
+    tp, dp, p = cfg.parallel.tp, derived.dp, cfg.precision
+    n = params_per_rank(cfg.model, tp)
+    half = p.params == "half" and p.precision != "fp32"
+    dt = ActivationDtypes.of(p.precision, "half" if half or cfg.train.zero_stage else p.params, device_type)
+    acts = activation_memory(cfg.model, cfg.train.micro_batch_size, tp, dt,
+                             math_attention(device_type, cfg.model.attention_dropout))
+    b, s, vocab = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.padded_vocab_size(tp)
+    logits_copy = b * s * vocab // tp * dt.compute if dt.compute < 4 else 0
+    accumulating = derived.grad_accum_steps > 1
+    if cfg.train.zero_stage:
+        zero = memory_per_rank(cfg.model, tp, dp, cfg.train.zero_stage, "half")
+        return MemoryPlan(zero.params, 0, zero.optimizer, 0, zero.grads if accumulating else 0, zero.grads,
+                          acts, logits_copy)
+    weight_bytes = 2 if half else 4
+    if half and p.main_grads == "fp32":
+        return MemoryPlan(n * 2, n * 4, n * 8, n * 4, 0, 0, acts, logits_copy)
+    buckets = n * weight_bytes if dp > 1 else 0  # torch DDP keeps its own copy of the gradients
+    grads = n * weight_bytes
+    step_grads = n * 4 if half else grads  # a half model's masters get fp32 .grad for the step
+    return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, buckets,
+                      grads if accumulating else 0, step_grads, acts, logits_copy)
+
+
+@dataclass(frozen=True)
+class TimePlan:
+    """The scaling model's iteration time for this run, and what it adds up to."""
+
+    iteration_s: float
+    parts_s: dict[str, float]
+    tokens_per_s: float
+    days: float
+    gpu_hours: float
+
+
+def time_plan(cfg: RunConfig, derived: Derived, cluster: Cluster) -> TimePlan:
+    """Predicted seconds per iteration and in all for `cfg` on `cluster` (see scaling_model)."""
+    gpus = cfg.parallel.tp * derived.dp
+    per_replica = cfg.train.global_batch_size // derived.dp
+    parts = iteration_time(cfg.model, per_replica, cfg.parallel.tp, derived.dp, cluster,
+                           calibrate_gemm_efficiency(cluster), recompute=cfg.model.activation_checkpointing)
+    total_s = parts["total"] * cfg.train.train_iters
+    return TimePlan(parts["total"], {k: v for k, v in parts.items() if k != "total"},
+                    cfg.train.global_batch_size * cfg.model.seq_length / parts["total"],
+                    total_s / 86400, total_s * gpus / 3600)
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    gpus: int
+    cluster: Cluster
+    derived: Derived
+    params_per_rank: int
+    memory: MemoryPlan
+    time: TimePlan
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= (self.cluster.memory_gib - HEADROOM_GIB) * GIB
+
+
+def plan(cfg: RunConfig, gpus: int, cluster: Cluster) -> Plan:
+    """Validate `cfg` at `gpus` ranks and predict its memory per GPU and time on `cluster`."""
+    if cfg.family != "gpt":
+        raise ValueError(f"family={cfg.family!r}: `repro plan` models the GPT configs (BERT's activations, "
+                         "heads and masks are not modelled yet)")
+    derived = derive(cfg, gpus)
+    return Plan(cfg.name, gpus, cluster, derived, params_per_rank(cfg.model, cfg.parallel.tp),
+                memory_plan(cfg, derived), time_plan(cfg, derived, cluster))
+
+
+def suggestions(p: Plan, cfg: RunConfig) -> list[str]:
+    """What would bring a run that does not fit under the device's memory."""
+    out = []
+    if not cfg.model.activation_checkpointing:
+        out.append("turn on activation checkpointing (--set model.activation_checkpointing=true)")
+    if cfg.train.micro_batch_size > 1:
+        out.append("halve the micro batch (train.micro_batch_size; the global batch is kept by accumulation)")
+    if not cfg.train.zero_stage and p.derived.dp > 1:
+        out.append("partition the optimizer state over DP (--set train.zero_stage=1)")
+    out.append("raise the TP degree (parallel.tp) so each GPU holds a smaller slice")
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:8.2f}"
+
+
+def format_plan(p: Plan, cfg: RunConfig) -> str:
+    """The plan as the terminal shows it."""
+    m, t, d, cl = p.memory, p.time, p.derived, p.cluster
+    a = m.activations
+    usable = cl.memory_gib - HEADROOM_GIB
+    lines = [
+        f"{p.name}: {cfg.family.upper()} {cfg.model.num_layers} layers, h={cfg.model.hidden_size}, "
+        f"{cfg.model.num_attention_heads} heads, seq {cfg.model.seq_length}; "
+        f"{p.params_per_rank:,} parameters per GPU",
+        f"layout: {p.gpus} GPUs = tp {cfg.parallel.tp} x dp {d.dp}; micro batch {cfg.train.micro_batch_size} "
+        f"x {d.grad_accum_steps} accumulation steps x dp = global batch {cfg.train.global_batch_size}; "
+        f"{cfg.precision.precision} ({cfg.precision.params} parameters), ZeRO stage {cfg.train.zero_stage}, "
+        f"activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}",
+        f"cluster: {cl.name}, {cl.memory_gib:g} GiB per GPU",
+        "",
+        "memory per GPU (GiB)",
+        f"  weights                      {_gib(m.weights)}",
+        f"  fp32 master weights          {_gib(m.masters)}",
+        f"  Adam state                   {_gib(m.optimizer)}",
+        f"  gradient buffers             {_gib(m.grad_buffers)}",
+        f"  activations kept             {_gib(a.kept)}   (one micro batch)",
+        f"  + transient in the step      {_gib(m.activation_peak - a.kept)}   (rebuilt layer / autocast cache)",
+        f"  peak, forward/backward       {_gib(m.forward_backward)}",
+        f"  peak, optimizer step         {_gib(m.step)}",
+        f"  peak                         {_gib(m.peak)}  of {usable:g} usable "
+        f"({cl.memory_gib:g} less {HEADROOM_GIB:g} for the CUDA context, NCCL, fragmentation): "
+        + ("fits" if p.fits else "DOES NOT FIT"),
+    ]
+    if not p.fits:
+        lines += ["  to fit:"] + [f"    - {s}" for s in suggestions(p, cfg)]
+    lines += [
+        "",
+        "time (analytic scaling model, repro/perf/scaling_model.py; its error against the paper is in "
+        "results/scaling_model/table.md)",
+        f"  iteration      {t.iteration_s:.3f} s  (" + ", ".join(f"{k.replace('_', ' ')} {v:.3f}"
+                                                           for k, v in t.parts_s.items()) + ")",
+        f"  throughput     {t.tokens_per_s:,.0f} tokens/s",
+        f"  {cfg.train.train_iters:,} iterations: {t.days:.2f} days, {t.gpu_hours:,.0f} GPU-hours",
+    ]
+    return "\n".join(lines)
+
+
+def plan_dict(p: Plan) -> dict:
+    """The plan as JSON-ready data."""
+    m = p.memory
+    return {"name": p.name, "gpus": p.gpus, "cluster": p.cluster.name, "dp": p.derived.dp,
+            "grad_accum_steps": p.derived.grad_accum_steps, "params_per_rank": p.params_per_rank,
+            "memory_bytes": {**{k: v for k, v in asdict(m).items() if k != "activations"},
+                             "activations": asdict(m.activations), "forward_backward": m.forward_backward,
+                             "step": m.step, "peak": m.peak},
+            "fits": p.fits, "headroom_gib": HEADROOM_GIB, "time": asdict(p.time)}
+
+
+GPT2_RUNS = {"gpt2-355m": 64, "gpt2-2.5b": 128, "gpt2-8.3b": 512}  # Table 2's GPU counts (PAPER.md §3)
+
+
+def paper_table2(cluster: Cluster) -> list[dict]:
+    """Out of sample: days per epoch (68,507 iterations) of the shipped GPT-2 configs on `cluster`,
+    predicted by the scaling model, against Table 2's."""
+    from repro.analysis.paper import paper_value, paper_values
+    from repro.data.summary import PAPER_ITERS_PER_EPOCH
+    from repro.tracking.store import project_root
+    from repro.train.config import load_config
+
+    frame, rows = paper_values(), []
+    for name, gpus in GPT2_RUNS.items():
+        cfg = load_config(project_root() / "experiments" / "gpt2" / f"{name.replace('-', '_')}.yaml")
+        t = time_plan(cfg, derive(cfg, gpus), cluster)
+        days = t.iteration_s * PAPER_ITERS_PER_EPOCH / 86400
+        paper = paper_value(frame, "gpt2", name, "days_per_epoch")
+        rows.append({"cluster": cluster.name, "config": name, "gpus": gpus, "iteration_s": t.iteration_s,
+                     "predicted_days": days, "paper_days": paper, "error": days / paper - 1})
+    return rows

@@ -1,0 +1,162 @@
+"""Check `repro plan`'s memory model against measured peaks; writes results/plan/memory_check.{json,md}.
+
+    python -m repro.perf.plan_check --out results/plan          # CPU: ~4 min on 2 cores
+
+CPU: the trainer itself (engine build and two steps of a 4-layer h=128 GPT on random tokens), for
+every precision recipe, attention kernel and checkpointing setting, with gradient accumulation, at
+TP=2 and at DP=2 (torch DDP); the peak is the running sum of the allocations torch.profiler records
+(repro.perf.activations.peak_bytes_during). CUDA: the peaks `repro.perf.gpu_bench` measured with
+torch.cuda.max_memory_allocated (a results JSON given with --gpu-json), against the plan for the
+same configuration. On CPU a dropout mask has its input's dtype and attention dropout selects the
+math SDPA kernel; the plan is told the device, so each side is modelled as it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from repro.provenance import git_sha, write_atomic
+
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "tiny" / "gpt_tiny.yaml"
+RECIPES = {
+    "fp32": {"precision.precision": "fp32"},
+    "bf16 autocast": {"precision.precision": "bf16"},
+    "bf16 half, fp32 main grads": {"precision.precision": "bf16", "precision.params": "half"},
+    "bf16 half, bf16 grads": {"precision.precision": "bf16", "precision.params": "half", "precision.main_grads": "param"},
+}
+
+
+def overrides(extra: dict, global_batch: int) -> list[str]:
+    """The 4-layer h=128 CPU model with micro batch 4 and `extra` settings."""
+    base = {"model.num_layers": 4, "model.hidden_size": 128, "model.num_attention_heads": 4,
+            "model.seq_length": 128, "model.vocab_size": 1000, "train.micro_batch_size": 4,
+            "train.global_batch_size": global_batch, "train.device": "cpu", "tracking.enabled": "false"}
+    return [f"{k}={v}" for k, v in {**base, **extra}.items()]
+
+
+def measured_and_planned(extra: dict, accum: int = 1, world: int = 1) -> tuple[int, int]:
+    """(measured peak, planned peak) in bytes on this rank: engine build and two training steps."""
+    from repro.parallel.groups import ParallelDims, ProcessGroups, build_process_groups
+    from repro.perf.activations import peak_bytes_during
+    from repro.perf.plan import memory_plan
+    from repro.train.config import derive, load_config
+    from repro.train.engine import build_engine
+    from repro.train.step import train_step
+
+    dp = world // int(extra.get("parallel.tp", 1))
+    cfg = load_config(TINY_CONFIG, overrides(extra, 4 * accum * dp))
+    derived = derive(cfg, world)
+    pg = ProcessGroups.single() if world == 1 else build_process_groups(ParallelDims.from_world(cfg.parallel.tp, world))
+    gen = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randint(0, 1000, (4, 128), generator=gen) for _ in range(2)) for _ in range(accum)]
+
+    def run():
+        eng = build_engine(cfg, derived, pg)
+        for _ in range(2):
+            train_step(eng, batches)
+
+    _, peak = peak_bytes_during(run)
+    return peak, memory_plan(cfg, derived, "cpu").peak
+
+
+def two_rank_case(extra: dict) -> tuple[int, int]:
+    """measured_and_planned on each of 2 ranks (for repro.parallel.spawn.run_ranks)."""
+    return measured_and_planned(extra, world=2)
+
+
+def cpu_cases() -> list[tuple[str, dict, int, int]]:
+    """(name, settings, accumulation steps, ranks) of every CPU check."""
+    cases = []
+    for recipe, settings in RECIPES.items():
+        for dropout, kernel in ((0.0, "fused attention"), (0.1, "math attention")):
+            for ckpt in (False, True):
+                name = f"{recipe}, {kernel}, checkpointing {'on' if ckpt else 'off'}"
+                cases.append((name, {**settings, "model.attention_dropout": dropout,
+                                     "model.activation_checkpointing": str(ckpt).lower()}, 1, 1))
+    fused = {"model.attention_dropout": 0.0}
+    cases += [("fp32, 2 accumulation steps", {**RECIPES["fp32"], **fused}, 2, 1),
+              ("bf16 half, bf16 grads, 2 accumulation steps", {**RECIPES["bf16 half, bf16 grads"], **fused}, 2, 1),
+              ("fp32, TP=2 (per rank)", {**RECIPES["fp32"], **fused, "parallel.tp": 2}, 1, 2),
+              ("bf16 half, bf16 grads, DP=2 with torch DDP (per rank)", {**RECIPES["bf16 half, bf16 grads"], **fused},
+               1, 2)]
+    return cases
+
+
+def run_cpu_checks() -> list[dict]:
+    from tqdm import tqdm
+
+    from repro.parallel.spawn import run_ranks
+
+    rows = []
+    for name, settings, accum, world in tqdm(cpu_cases(), desc="memory checks", unit="case"):
+        pairs = [measured_and_planned(settings, accum)] if world == 1 else run_ranks(two_rank_case, 2, settings)
+        for rank, (measured, planned) in enumerate(pairs):
+            rows.append({"device": "cpu", "case": name + (f", rank {rank}" if world > 1 else ""),
+                         "measured_mib": measured / 2**20, "planned_mib": planned / 2**20,
+                         "error": planned / measured - 1})
+    return rows
+
+
+def gpu_rows(path: Path) -> list[dict]:
+    """The plan against a gpu_bench results JSON's measured peaks (eager configurations)."""
+    from repro.models.config import ModelConfig
+    from repro.perf.gpu_bench import RunSpec, planned_memory_gib
+
+    report = json.loads(path.read_text())
+    cfg = ModelConfig(**report["config"])
+    rows = []
+    for r in report["results"]:
+        spec = RunSpec(**r["spec"])
+        if r["status"] != "ok" or spec.compile or r.get("peak_memory_gib") is None:
+            continue
+        planned = planned_memory_gib(cfg, spec, "cuda")
+        rows.append({"device": report["provenance"]["device"],
+                     "case": f"{report['model']}: {spec.dtype}, params {spec.params}, checkpointing "
+                             f"{'on' if spec.checkpointing else 'off'}, batch {spec.batch} ({path})",
+                     "measured_mib": r["peak_memory_gib"] * 1024, "planned_mib": planned * 1024,
+                     "error": planned / r["peak_memory_gib"] - 1})
+    return rows
+
+
+def markdown(rows: list[dict], provenance: dict) -> str:
+    lines = ["# `repro plan`'s memory model against measured peaks\n",
+             f"Measured on {provenance['host']} ({provenance['cpu']}), torch {provenance['torch']}, "
+             f"{provenance['date_utc']}, git {provenance['git_sha']}; command `{provenance['command']}`. "
+             "CUDA rows come from the gpu_bench JSON named in the row (its own provenance). Error = planned / "
+             "measured - 1; the plan is meant as an upper bound.\n",
+             "| device | case | measured MiB | planned MiB | error |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['device']} | {r['case']} | {r['measured_mib']:.2f} | {r['planned_mib']:.2f} | "
+                     f"{r['error']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import datetime
+    import platform
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/plan"))
+    parser.add_argument("--gpu-json", type=Path, action="append", default=[],
+                        help="a repro.perf.gpu_bench results JSON to compare with (repeatable)")
+    args = parser.parse_args(argv)
+    rows = run_cpu_checks() + [row for path in args.gpu_json for row in gpu_rows(path)]
+    provenance = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                  "torch": torch.__version__, "git_sha": git_sha(),
+                  "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": " ".join(["python -m repro.perf.plan_check", *(argv if argv is not None else sys.argv[1:])])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "memory_check.json", json.dumps({"provenance": provenance, "rows": rows}, indent=2).encode())
+    md = markdown(rows, provenance)
+    write_atomic(args.out / "memory_check.md", md.encode())
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

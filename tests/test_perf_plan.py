@@ -1,0 +1,154 @@
+"""`repro plan`: the activation formula against what autograd keeps, the memory model against the
+peak of real training steps, and the command.
+
+Tolerances:
+- Activations: exact. The formula lists every tensor this GPT's backward keeps, so any byte of
+  difference means the model (or torch) changed what is saved.
+- Peak memory: the plan may be 2% below and 15% above the measured CPU peak (the running sum of
+  torch.profiler's allocation records over engine build plus two steps). It is an upper-bound
+  estimate: a few transient buffers are counted as alive together when torch frees one before
+  making the next. Measured (results/plan/memory_check.md): -0.1% to +8.9% over 16 one-rank
+  recipes, +6.4% and +10.0% on the two ranks at TP=2, +4.3% at DP=2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from repro.cli import main
+from repro.parallel.random import RNGTracker
+from repro.parallel.spawn import run_ranks
+from repro.perf.activations import ActivationDtypes, activation_memory, count_saved_bytes, math_attention
+from repro.perf.plan_check import measured_and_planned, two_rank_case
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
+RECIPES = {"fp32": ("fp32", "fp32"), "autocast": ("bf16", "fp32"), "half": ("bf16", "half")}
+
+
+def _saved_vs_formula(recipe: str, attention_dropout: float, checkpointing: bool, tp_group=None, tp: int = 1):
+    from repro.models.config import ModelConfig
+    from repro.models.gpt import GPT
+    from repro.parallel.mappings import group_rank
+
+    precision, params = RECIPES[recipe]
+    cfg = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=48, vocab_size=1000,
+                      attention_dropout=attention_dropout, activation_checkpointing=checkpointing)
+    model = GPT(cfg, tp_group, rng=RNGTracker(1, group_rank(tp_group))).train()
+    if params == "half":
+        model = model.to(torch.bfloat16)
+    ids = torch.randint(0, 1000, (3, 48), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "autocast"):
+            return model.loss(ids, ids)
+
+    saved = count_saved_bytes(model, forward)
+    dt = ActivationDtypes.of(precision, params, "cpu")
+    return saved, activation_memory(cfg, 3, tp, dt, math_attention("cpu", attention_dropout)).kept
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.1], ids=["fused-attention", "math-attention"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["all-kept", "checkpointed"])
+def test_activation_formula_equals_what_autograd_saves(recipe, attention_dropout, checkpointing):
+    saved, formula = _saved_vs_formula(recipe, attention_dropout, checkpointing)
+    assert formula == saved
+
+
+def _tp2_rank(recipe, attention_dropout, checkpointing):
+    import torch.distributed as dist
+
+    return _saved_vs_formula(recipe, attention_dropout, checkpointing, dist.group.WORLD, 2)
+
+
+@pytest.mark.parametrize("case", [("fp32", 0.1, False), ("half", 0.0, False), ("autocast", 0.0, True)])
+def test_activation_formula_at_tp2(case):
+    for saved, formula in run_ranks(_tp2_rank, 2, *case):
+        assert formula == saved
+
+
+PEAK_CASES = {
+    "fp32": {"precision.precision": "fp32"},
+    "fp32-checkpointed-math": {"precision.precision": "fp32", "model.activation_checkpointing": "true"},
+    "autocast": {"precision.precision": "bf16", "model.attention_dropout": 0.0},
+    "half-main-fp32-checkpointed": {"precision.precision": "bf16", "precision.params": "half",
+                                    "model.activation_checkpointing": "true", "model.attention_dropout": 0.0},
+    "half-main-param": {"precision.precision": "bf16", "precision.params": "half", "precision.main_grads": "param"},
+}
+
+
+@pytest.mark.parametrize("case", PEAK_CASES)
+def test_planned_peak_bounds_the_measured_peak(case):
+    measured, planned = measured_and_planned(PEAK_CASES[case])
+    assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+
+
+def test_planned_peak_with_accumulation():
+    measured, planned = measured_and_planned({"precision.precision": "fp32", "model.attention_dropout": 0.0}, accum=2)
+    assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+
+
+# torch.profiler's memory profile fails on the math SDPA kernel at TP=2 ("duplicate outputs"), so the
+# two-rank cases use the fused kernel; the math kernel's activations are checked at TP=2 above.
+
+
+@pytest.mark.parametrize("extra", [{"parallel.tp": 2, "precision.precision": "fp32", "model.attention_dropout": 0.0},
+                                   {"precision.precision": "bf16", "precision.params": "half",
+                                    "precision.main_grads": "param", "model.attention_dropout": 0.0}],
+                         ids=["tp2", "dp2-ddp-buckets"])
+def test_planned_peak_on_two_ranks(extra):
+    for measured, planned in run_ranks(two_rank_case, 2, extra):
+        assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+
+
+def test_plan_prints_memory_time_and_fit(capsys):
+    assert main(["plan", str(ROOT / "experiments/gpt2/gpt2_8.3b.yaml"), "--cluster", "dgx2h"]) == 0
+    out = capsys.readouterr().out
+    assert "512 GPUs = tp 8 x dp 64" in out and ": fits" in out and "300,000 iterations" in out
+
+
+def test_plan_says_what_does_not_fit_and_how_to_fix_it(capsys):
+    args = ["plan", str(ROOT / "experiments/scaling/scale_8b.yaml"), "--gpus", "1", "--set", "parallel.tp=1",
+            "--set", "model.activation_checkpointing=false", "--cluster", "dgx2h"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "activation_checkpointing=true" in out and "parallel.tp" in out
+
+
+def test_plan_json_matches_the_memory_model(capsys):
+    from repro.perf.plan import CLUSTERS, plan
+    from repro.train.config import load_config
+
+    config = str(ROOT / "experiments/scaling/scale_1b_dp64.yaml")
+    assert main(["plan", config, "--json"]) == 0  # the GPU count from slurm/scale_1b_dp64.sh
+    data = json.loads(capsys.readouterr().out)
+    expected = plan(load_config(config), 64, CLUSTERS["h200"])
+    assert data["gpus"] == 64 and data["memory_bytes"]["peak"] == expected.memory.peak
+    assert data["time"]["iteration_s"] == pytest.approx(expected.time.iteration_s)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["experiments/tiny/gpt_tiny.yaml"], "pass --gpus N"),
+    (["experiments/scaling/scale_8b.yaml", "--gpus", "12"], "at 12 GPUs"),
+    (["experiments/bert/bert_336m.yaml"], "models the GPT configs"),
+])
+def test_plan_errors_name_the_fix(capsys, args, message):
+    assert main(["plan", *[str(ROOT / a) if a.endswith(".yaml") else a for a in args]]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_table2_days_come_from_the_shipped_configs():
+    from repro.perf.plan import paper_table2, time_plan
+    from repro.perf.scaling_model import DGX2H
+    from repro.train.config import derive, load_config
+
+    rows = {r["config"]: r for r in paper_table2(DGX2H)}
+    assert [rows[k]["paper_days"] for k in ("gpt2-355m", "gpt2-2.5b", "gpt2-8.3b")] == [0.86, 2.27, 2.10]
+    cfg = load_config(ROOT / "experiments/gpt2/gpt2_8.3b.yaml")
+    assert rows["gpt2-8.3b"]["iteration_s"] == time_plan(cfg, derive(cfg, 512), DGX2H).iteration_s
+    assert rows["gpt2-8.3b"]["predicted_days"] == pytest.approx(rows["gpt2-8.3b"]["iteration_s"] * 68507 / 86400)

@@ -90,28 +90,29 @@ parse_flags() {  # sets SMOKE, DRY_RUN and EXTRA (everything else) from the job 
   done
 }
 
-smoke_corpus() {  # prints the prefix of a small WikiText-2 corpus, preparing it once (under a lock)
-  local prefix="${REPRO_SMOKE_DATA:-$REPRO_RUNS_DIR/smoke-data/wiki}"
+smoke_corpus() {  # sets SMOKE_DATA, the prefix of a small WikiText-2 corpus, preparing it once (under a lock)
+  # Call it as is, never in $(...): there a failed prepare (or die) would end only the command
+  # substitution (which also drops set -e), and the job would train on a corpus that is not there.
+  SMOKE_DATA="${REPRO_SMOKE_DATA:-$REPRO_RUNS_DIR/smoke-data/wiki}"
   local text="$REPRO_DATA_DIR/wikitext/wikitext-2.valid.tokens"
-  mkdir -p "$(dirname "$prefix")"
+  mkdir -p "$(dirname "$SMOKE_DATA")"
   (
     flock 9
-    [[ -f "${prefix}_train.idx" ]] && exit 0
+    [[ -f "${SMOKE_DATA}_train.idx" ]] && exit 0
     [[ -f "$text" ]] || die "smoke mode needs $text: run \`repro data fetch --data-dir $REPRO_DATA_DIR\`"
-    note "preparing the smoke corpus $prefix from $text" >&2
-    repro data prepare --input "$text" --output-prefix "$prefix" --data-dir "$REPRO_DATA_DIR" --workers 1 \
-      --layout wikitext --split 90,10,0 --min-tokens 0 --no-dedup --no-eval-filter --no-progress >&2
-  ) 9>"$(dirname "$prefix")/.lock"
-  echo "$prefix"
+    note "preparing the smoke corpus $SMOKE_DATA from $text"
+    repro data prepare --input "$text" --output-prefix "$SMOKE_DATA" --data-dir "$REPRO_DATA_DIR" --workers 1 \
+      --layout wikitext --split 90,10,0 --min-tokens 0 --no-dedup --no-eval-filter --no-progress
+  ) 9>"$(dirname "$SMOKE_DATA")/.lock" || die "no smoke corpus at $SMOKE_DATA (the error is above): nothing launched"
 }
 
 smoke_args() {  # the train arguments of smoke mode for the script's CONFIG
-  local config="$1" data
-  data="$(smoke_corpus)"
+  local config="$1"
+  smoke_corpus
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
   TRAIN_ARGS=("$REPRO_ROOT/experiments/tiny/gpt_tiny.yaml" --set "name=smoke-${SLURM_JOB_NAME:-job}"
-    --set "parallel.tp=$SLURM_NTASKS" --set train.device=cpu --set "data.train_prefix=${data}_train"
-    --set "data.valid_prefix=${data}_valid" --set "data.cache_dir=$REPRO_RUN_DIR/cache"
+    --set "parallel.tp=$SLURM_NTASKS" --set train.device=cpu --set "data.train_prefix=${SMOKE_DATA}_train"
+    --set "data.valid_prefix=${SMOKE_DATA}_valid" --set "data.cache_dir=$REPRO_RUN_DIR/cache"
     --set tracking.experiment=slurm-smoke --set "tracking.paper_ref=smoke test of $config")
 }
 

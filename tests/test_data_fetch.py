@@ -115,3 +115,22 @@ def test_cli_fetch_and_error_exit_code(data_mirror, tmp_path, capsys, monkeypatc
     assert "copied" in capsys.readouterr().out
     assert main(["data", "fetch", "--only", "vocab/nope.txt"]) == 2
     assert "error: vocab/nope.txt: not a file this project knows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077], ids=oct)
+def test_fetched_files_get_the_mode_of_the_umask_not_mkstemps_0600(data_mirror, tmp_path, umask):
+    """A shared REPRO_DATA_DIR: other users' jobs read the vocab and eval files (copied and
+    downloaded alike), so each file is 0666 & ~umask, as open() would have made it."""
+    import os
+    import stat
+
+    (tmp_path / "src.txt").write_text("a downloaded file")
+    downloaded = DataFile("vocab/x.txt", sha256_file(tmp_path / "src.txt"), (tmp_path / "src.txt").as_uri())
+    old = os.umask(umask)
+    try:
+        fetch(FetchOptions(data_dir=tmp_path / "d", mirror=data_mirror, only=("vocab/gpt2-merges.txt",)))
+        fetch(FetchOptions(data_dir=tmp_path / "d", manifest=(downloaded,)))
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "d" / "vocab" / "gpt2-merges.txt", tmp_path / "d" / "vocab" / "x.txt"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, oct(path.stat().st_mode)

@@ -422,3 +422,119 @@ def test_file_order_train_split_is_the_unsplit_file_cut_not_a_copy(data_dir, gpt
         assert [ds.document_tokens(d).tolist() for d in range(ds.num_documents)] == docs[lo:hi], name
         assert Path(f"{tmp_path}/cut_{name}.bin").stat().st_size == sum(map(len, docs[lo:hi])) * 2
     assert not list(tmp_path.glob("cut.*tmp*"))
+
+
+# --- input formats: --layout file and text names are never JSON lines -----------------------------
+
+PAGE = '{"@context": "https://schema.org", "@type": "NewsArticle"} page header\n\nThe story itself.\n'
+
+
+def test_layout_file_and_text_names_are_never_read_as_json_lines(data_dir, gpt2_tokenizer, tmp_path, capsys):
+    """An extracted web page whose text starts with "{" (JSON-LD) is one document under --layout file
+    (with any name) and plain text under a .txt name: before, it was sniffed as JSON lines and the run
+    died when it reached the page, or, with --skip-bad-records, dropped it ("kept 0 of 0")."""
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    (pages / "page0.txt").write_text("An ordinary page.\n")
+    (pages / "page1.txt").write_text(PAGE)
+    (tmp_path / "page2").write_text(PAGE)  # no suffix at all
+    assert list(read_documents(pages / "page1.txt", layout="file")) == [PAGE]
+    assert list(read_documents(tmp_path / "page2", layout="file")) == [PAGE]
+    assert len(list(read_documents(pages / "page1.txt"))) == 2  # paragraphs of plain text
+    for extra in ([], ["--skip-bad-records"]):
+        prefix = tmp_path / f"owt{len(extra)}"
+        assert main(["data", "prepare", "--input", str(pages), str(tmp_path / "page2"), "--layout", "file",
+                     "--output-prefix", str(prefix), "--data-dir", str(data_dir), "--workers", "1", "--split", "1,0,0",
+                     "--no-progress", "--min-tokens", "0", "--no-dedup", "--no-eval-filter", *extra]) == 0
+        assert f"{pages / 'page1.txt'}: kept 1 of 1 documents" in capsys.readouterr().out
+        ds = IndexedDataset(f"{prefix}_train")
+        assert ds.document_tokens(1).tolist() == gpt2_tokenizer.encode(PAGE) + [gpt2_tokenizer.eod]
+
+
+def test_a_format_mismatch_is_found_before_tokenizing_starts(data_dir, tmp_path, monkeypatch):
+    """A file whose first line starts with "{" without being a JSON object with the key (no telling
+    name), or a text file given --format jsonl: a DataError naming it and the fix, before the first
+    input is tokenized; a JSON-lines file without a suffix is still read as one."""
+    import repro.data.preprocess as pre
+
+    good = _write_jsonl(tmp_path / "good.jsonl", ["a document"])
+    (tmp_path / "page").write_text(PAGE)
+    (tmp_path / "other_key").write_text('{"content": "a record under another key"}\n')
+    (tmp_path / "t.txt").write_text("plain text\n")
+    begun = []
+    monkeypatch.setattr(pre, "_tokenize_all", lambda *a: begun.append(a))
+    cases = [((good, tmp_path / "page"), {}, r"page:1: starts with \"\{\" but is not a JSON object with a 'text' key"),
+             ((good, tmp_path / "other_key"), {}, r"other_key:1: .*Fix: --format text .*--json-key KEY"),
+             ((good, tmp_path / "t.txt"), {"input_format": "jsonl"}, r"t\.txt:1: not valid JSON")]
+    for inputs, kw, message in cases:
+        with pytest.raises(DataError, match=message):
+            _prepare(data_dir, inputs, tmp_path / "out", filters=NO_FILTERS, split="1,0,0", **kw)
+    assert begun == [] and not list(tmp_path.glob("out*"))
+    _write_jsonl(tmp_path / "records.jsonl", ["first", "second"]).rename(tmp_path / "records")
+    assert list(read_documents(tmp_path / "records")) == ["first", "second"]
+    assert list(read_documents(tmp_path / "other_key", json_key="content")) == ["a record under another key"]
+
+
+# --- a failure while the splits are written leaves no temporary file -------------------------------
+
+ENOSPC = OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("order, target, error", [
+    ("file", "_train.idx.tmp", ENOSPC), ("file", "_train.idx.tmp", SystemExit(143)),  # train: the unsplit file cut
+    ("random", "_train.idx.tmp", ENOSPC), ("random", "_train.idx.tmp", SystemExit(143)),  # train: a copy
+    ("file", "_valid.idx.tmp", ENOSPC), ("random", ".unsplit-tmp", ENOSPC),  # a valid copy; the unsplit index
+], ids=lambda x: x if isinstance(x, str) else type(x).__name__)
+def test_a_failure_while_splits_are_written_removes_every_temporary_file(data_dir, tmp_path, monkeypatch,
+                                                                         order, target, error):
+    """ENOSPC, or SIGTERM (SystemExit, as the CLI's handler raises it), while train is moved or copied,
+    valid copied, or the unsplit index written: nothing temporary is left (before: the partial split
+    copies, ~85 GB at the paper's scale), and an earlier dataset at the prefix is untouched."""
+    import repro.data.indexed_dataset as ix
+
+    path = _write_jsonl(tmp_path / "corpus.jsonl", [f"document {i} of the corpus " * 20 for i in range(60)])
+    _prepare(data_dir, _write_jsonl(tmp_path / "small.jsonl", ["an earlier dataset"] * 3), tmp_path / "out",
+             filters=NO_FILTERS, split="1,1,1")
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    original = ix.write_index
+
+    def failing(handle, *args):
+        if target in handle.name:
+            handle.write(b"partial")
+            raise error
+        original(handle, *args)
+    monkeypatch.setattr(ix, "write_index", failing)
+    with pytest.raises(type(error)):
+        _prepare(data_dir, path, tmp_path / "out", filters=NO_FILTERS, split="40,15,5", split_order=order,
+                 overwrite=True)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out*")} == before
+
+
+# --- a bad --output-prefix --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["file", "file_below", "read_only"])
+def test_an_unwritable_output_prefix_is_named_before_the_tokenizer_loads(data_dir, tmp_path, monkeypatch, capsys,
+                                                                        where):
+    """Its parent is a file (or below one), or a directory this user cannot write: exit 2 naming
+    --output-prefix and the fix, before the tokenizer loads, nothing written (before: a traceback)."""
+    import os
+
+    import repro.data.preprocess as pre
+
+    (tmp_path / "notes.md").write_text("a file")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    prefix = {"file": tmp_path / "notes.md" / "c", "file_below": tmp_path / "notes.md" / "a" / "b" / "c",
+              "read_only": tmp_path / "ro" / "sub" / "c"}[where]
+    if where == "read_only" and os.geteuid() == 0:  # root writes anyway: fail the write as for a user
+        def refuse(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(pre.tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(pre, "build_tokenizer", lambda *a: pytest.fail("the tokenizer was loaded"))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    rc = main(["data", "prepare", "--input", str(data_dir / "wikitext" / "wikitext-2.valid.tokens"),
+               "--output-prefix", str(prefix), "--data-dir", str(data_dir), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--output-prefix {prefix}: cannot write there" in err and "Fix:" in err, err
+    assert ("is not a directory" if where != "read_only" else "Permission denied") in err
+    assert "Traceback" not in err and sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

@@ -94,3 +94,61 @@ def test_read_script_counts_tasks(tmp_path):
     path.write_text("#!/bin/bash\n#SBATCH --nodes=4\n#SBATCH --ntasks-per-node=8\nlaunch_train experiments/a.yaml\n")
     script = read_script(path)
     assert (script.ntasks, script.config) == (32, "experiments/a.yaml")
+
+
+FAKE_REPRO = """#!/bin/bash
+# a fake `repro`: logs its arguments; `repro data prepare` fails when FAKE_PREPARE=fail
+echo "$*" >> "$FAKE_LOG"
+if [[ "$1 $2" == "data prepare" && "${FAKE_PREPARE:-ok}" == fail ]]; then
+  echo "prepare failed (simulated)" >&2; exit 1
+fi
+exit 0
+"""
+
+
+def _fake_job(tmp_path: Path, wikitext: bool, prepare: str) -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """`slurm/scale_8b.sh --smoke --dry-run` as a job would run it, with fake SLURM_* variables and
+    fake repro/scontrol/srun on PATH (no Slurm): exit status, job log, the fake repro's calls."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {"repro": FAKE_REPRO, "scontrol": "#!/bin/bash\necho node001\n",
+             "srun": '#!/bin/bash\necho "srun $*" >> "$FAKE_LOG"\n'}
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    if wikitext:
+        (tmp_path / "data" / "wikitext").mkdir(parents=True)
+        (tmp_path / "data" / "wikitext" / "wikitext-2.valid.tokens").write_text(" = A = \n\n text\n")
+    (tmp_path / "cluster.env").write_text(f"REPRO_RUNS_DIR={tmp_path}/runs\nREPRO_DATA_DIR={tmp_path}/data\n"
+                                          "REPRO_ENV_ACTIVATE=none\n")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REPRO_ROOT": str(ROOT),
+           "REPRO_CLUSTER_ENV": str(tmp_path / "cluster.env"), "SLURM_JOB_ID": "42", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NAME": "scale_8b", "SLURM_JOB_NODELIST": "node001", "FAKE_LOG": str(tmp_path / "calls"),
+           "FAKE_PREPARE": prepare}
+    out = subprocess.run(["bash", "slurm/scale_8b.sh", "--smoke", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    log = tmp_path / "runs" / "scale_8b-42" / "logs" / "slurm-42.out"
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    return out, log.read_text() if log.exists() else out.stdout + out.stderr, calls
+
+
+@pytest.mark.parametrize("wikitext, prepare, needle", [
+    (False, "ok", "smoke mode needs"), (True, "fail", "prepare failed (simulated)")])
+def test_smoke_mode_stops_when_the_smoke_corpus_cannot_be_prepared(tmp_path, wikitext, prepare, needle):
+    """launch.sh without a cluster: before, `data="$(smoke_corpus)"` dropped set -e, so the job went on
+    to `repro slurm check` and the srun step on a corpus that was not there (exit 0)."""
+    out, log, calls = _fake_job(tmp_path, wikitext, prepare)
+    assert out.returncode == 2, log
+    assert needle in log and f"no smoke corpus at {tmp_path}/runs/smoke-data/wiki" in log, log
+    assert not any(c.startswith("slurm check") for c in calls) and "step:" not in log, log
+
+
+def test_smoke_mode_prepares_the_corpus_once_then_checks_and_prints_the_step(tmp_path):
+    out, log, calls = _fake_job(tmp_path, wikitext=True, prepare="ok")
+    assert out.returncode == 0, log
+    assert calls[0].startswith(f"data prepare --input {tmp_path}/data/wikitext/wikitext-2.valid.tokens")
+    assert calls[1].startswith("slurm check --ntasks 2")
+    assert f"data.train_prefix={tmp_path}/runs/smoke-data/wiki_train" in calls[1]
+    assert "launch.sh: step: srun" in log and not any(c.startswith("srun") for c in calls)  # a dry run

@@ -81,7 +81,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help=f"vocab and eval sets (REPRO_DATA_DIR, {DEFAULT_DATA_DIR})")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizing processes (default: every CPU this process may use)")
-    p.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto")
+    p.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto",
+                   help="auto: .json/.jsonl files are JSON lines; .txt/.text/.tokens/.raw files and every file "
+                        "of --layout file are plain text; any other file by its first line")
     p.add_argument("--json-key", default="text")
     p.add_argument("--skip-bad-records", action="store_true",
                    help="skip JSON lines without text (malformed, no --json-key, not a string), counted "

@@ -1,8 +1,12 @@
 """Input documents for `repro data prepare`: loose JSON lines or plain text, and a sentence splitter.
 
 What a document is:
-- JSON lines (`.json`/`.jsonl`, or a first line starting with "{"): one document per line, its
-  text under `json_key` ("text").
+- JSON lines: one document per line, its text under `json_key` ("text"). Which files are JSON lines
+  (`detect_format`): those of --format jsonl, else `.json`/`.jsonl` ones; `.txt`, `.text`,
+  `.tokens`, `.raw` and every file of layout `file` are plain text whatever their first line; any
+  other file is JSON lines when its first line is a JSON object with `json_key`, and an error when
+  that line starts with "{" without being one (so a web page that starts with JSON-LD is not
+  read as JSON lines, and a JSON-lines file with another key is not read as text).
 - Plain text in WikiText layout (a line " = Title = " with single "=" marks a level-1 heading):
   each article, from its heading to the next one, is a document (sub-headings " = = ... = = " stay
   inside). Its text is the article's lines exactly as in the file, heading included. A heading
@@ -37,6 +41,8 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 FORMATS = ("auto", "jsonl", "text")
 LAYOUTS = ("auto", "wikitext", "paragraph", "file")
 GZIP_MAGIC = b"\x1f\x8b"
+JSON_SUFFIXES = (".jsonl", ".json")  # also with .gz
+TEXT_SUFFIXES = (".txt", ".text", ".tokens", ".raw")
 
 
 def is_wikitext_title(line: str) -> bool:
@@ -196,12 +202,37 @@ def _text_documents(path: Path, layout: str, on_bytes: Callable[[int], None] | N
     yield from (doc for doc in split(lines) if doc.strip())
 
 
-def _is_jsonl(path: Path) -> bool:
-    if Path(path.name.removesuffix(".gz")).suffix in (".json", ".jsonl"):
-        return True
+def _first_line(path: Path) -> tuple[int, str]:
+    """The number and text of the first non-blank line ((0, "") for none)."""
     with contextlib.closing(_lines(path, None)) as lines:
-        first = next((line for line in lines if line.strip()), "")
-    return first.lstrip().startswith("{")
+        return next(((n, line) for n, line in enumerate(lines, 1) if line.strip()), (0, ""))
+
+
+def _is_record(line: str, key: str) -> bool:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and key in record
+
+
+def detect_format(path: Path, input_format: str = "auto", json_key: str = "text", layout: str = "auto") -> str:
+    """'jsonl' or 'text' for one input file, by the rules of the module docstring."""
+    if input_format != "auto":
+        return input_format
+    suffix = Path(path.name.removesuffix(".gz")).suffix
+    if suffix in JSON_SUFFIXES:
+        return "jsonl"
+    if suffix in TEXT_SUFFIXES or layout == "file":
+        return "text"
+    number, first = _first_line(path)
+    if not first.lstrip().startswith("{"):
+        return "text"
+    if not _is_record(first, json_key):
+        raise DataError(f"{path}:{number}: starts with \"{{\" but is not a JSON object with a {json_key!r} key, "
+                        "so neither clearly JSON lines nor plain text. Fix: --format text (or a .txt name) for "
+                        "plain text; --json-key KEY or --format jsonl for JSON lines")
+    return "jsonl"
 
 
 def read_documents(path: Path | str, input_format: str = "auto", json_key: str = "text",
@@ -216,6 +247,6 @@ def read_documents(path: Path | str, input_format: str = "auto", json_key: str =
                         f"a format from {FORMATS} and a layout from {LAYOUTS}")
     _check_readable(path)
     _check_text(path)
-    if input_format == "jsonl" or (input_format == "auto" and _is_jsonl(path)):
+    if detect_format(path, input_format, json_key, layout) == "jsonl":
         return _jsonl_documents(path, json_key, bad_records, on_bytes)
     return _text_documents(path, layout, on_bytes)

@@ -160,6 +160,8 @@ def _download(entry: DataFile, tmp: Path, timeout_s: float) -> None:
 
 
 def _fetch_one(entry: DataFile, opts: FetchOptions) -> str:
+    from repro.data.sampler import chmod_as_created  # (numpy: not imported by `repro --help`)
+
     dest = opts.data_dir / entry.path
     if dest.is_file() and sha256_file(dest) == entry.sha256:
         return "present"
@@ -179,6 +181,7 @@ def _fetch_one(entry: DataFile, opts: FetchOptions) -> str:
         source = opts.mirror / entry.path if opts.mirror else entry.url
         _check(tmp, entry, "get a good copy and point REPRO_DATA_MIRROR at its directory",
                label=f"{dest} (fetched from {source})")
+        chmod_as_created(tmp)  # not mkstemp's 0600: other users' jobs read a shared data directory
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,11 +1,16 @@
 """The paper's corpus filters: minimum length, near-duplicate removal (MinHash LSH), eval overlap.
 
-Text is compared as lower-cased alphanumeric words (`words`), so WikiText's tokenized form
-("1 @,@ 000 , said") and raw text ("1,000, said") give the same words and the same n-grams.
+Text is compared as lower-cased Unicode words (`words`): runs of letters and digits of any script,
+and each character of a script written without spaces (Chinese, Japanese, Thai) on its own. So
+WikiText's tokenized form ("1 @,@ 000 , said") and raw text ("1,000, said") give the same words and
+the same n-grams, English gives the ASCII words it always did, and Russian or Chinese text is
+compared by its own words, not by the few Latin ones it holds.
 
 - Near-duplicates: a MinHash signature of each document's word 5-gram shingles; LSH finds
   candidates among the documents kept so far, and a document whose estimated Jaccard similarity with
   a candidate exceeds the threshold (0.7 in the paper) is dropped: the first of a cluster is kept.
+  A document with fewer words than a shingle (symbols, a table of numbers: rare past min_tokens)
+  has no shingle and is never a near-duplicate: it is kept, and nothing is compared with it.
 - Eval overlap: a document that shares at least `min_matches` word 8-grams with an evaluation set
   (WikiText test, LAMBADA test) is dropped, as the paper removed the WikiText-103 test articles.
   The default is 10, not 1: with 1, 5 of the 60 WikiText-2 validation articles went for one or
@@ -26,8 +31,10 @@ from datasketch import MinHash, MinHashLSH
 
 from repro.data.fetch import data_path
 
-_WORD = re.compile(r"[a-z0-9]+")
+_NO_SPACES = "\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"  # Thai, kana, Han
+_WORD = re.compile(rf"[{_NO_SPACES}]|[^\W_{_NO_SPACES}]+")  # one character each, or a run of letters/digits
 _PRIME = np.uint64(1099511628211)  # FNV-64 prime, a good odd multiplier for the rolling hash
+NO_SHINGLES = 2**32 - 1  # every min-hash of an empty shingle set (affine32)
 EVAL_FILES = ("wikitext/wiki.test.raw", "lambada/lambada_openai.test.jsonl")
 
 
@@ -47,7 +54,8 @@ class FilterOptions:
 
 
 def words(text: str) -> list[str]:
-    """Lower-cased alphanumeric words of a text."""
+    """Lower-cased Unicode words of a text (see the module docstring); ASCII text gives its
+    [a-z0-9]+ runs."""
     return _WORD.findall(text.lower())
 
 
@@ -109,8 +117,9 @@ class MinHasher:
         self._template = MinHash(num_perm=num_perm, seed=seed, scheme="affine32")
 
     def signature(self, tokens: list[str]) -> np.ndarray:
-        """uint signature of the document's word shingles (a short text is one shingle)."""
-        shingles = ngram_hashes(tokens, min(self.shingle_words, max(len(tokens), 1)))
+        """uint signature of the document's word shingles; fewer words than a shingle give the
+        empty signature (`NO_SHINGLES`), never a near-duplicate of anything."""
+        shingles = ngram_hashes(tokens, self.shingle_words)
         minhash = MinHash(num_perm=self.num_perm, hashfunc=int, scheme="affine32",
                           permutations=self._template.permutations)
         minhash.update_batch((shingles >> np.uint64(32)).tolist())
@@ -166,9 +175,12 @@ class NearDuplicateFilter:
 
     def is_duplicate(self, key: int, signature: np.ndarray) -> bool:
         """True if it duplicates a kept document; otherwise remember it as kept and return False.
+        The empty signature (no shingles) is never a duplicate and is not remembered.
         (`key` names the document in the caller's count; the filter keeps rows of its own.)"""
         if signature.max(initial=0) >= 2**32:
             raise ValueError("signatures must be affine32 min-hashes (MinHasher): values below 2^32")
+        if np.all(signature == NO_SHINGLES):  # nothing to compare (it equals every other such signature)
+            return False
         keys = self._band_keys(signature)
         sig = signature.astype(np.uint32)
         for row in self._candidates(keys):  # estimated Jaccard: the share of equal min-hashes

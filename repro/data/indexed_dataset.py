@@ -20,9 +20,10 @@ sequences back to back, so for GPT (one sequence per document) the whole .bin is
 from __future__ import annotations
 
 import array
-
+import contextlib
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,19 @@ def write_index(handle, lengths: np.ndarray, doc_index: np.ndarray, dtype: type)
 
 COPY_SLICE = 2**27  # tokens per write when copying a split (256 MiB of uint16)
 
+
+@contextlib.contextmanager
+def removed_on_error(*paths: str | Path) -> Iterator[None]:
+    """Remove these (temporary) files when the block fails: an error such as ENOSPC, or SIGTERM's
+    SystemExit (`repro data prepare`), leaves no partial copy filling the disk."""
+    try:
+        yield
+    except BaseException:
+        for path in paths:
+            Path(path).unlink(missing_ok=True)
+        raise
+
+
 class IndexedDatasetWriter:
     """Writes PREFIX.bin/.idx; both appear (atomically renamed) only when finalize() succeeds."""
 
@@ -100,13 +114,14 @@ class IndexedDatasetWriter:
 
     def finalize(self) -> None:
         """Write PREFIX.idx and move both files into place."""
-        self._bin.close()
         tmp_idx = f"{self.prefix}.idx.tmp{os.getpid()}"
-        with open(tmp_idx, "wb") as handle:
-            write_index(handle, np.frombuffer(self._lengths, dtype=np.int32),
-                        np.frombuffer(self._doc_index, dtype=np.int64), self.dtype)
-        os.replace(self._tmp_bin, f"{self.prefix}.bin")
-        os.replace(tmp_idx, f"{self.prefix}.idx")
+        with removed_on_error(self._tmp_bin, tmp_idx):
+            self._bin.close()
+            with open(tmp_idx, "wb") as handle:
+                write_index(handle, np.frombuffer(self._lengths, dtype=np.int32),
+                            np.frombuffer(self._doc_index, dtype=np.int64), self.dtype)
+            os.replace(self._tmp_bin, f"{self.prefix}.bin")
+            os.replace(tmp_idx, f"{self.prefix}.idx")
 
     def abort(self) -> None:
         """Drop the partial output."""
@@ -244,38 +259,46 @@ def move_leading_documents(src_prefix: str | Path, num_documents: int, prefix: s
     """Make the first `num_documents` documents of dataset SRC the new dataset PREFIX without copying
     a token: SRC's .bin is cut to their bytes and renamed (a train split of the paper's corpus is
     ~85 GB that would otherwise exist twice on disk). SRC's .idx stays; SRC is no longer a dataset."""
-    src, pid = IndexedDataset(src_prefix), os.getpid()
+    src, tmp_idx = IndexedDataset(src_prefix), f"{prefix}.idx.tmp{os.getpid()}"
     sequences = int(src.document_indices[num_documents])
     lengths = src.sequence_lengths[:sequences]  # views of the .idx memmap, which is not touched
     nbytes = int(lengths.sum(dtype=np.int64)) * np.dtype(src.dtype).itemsize
-    with open(f"{prefix}.idx.tmp{pid}", "wb") as handle:
-        write_index(handle, lengths, src.document_indices[:num_documents + 1], src.dtype)
-    del src  # no mapping of the .bin may outlive its truncation
-    os.truncate(f"{src_prefix}.bin", nbytes)
-    os.replace(f"{src_prefix}.bin", f"{prefix}.bin")
-    os.replace(f"{prefix}.idx.tmp{pid}", f"{prefix}.idx")
+    with removed_on_error(tmp_idx):
+        with open(tmp_idx, "wb") as handle:
+            write_index(handle, lengths, src.document_indices[:num_documents + 1], src.dtype)
+        del src  # no mapping of the .bin may outlive its truncation
+        os.truncate(f"{src_prefix}.bin", nbytes)
+        os.replace(f"{src_prefix}.bin", f"{prefix}.bin")
+        os.replace(tmp_idx, f"{prefix}.idx")
 
 
 def copy_document_runs(src: IndexedDataset, runs: list[tuple[int, int]], prefix: str | Path) -> None:
     """Write the documents of `runs` ([first, last) ranges, in order) of src as a new dataset PREFIX:
     one block copy per run, streamed from the memmap in slices (a split of the paper's corpus is
     ~85 GB)."""
+    tmp_bin, tmp_idx = f"{prefix}.bin.tmp{os.getpid()}", f"{prefix}.idx.tmp{os.getpid()}"
+    with removed_on_error(tmp_bin, tmp_idx):
+        with open(tmp_bin, "wb") as handle:
+            lengths, doc_index = _copy_runs(src, runs, handle)
+        with open(tmp_idx, "wb") as handle:
+            write_index(handle, lengths, doc_index, src.dtype)
+        os.replace(tmp_bin, f"{prefix}.bin")
+        os.replace(tmp_idx, f"{prefix}.idx")
+
+
+def _copy_runs(src: IndexedDataset, runs: list[tuple[int, int]], handle) -> tuple[np.ndarray, np.ndarray]:
+    """Write the tokens of `runs` of src to handle; their sequence lengths and document index."""
     lengths, doc_index, sequences = [], [np.zeros(1, dtype=np.int64)], 0
-    prefix, pid = str(prefix), os.getpid()
-    with open(f"{prefix}.bin.tmp{pid}", "wb") as handle:
-        for first, last in runs:
-            lo, hi = int(src.document_indices[first]), int(src.document_indices[last])
-            run_lengths = np.asarray(src.sequence_lengths[lo:hi])
-            start = src.start(lo) if hi > lo else 0
-            tokens = src.tokens[start:start + int(run_lengths.sum(dtype=np.int64))]
-            for i in range(0, len(tokens), COPY_SLICE):
-                handle.write(memoryview(np.ascontiguousarray(tokens[i:i + COPY_SLICE])))
-            lengths.append(run_lengths)
-            doc_index.append(np.asarray(src.document_indices[first + 1:last + 1]) - lo + sequences)
-            sequences += hi - lo
-    with open(f"{prefix}.idx.tmp{pid}", "wb") as handle:
-        all_lengths = lengths[0] if len(lengths) == 1 else (  # one run: the memmap view, no copy
-            np.concatenate(lengths) if lengths else np.zeros(0, np.int32))
-        write_index(handle, all_lengths, np.concatenate(doc_index), src.dtype)
-    os.replace(f"{prefix}.bin.tmp{pid}", f"{prefix}.bin")
-    os.replace(f"{prefix}.idx.tmp{pid}", f"{prefix}.idx")
+    for first, last in runs:
+        lo, hi = int(src.document_indices[first]), int(src.document_indices[last])
+        run_lengths = np.asarray(src.sequence_lengths[lo:hi])
+        start = src.start(lo) if hi > lo else 0
+        tokens = src.tokens[start:start + int(run_lengths.sum(dtype=np.int64))]
+        for i in range(0, len(tokens), COPY_SLICE):
+            handle.write(memoryview(np.ascontiguousarray(tokens[i:i + COPY_SLICE])))
+        lengths.append(run_lengths)
+        doc_index.append(np.asarray(src.document_indices[first + 1:last + 1]) - lo + sequences)
+        sequences += hi - lo
+    all_lengths = lengths[0] if len(lengths) == 1 else (  # one run: the memmap view, no copy
+        np.concatenate(lengths) if lengths else np.zeros(0, np.int32))
+    return all_lengths, np.concatenate(doc_index)

@@ -24,11 +24,13 @@ in this process (~80 GB at 40M).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -38,7 +40,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from repro.data.documents import check_gzip, is_gzip, read_documents, split_sentences
+from repro.data.documents import (JSON_SUFFIXES, TEXT_SUFFIXES, check_gzip, detect_format, is_gzip,
+                                  read_documents, split_sentences)
 from repro.data.errors import DataError
 from repro.data.filters import (FilterOptions, MinHasher, NearDuplicateFilter, count_overlap,
                                 eval_ngram_set, ngram_hashes, words)
@@ -232,7 +235,7 @@ def _account(result: DocResult, report: PrepareReport, dedup: NearDuplicateFilte
     return False
 
 
-CORPUS_SUFFIXES = (".jsonl", ".json", ".txt", ".text", ".tokens", ".raw")  # also with .gz
+CORPUS_SUFFIXES = JSON_SUFFIXES + TEXT_SUFFIXES  # also with .gz
 
 
 def _is_corpus_file(path: Path) -> bool:
@@ -272,16 +275,18 @@ def input_files(inputs: Path | str | Iterable[Path | str]) -> list[Path]:
     return files
 
 
-def _documents(files: list[Path], opts: PrepareOptions, bad: list[str] | None, on_bytes,
+def _documents(files: list[Path], formats: list[str], opts: PrepareOptions, bad: list[str] | None, on_bytes,
                sources: collections.deque) -> Iterator[str]:
-    """The documents of every file in order; the index of each one's file is appended to `sources`."""
-    for index, path in enumerate(files):
-        for doc in read_documents(path, opts.input_format, opts.json_key, opts.layout, bad, on_bytes):
+    """The documents of every file in order (in its format from `_check_input`); the index of each
+    one's file is appended to `sources`."""
+    for index, (path, fmt) in enumerate(zip(files, formats)):
+        for doc in read_documents(path, fmt, opts.json_key, opts.layout, bad, on_bytes):
             sources.append(index)
             yield doc
 
 
-def _tokenize_all(opts: PrepareOptions, files: list[Path], tokenizer: TextTokenizer, tmp_prefix: str) -> PrepareReport:
+def _tokenize_all(opts: PrepareOptions, files: list[Path], formats: list[str], tokenizer: TextTokenizer,
+                  tmp_prefix: str) -> PrepareReport:
     filters = opts.filters
     eval_set = (eval_ngram_set(opts.data_dir, filters.eval_files, filters.ngram)
                 if filters.eval_overlap else None)
@@ -294,7 +299,7 @@ def _tokenize_all(opts: PrepareOptions, files: list[Path], tokenizer: TextTokeni
     with IndexedDatasetWriter(tmp_prefix, best_dtype(tokenizer.vocab_size)) as writer, \
             tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                  disable=not opts.progress, desc="prepare") as bar:  # input bytes read: an ETA for a multi-hour run
-        docs = _documents(files, opts, bad, bar.update, sources)
+        docs = _documents(files, formats, opts, bad, bar.update, sources)
         for result in process_documents(docs, processor, opts.workers, opts.chunk_docs):
             source = sources.popleft()
             counts[source] += (1, _account(result, report, dedup, writer))
@@ -327,17 +332,22 @@ def _describe(files: list[Path]) -> str:
     return str(files[0]) if len(files) == 1 else f"{len(files)} input files ({files[0]}, ...)"
 
 
-def _check_input(opts: PrepareOptions, files: list[Path]) -> None:
-    """Every input file exists, is text (a gzip one decompresses whole) and has a known format,
-    before any work starts."""
+def _check_input(opts: PrepareOptions, files: list[Path]) -> list[str]:
+    """Every input file exists, is text (a gzip one decompresses whole), and its format (returned,
+    'jsonl' or 'text' each) is decided and holds for its first document, before any work starts."""
+    formats = []
     for path in tqdm(files, desc="check inputs", unit="file", disable=not opts.progress or len(files) < 2):
-        read_documents(path, opts.input_format, opts.json_key, opts.layout)
+        bad = [] if opts.skip_bad_records else None
+        with contextlib.closing(read_documents(path, opts.input_format, opts.json_key, opts.layout, bad)) as docs:
+            next(docs, None)  # its first document: text read as JSON lines fails now, not hours into the run
+        formats.append(detect_format(path, opts.input_format, opts.json_key, opts.layout))
         if is_gzip(path):
             check_gzip(path)  # a cut-short download found now, not hours into the run
     if len(files) > 1 and opts.split_order == "file" and parse_split(opts.split)[1:] != (0, 0):
         warnings.warn(f"{len(files)} input files with --split-order file: valid and test are the last "
                       f"documents read, so come from {files[-1].name} (and the files just before it) alone. "
                       "--split-order random draws them from every file", stacklevel=3)
+    return formats
 
 
 def _warn_stale_temporaries(prefix: str) -> None:
@@ -359,6 +369,32 @@ def _check_outputs(opts: PrepareOptions) -> None:
                         "--overwrite to replace it")
 
 
+def _unwritable(prefix: str, where: Path, why: str) -> DataError:
+    return DataError(f"--output-prefix {prefix}: cannot write there: {where} {why}. Fix: choose an "
+                     "--output-prefix in a directory you can write (e.g. data/corpus), or make that one writable")
+
+
+def _check_output_dir(prefix: str) -> None:
+    """The directory of PREFIX can be written, or created in its nearest existing ancestor: a
+    DataError before the tokenizer loads, with nothing written (the probe is an unnamed file)."""
+    ancestor = Path(prefix).absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise _unwritable(prefix, ancestor, "is not a directory")
+    try:
+        tempfile.TemporaryFile(dir=ancestor).close()
+    except OSError as err:
+        raise _unwritable(prefix, ancestor, f"refuses a new file ({err.strerror or err})") from None
+
+
+def _make_output_dir(prefix: str) -> None:
+    try:
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _unwritable(prefix, Path(prefix).parent, f"cannot be created ({err.strerror or err})") from None
+
+
 def prepare(opts: PrepareOptions) -> PrepareReport:
     """Tokenize, filter and split opts.input into PREFIX_{train,valid,test}.{bin,idx}.
 
@@ -366,15 +402,16 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
     leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite)."""
     weights = parse_split(opts.split)
     files = input_files(opts.input)
-    _check_input(opts, files)  # input errors first
+    formats = _check_input(opts, files)  # input errors first
     _check_outputs(opts)
+    _check_output_dir(opts.output_prefix)
     _warn_stale_temporaries(opts.output_prefix)
     tokenizer = build_tokenizer(opts.tokenizer, opts.data_dir)
-    Path(opts.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    _make_output_dir(opts.output_prefix)
     tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{os.getpid()}"
     staged = f"{opts.output_prefix}.tmp{os.getpid()}"
     try:
-        report = _tokenize_all(opts, files, tokenizer, tmp_prefix)
+        report = _tokenize_all(opts, files, formats, tokenizer, tmp_prefix)
         _check_kept(opts, files, report)
         unsplit = IndexedDataset(tmp_prefix)
         runs = split_runs(weights, unsplit.num_documents, opts.split_order, opts.split_seed)

@@ -32,6 +32,12 @@ def _umask() -> int:
     return mask
 
 
+def chmod_as_created(path: str | Path) -> None:
+    """Give a mkstemp file (0600) the mode open() would have created it with, 0666 & ~umask: a
+    file in a shared directory stays readable by the group's jobs."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     """np.save through a temporary file and os.replace, so readers never see a partial file. The
     temporary name is unique (mkstemp), not only per process: ranks on different nodes of a job may
@@ -40,7 +46,7 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             np.save(handle, array)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the cache from the group's jobs
+        chmod_as_created(tmp)  # mkstemp's 0600 would hide the cache from the group's jobs
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import argparse
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -92,7 +94,7 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
         return ""
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=script.parent.parent, env=settings)
     if out.returncode:
-        raise _user_error(f"sbatch failed: {out.stderr.strip()}")
+        raise _user_error(f"sbatch {script.name} failed: {out.stderr.strip()}")
     return out.stdout.strip().split(";")[0]
 
 
@@ -104,14 +106,52 @@ def _submit(args) -> int:
 
 
 def _sweep(args) -> int:
+    from repro.cli import UserError
+
     try:
         scripts = table_scripts(args.table)
     except KeyError as err:
         raise _user_error(str(err.args[0])) from None
-    jobs = [submit(s, args.args, args.dry_run) for s in scripts]
+    submitted: list[tuple[str, Path]] = []
+    for number, script in enumerate(scripts):
+        try:
+            job = submit(script, args.args, args.dry_run)
+        except (UserError, OSError, subprocess.SubprocessError) as err:
+            if not submitted:
+                raise
+            raise _user_error(_partial_sweep(err, submitted, scripts[number:], args.args)) from None
+        if job:  # at once: a later failure must not hide a job that is already queued
+            print(f"submitted job {job} ({script.name})", flush=True)
+            submitted.append((job, script))
     if not args.dry_run:
-        print(f"{args.table}: jobs {' '.join(jobs)}; follow with `repro slurm status {' '.join(jobs)}`")
+        jobs = " ".join(job for job, _ in submitted)
+        print(f"{args.table}: jobs {jobs}; follow with `repro slurm status {jobs}`")
     return 0
+
+
+def _partial_sweep(err: Exception, submitted: list[tuple[str, Path]], rest: list[Path], extra: list[str]) -> str:
+    """The error of a sweep stopped part way: what is queued, and what is left to submit."""
+    done = ", ".join(f"job {job} ({script.name})" for job, script in submitted)
+    tail = f" -- {shlex.join(extra)}" if extra else ""
+    todo = "; ".join(f"repro slurm submit {script}{tail}" for script in rest)
+    return (f"{err}\nAlready submitted (queued or running; do not submit them again): {done}.\n"
+            f"Not submitted: {', '.join(s.name for s in rest)}. Fix: remove the cause above, then submit "
+            f"only those: {todo}")
+
+
+class _ScriptArgsParser(argparse.ArgumentParser):
+    """Everything after the first `--` goes to `args` (the job script's arguments), wherever this
+    command's own options stand: `submit SCRIPT --dry-run -- --smoke` as `submit --dry-run SCRIPT
+    -- --smoke`. (argparse alone fills `args` at SCRIPT and then rejects what follows `--`.)"""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(args) if args is not None else None
+        if not args or "--" not in args or not any(a.dest == "args" for a in self._actions):
+            return super().parse_known_args(args, namespace)
+        cut = args.index("--")
+        namespace, extras = super().parse_known_args(args[:cut], namespace)
+        namespace.args = [*namespace.args, *args[cut + 1:]]
+        return namespace, extras
 
 
 def _has_accounting() -> bool:
@@ -141,7 +181,8 @@ def _status(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("slurm", help="Slurm: check a config before launch, submit, sweep a paper table, status")
-    ssub = p.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND")
+    ssub = p.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND",
+                            parser_class=_ScriptArgsParser)
     c = ssub.add_parser("check", help="validate a training config at N tasks; create a fresh MLflow store")
     c.add_argument("config")
     c.add_argument("--ntasks", type=int, required=True)

@@ -1,0 +1,101 @@
+"""`repro slurm submit | sweep` against a fake `sbatch` on PATH (no Slurm): options may stand between
+the script and `--`, and a sweep whose later sbatch fails names the jobs it already queued."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from repro.cli import main
+from repro.launch.scripts import TABLES
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "slurm" / "scale_8b.sh")
+FAKE_SBATCH = """#!/bin/bash
+# a fake sbatch: logs its arguments, refuses any script named in $SBATCH_REFUSE, else a new job id
+echo "$*" >> "$SBATCH_LOG"
+case "$*" in *"$SBATCH_REFUSE"*)
+  echo "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy" >&2; exit 1;; esac
+echo "$((7000 + $(wc -l < "$SBATCH_LOG")));cluster"
+"""
+
+
+@pytest.fixture
+def sbatch(tmp_path, monkeypatch) -> Path:
+    """A fake sbatch first on PATH and complete cluster settings; returns the log of its calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    (tmp_path / "cluster.env").write_text("REPRO_RUNS_DIR=/shared/runs\nREPRO_DATA_DIR=/shared/data\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("REPRO_CLUSTER_ENV", str(tmp_path / "cluster.env"))
+    monkeypatch.setenv("SBATCH_LOG", str(tmp_path / "sbatch.log"))
+    monkeypatch.setenv("SBATCH_REFUSE", "no script is refused")
+    return tmp_path / "sbatch.log"
+
+
+def _calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("argv", [
+    ["slurm", "submit", SCRIPT, "--dry-run", "--", "--smoke", "--set", "train.train_iters=100"],
+    ["slurm", "submit", "--dry-run", SCRIPT, "--", "--smoke", "--set", "train.train_iters=100"],
+])
+def test_submit_dry_run_before_or_after_the_script(sbatch, capsys, argv):
+    """Before: the first order was 'unrecognized arguments: -- --smoke' with a hint to do just that."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith("slurm/scale_8b.sh --smoke --set train.train_iters=100"), out
+    assert _calls(sbatch) == []  # a dry run: nothing submitted
+
+
+@pytest.mark.parametrize("argv", [
+    ["slurm", "sweep", "table1-tp", "--dry-run", "--", "--set", "train.train_iters=100"],
+    ["slurm", "sweep", "--dry-run", "table1-tp", "--", "--set", "train.train_iters=100"],
+])
+def test_sweep_dry_run_before_or_after_the_table(sbatch, capsys, argv):
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[-3].rsplit("/", 1)[-1] for line in lines] == [f"{n}.sh" for n in TABLES["table1-tp"]]
+    assert all(line.endswith(" --set train.train_iters=100") for line in lines) and _calls(sbatch) == []
+
+
+def test_only_the_first_separator_is_ours_and_no_separator_still_names_it(sbatch, capsys):
+    assert main(["slurm", "submit", SCRIPT, "--dry-run", "--", "--set", "a=1", "--", "x"]) == 0
+    assert capsys.readouterr().out.strip().endswith("scale_8b.sh --set a=1 -- x")
+    with pytest.raises(SystemExit) as exit_:
+        main(["slurm", "submit", SCRIPT, "--smoke"])
+    assert exit_.value.code == 2 and "go after `--`" in capsys.readouterr().err
+
+
+def test_submit_puts_the_script_arguments_on_sbatch(sbatch, capsys):
+    assert main(["slurm", "submit", str(ROOT / "slurm/scale_1b.sh"), "--", "--smoke"]) == 0
+    assert "submitted job 7001" in capsys.readouterr().out
+    assert _calls(sbatch) == [f"--parsable {ROOT}/slurm/scale_1b.sh --smoke"]
+
+
+def test_sweep_prints_each_job_at_once_and_a_failure_names_the_queued_and_the_rest(sbatch, capsys, monkeypatch):
+    """table2 with gpt2_2.5b refused (QOS): gpt2_355m's job 7001 is named in the output as soon as it
+    is queued and again in the error (before: never printed, so a rerun queued a second 64-GPU job),
+    and the error names the scripts not submitted with the commands that submit only them."""
+    monkeypatch.setenv("SBATCH_REFUSE", "gpt2_2.5b")
+    assert main(["slurm", "sweep", "table2", "--", "--set", "train.train_iters=100"]) == 2
+    out, err = capsys.readouterr()
+    assert "submitted job 7001 (gpt2_355m.sh)" in out
+    assert "sbatch gpt2_2.5b.sh failed: sbatch: error: Batch job submission failed" in err
+    assert "Already submitted (queued or running; do not submit them again): job 7001 (gpt2_355m.sh)" in err
+    assert "Not submitted: gpt2_2.5b.sh, gpt2_8.3b.sh" in err
+    assert f"repro slurm submit {ROOT}/slurm/gpt2_8.3b.sh -- --set train.train_iters=100" in err
+    assert len(_calls(sbatch)) == 2  # stopped at the refusal: gpt2_8.3b not tried
+
+
+def test_a_sweep_that_submits_everything_lists_every_job(sbatch, capsys):
+    assert main(["slurm", "sweep", "table2"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("submitted")] == [
+        "submitted job 7001 (gpt2_355m.sh)", "submitted job 7002 (gpt2_2.5b.sh)", "submitted job 7003 (gpt2_8.3b.sh)"]
+    assert "table2: jobs 7001 7002 7003; follow with `repro slurm status 7001 7002 7003`" in out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Table 5: RACE fine-tuning of a pretrained BERT (a run of experiments/bert/bert_336m.yaml by default) on
-# one 8-GPU node with the paper's batch/lr for REPRO_RACE_SIZE (default bert-336m), TP x DP from
+# one 8-GPU node with the paper's batch/lr for the checkpoint's size (or REPRO_RACE_SIZE), TP x DP from
 # REPRO_RACE_TP (default 1); 5 seeds, the median by dev accuracy reported. No resume and no USR1 warning signal
 # (fine-tuning has no checkpoint to write): a preempted run restarts.
 # REPRO_BERT_CHECKPOINT: the BERT training run directory (or a file written by save_bert).
@@ -19,7 +19,7 @@ need REPRO_BERT_CHECKPOINT "the pretrained BERT checkpoint to fine-tune (its tra
 [[ -e "$REPRO_BERT_CHECKPOINT" && "${REPRO_BERT_CHECKPOINT##*/}" != latest ]] \
   || die "REPRO_BERT_CHECKPOINT=$REPRO_BERT_CHECKPOINT: give the BERT training run directory (or a save_bert file)"
 parse_flags "$@"
-ARGS=(--size "${REPRO_RACE_SIZE:-bert-336m}" --tp "${REPRO_RACE_TP:-1}" --seeds 1234 1235 1236 1237 1238)
+ARGS=(${REPRO_RACE_SIZE:+--size "$REPRO_RACE_SIZE"} --tp "${REPRO_RACE_TP:-1}" --seeds 1234 1235 1236 1237 1238)
 if [[ "$SMOKE" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
   REPRO_RACE_DIR="${REPRO_RACE_DIR:-$REPRO_ROOT/tests/fixtures/race}"

@@ -53,6 +53,14 @@ def test_sustained_throughput_drops_the_warm_up_interval():
     assert scaling.sustained_tflops(hist) == 11.0
 
 
+def _shape(size: str) -> dict:
+    """The `model.*` shape params a trainer run of a named size logs (repro.train.config.flat_params)."""
+    from repro.models.sizes import SIZES
+
+    return {f"model.{k}": getattr(SIZES[size], k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                            "seq_length")}
+
+
 def _log_run(mlflow, experiment: str, name: str, params: dict, history: dict[str, list[float]]) -> str:
     mlflow.set_experiment(experiment)
     with mlflow.start_run(run_name=name) as run:
@@ -76,7 +84,7 @@ def synthetic_store(tmp_path_factory):
     ids = {}
     for size, tp, tflops in (("scaling-1.2b", 1, 100.0), ("scaling-2.5b", 2, 95.0)):
         ids[size] = _log_run(mlflow, "scaling", f"{size}-tp{tp}",
-                             {**common, "model_size": size, "tp": tp, "dp": 1, "world_size": tp},
+                             {**common, **_shape(size), "model_size": size, "tp": tp, "dp": 1, "world_size": tp},
                              {"tflops_per_device": [3.0] + [0.75 * tflops] * 3,
                               "hw_tflops_per_device": [4.0, tflops, tflops, tflops]})
     yield uri, ids
@@ -106,8 +114,8 @@ def test_appendix_d_heads_and_strong_scaling_from_runs(tmp_path):
     mlflow.set_tracking_uri(uri)
     common = {"device_type": "cuda", "device_name": "Synthetic GPU", "precision": "fp16", "git_sha": "abc123"}
     for size, gpus, tflops in (("scaling-1.2b", 1, 100.0), ("scaling-1.2b", 2, 80.0), ("scaling-8.3b-16h", 8, 82.0)):
-        _log_run(mlflow, "scaling", f"{size}-{gpus}", {**common, "model_size": size, "tp": gpus, "dp": 1,
-                                                        "world_size": gpus},
+        _log_run(mlflow, "scaling", f"{size}-{gpus}", {**common, **_shape(size), "model_size": size, "tp": gpus,
+                                                        "dp": 1, "world_size": gpus},
                  {"hw_tflops_per_device": [1.0, tflops, tflops]})
     mlflow.set_tracking_uri(None)
     table = scaling.appendix_d(paper_values(), scaling.measured_runs(uri)).set_index("setting")
@@ -198,6 +206,99 @@ def test_lambada_protocol_label_names_a_subset():
     subset = pd.Series({"tags.task": "lambada", "params.strict": "True", "params.max_examples": "64"})
     assert _protocol(full) == _protocol(old) == "lambada: strict (paper)"
     assert _protocol(subset) == "lambada: strict, first 64 passages only"
+
+
+def _zero_shot_store(tmp_path) -> tuple[str, dict[str, str]]:
+    """Two 'GPU' gpt2-355m training runs (one at the paper's shape, one with --set model.num_layers=2
+    model.hidden_size=64, as flat_params logs them) in a fresh store; returns the URI and their ids."""
+    from mlflow import MlflowClient
+
+    from repro.train.config import flat_params, load_config
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("gpt2")
+    config = ROOT / "experiments/gpt2/gpt2_355m.yaml"
+    ids = {}
+    for name, sets in (("paper", []), ("reduced", ["model.num_layers=2", "model.hidden_size=64"])):
+        run_id = client.create_run(exp, run_name=f"gpt2-355m-{name}").info.run_id
+        params = {**flat_params(load_config(config, sets)), "device_type": "cuda", "device_name": "Synthetic GPU",
+                  "precision": "fp16", "git_sha": "abc123"}
+        for key, value in params.items():
+            client.log_param(run_id, key, value)
+        client.set_terminated(run_id)
+        ids[name] = run_id
+    return uri, ids
+
+
+def _log_eval(uri: str, run_id: str, task: str, age: float, metrics: dict, **params) -> None:
+    import time
+
+    from repro.eval.report import EvalRecord, log_to_mlflow
+
+    base = dict(window=1024, stride=32, max_lines="all", file="wiki.test.tokens") if task == "wikitext" else \
+        dict(strict=True, megatron_split=False, max_examples="all")
+    log_to_mlflow(EvalRecord(task, metrics, {**base, "tp": 1, "dp": 1, **params}, training_run_id=run_id,
+                             time=time.time() - age), uri)
+
+
+def test_zero_shot_table_prefers_the_paper_protocol_on_the_papers_file(tmp_path):
+    """WikiText-103's wiki.test.tokens (T = 270,329) at window 1024 / stride 32 is the paper protocol
+    and the WikiText-2 tokens file is not; a newer quick check (40 lines, 64 passages) does not hide
+    the paper-protocol result, which a model without one falls back from to its newest eval."""
+    uri, ids = _zero_shot_store(tmp_path)
+    paper, reduced = ids["paper"], ids["reduced"]
+    _log_eval(uri, paper, "wikitext", 300, {"word_ppl": 19.5, "num_bpe_tokens": 270329})
+    _log_eval(uri, paper, "wikitext", 200, {"word_ppl": 55.0, "num_bpe_tokens": 3000}, max_lines=40,
+              file="wikitext-2.test.tokens")
+    _log_eval(uri, paper, "lambada", 300, {"accuracy": 0.45})
+    _log_eval(uri, paper, "lambada", 100, {"accuracy": 0.10}, max_examples=64)
+    _log_eval(uri, reduced, "wikitext", 300, {"word_ppl": 900.0, "num_bpe_tokens": 278365}, max_lines=40)
+    _log_eval(uri, reduced, "wikitext", 200, {"word_ppl": 800.0, "num_bpe_tokens": 278365},
+              file="wikitext-2.test.tokens")
+    table = zeroshot.build(uri).set_index("model")
+    row = table.loc["gpt2-355m"]
+    assert (row["wikitext_word_ppl"], row["lambada_acc"]) == (19.5, 45.0) and row["training_run_id"] == paper
+    assert row["protocol"] == "wikitext: paper protocol; lambada: strict (paper)"
+    other = table.loc["gpt2-355m-reduced"]  # a paper name on a 2-layer model: its run name, not the paper row
+    assert other["wikitext_word_ppl"] == 800.0 and not other["paper_size"]
+    assert other["protocol"] == ("wikitext: reduced: window=1024, stride=32, max_lines=all, "
+                                 "file=WikiText-2 tokens file (not like-for-like)")
+    shown = zeroshot.display(zeroshot.build(uri)).set_index("model")
+    assert shown.loc["gpt2-355m", "measured on"] == "Synthetic GPU, paper size"
+    assert shown.loc["gpt2-355m-reduced", "measured on"] == "Synthetic GPU, reduced size (not a paper config)"
+    # WikiText-2's zip holds a wiki.test.tokens too: its BPE count tells it from the paper's
+    ev = pd.Series({"tags.task": "wikitext", "params.window": "1024", "params.stride": "32", "params.max_lines": "all",
+                    "params.file": "wiki.test.tokens", "metrics.wikitext/num_bpe_tokens": 278365.0})
+    assert not zeroshot.follows_paper(ev) and "T=278,365, not the paper's 270,329" in zeroshot._protocol(ev)
+
+
+def test_paper_size_only_for_the_named_sizes_shape():
+    """A run is labelled "paper size" (and put in the paper's row) only when the shape it logged is the
+    named size's: a `--set model.num_layers=2` override of gpt2-355m, or a RACE run of a tiny BERT
+    logged as bert-336m (runs before --size was inferred), is a custom model."""
+    from repro.analysis import runs as R
+    from repro.train.config import flat_params, load_config
+
+    def trainer_row(*sets):
+        params = flat_params(load_config(ROOT / "experiments/gpt2/gpt2_355m.yaml", list(sets)))
+        return pd.Series({"params.device_type": "cuda", "params.device_name": "G",
+                          **{f"params.{k}": v for k, v in params.items()}})
+
+    full, small = trainer_row(), trainer_row("model.num_layers=2", "model.hidden_size=64")
+    assert R.paper_size(full) == "gpt2-355m" and R.run_label(full) == "G, paper size"
+    assert R.paper_size(small) is None and R.run_label(small) == "G, reduced size (not a paper config)"
+    assert scaling._config(small) == "custom L2-h64-a16-s1024" and scaling._config(full) == "gpt2-355m"
+    race = {"run_id": "r1", "params.task": "race", "params.device_type": "cpu", "params.checkpoint": "tiny.pt",
+            "metrics.test/acc_total": 40.0}
+    tiny = dict(race, **{"params.size": "bert-336m", "params.num_layers": "2", "params.hidden_size": "64",
+                         "params.seq_length": "64"})
+    real = dict(race, run_id="r2", **{"params.size": "bert-336m", "params.num_layers": "24",
+                                      "params.hidden_size": "1024", "params.num_attention_heads": "16",
+                                      "params.seq_length": "512"})
+    rows = bert.race_runs(pd.DataFrame([tiny, real]))
+    assert [(r["model"], r["label"]) for r in rows] == [("custom L2-h64-a?-s64", "CPU, reduced size (not a paper config)"),
+                                                        ("bert-336m", "CPU, paper size")]
 
 
 def test_fig7_curves_come_from_the_trainers_runs(tmp_path):

@@ -44,7 +44,7 @@ def _offline_run(run_dir: Path, steps: int = 3) -> Path:
     with pytest.MonkeyPatch.context() as mp, pytest.warns(UserWarning, match="MLflow tracking unavailable"):
         mp.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
         logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {"family": "gpt"})
-    assert logger.run_id is None and (run_dir / "tracking_unsynced").exists()
+    assert logger.run_id is None and not (run_dir / "mlflow_run_id").exists()
     for step in range(1, steps + 1):
         logger.log_metrics({"loss": 1.0 / step}, step)
     logger.close()
@@ -76,13 +76,14 @@ def test_sync_twice_and_a_live_run_never_duplicate(tmp_path, store, capsys):
     rc, out, _ = _cli(capsys, "tracking", "sync", str(tmp_path / "live"))
     assert rc == 0 and "nothing to sync" in out and len(_runs(store)) == 2
     # the live run lost its server after step 1: sync completes that run, sending only step 2
-    (tmp_path / "live" / "tracking_unsynced").write_text("down")
     with open(tmp_path / "live" / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 2, "time": time.time(), "loss": 1.5}) + "\n")
     rc, out, _ = _cli(capsys, "tracking", "sync", str(tmp_path / "live"))
     assert rc == 0 and f"updated MLflow run {live.run_id}" in out and "1 metric values" in out
     assert [m.step for m in MlflowClient(store).get_metric_history(live.run_id, "loss")] == [1, 2]
-    assert len(_runs(store)) == 2 and not (tmp_path / "live" / "tracking_unsynced").exists()
+    assert len(_runs(store)) == 2
+    rc, out, _ = _cli(capsys, "tracking", "sync", str(tmp_path / "live"))
+    assert rc == 0 and "nothing to sync" in out
 
 
 def test_a_synced_run_resumes_into_the_same_mlflow_run(tmp_path, store, capsys):
@@ -340,10 +341,26 @@ def test_eval_records_sync_once_into_the_store_at_their_time(tmp_path, monkeypat
     assert len(client.search_runs([runs[0].info.experiment_id])) == 2
 
 
+@pytest.mark.parametrize("task, option, value", [
+    ("lambada", "--max-examples", "0"), ("lambada", "--max-examples", "-5100"), ("lambada", "--batch-size", "0"),
+    ("wikitext", "--batch-size", "-1"), ("wikitext", "--max-lines", "-4300"), ("wikitext", "--max-lines", "0"),
+])
+def test_eval_counts_below_one_name_the_option(tmp_path, capsys, task, option, value):
+    """Zero or negative counts are refused before the model loads (not a ZeroDivisionError, an
+    empty range or a silent slice from the end): exit 2 naming the option and the fix."""
+    run = _gpt_checkpoint(tmp_path / "g5")
+    rc, out, err = _cli(capsys, "eval", task, "--checkpoint", str(run), "--data-dir", str(mirror()),
+                        "--no-mlflow", option, value)
+    assert rc == 2 and f"{option} {value} must be at least 1" in err and "Fix: give a positive number" in err, err
+    assert "Traceback" not in err and not out and not (run / "zero_shot.jsonl").exists()
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--size", "bert-999"], "--size bert-999 is not a BERT size"),
     (["--checkpoint", "EMPTY"], "no checkpoint at"),
     (["--model-config", "nope.yaml"], "--model-config nope.yaml does not exist"),
+    (["--model-config", str(ROOT / "experiments/bert/tiny_cpu.yaml"), "--size", "bert-336m"],
+     "--size bert-336m is the paper's L24-h1024-a16-s512, but the model is L2-h64-a4-s128 (not a paper size)"),
 ])
 def test_finetune_race_names_a_bad_model_choice(tmp_path, capsys, extra, needle):
     extra = [str(tmp_path) if x == "EMPTY" else x for x in extra]

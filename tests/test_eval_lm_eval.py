@@ -139,6 +139,21 @@ def test_repro_lm_eval_command_on_a_checkpoint_equals_repro_eval(setup, tmp_path
     assert got["perplexity,none"] == pytest.approx(math.exp(sum(nll) / n), rel=1e-6)
 
 
+def _lm_eval_rolling(gpt, tokens: list[int], eod: int, seq: int) -> tuple[float, list]:
+    """lm-eval's rolling loglikelihood as its Hugging Face model computes it: its own windows
+    (get_rolling_token_windows, context_len 1, then make_disjoint_window), each scored on
+    (context + continuation)[:-1] by plain cross-entropy of its last len(continuation) logits."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, eod, seq, 1)]
+    total = 0.0
+    with torch.no_grad():
+        for ctx, cont in windows:
+            logits = gpt(torch.tensor([(ctx + cont)[-(seq + 1):][:-1]]))[0, -len(cont):]
+            total -= torch.nn.functional.cross_entropy(logits, torch.tensor(cont), reduction="sum").item()
+    return total, windows
+
+
 def test_rolling_loglikelihood_and_generation_of_a_tiny_gpt(setup):
     from repro.eval.lm_eval_adapter import MegatronReproLM
     from repro.models.config import ModelConfig
@@ -156,8 +171,13 @@ def test_rolling_loglikelihood_and_generation_of_a_tiny_gpt(setup):
     lm = MegatronReproLM(model=gpt, tokenizer=tok, batch_size=2)
     req = SimpleNamespace(args=(text,))
     assert lm.loglikelihood_rolling([req])[0] == pytest.approx(expected, rel=1e-10)
-    long_text = " ".join([text] * 4)  # longer than one window: disjoint windows cover every token
-    assert math.isfinite(lm.loglikelihood_rolling([SimpleNamespace(args=(long_text,))])[0])
+    long_text = " ".join([text] * 4)  # 4 windows of 16: the last one takes a full window of context
+    tokens = tok.encode(long_text)
+    reference, windows = _lm_eval_rolling(gpt, tokens, tok.eod, 16)
+    assert len(tokens) % 16 and len(windows[-1][0] + windows[-1][1]) == 17  # not a remainder's context
+    got = lm.loglikelihood_rolling([SimpleNamespace(args=(s,)) for s in (long_text, "", text)])
+    assert got[0] == pytest.approx(reference, rel=1e-10)
+    assert got[1:] == [0.0, pytest.approx(expected, rel=1e-10)]  # lm-eval has no window for ""
     # Greedy generation with the oracle continues a known passage with its own next 5 tokens.
     seq = examples[1].context
     k = next(k for k in range(10, len(seq) - 6) if "\n" not in tok.decode(seq[:k + 5])
@@ -171,11 +191,12 @@ def test_rolling_loglikelihood_and_generation_of_a_tiny_gpt(setup):
 
 def test_lm_eval_wikitext_word_perplexity_is_per_word_of_the_page(setup):
     """lm-eval's wikitext word_perplexity is exp(-sum log p / words of the original page), with
-    sum log p the rolling loglikelihood of [eot] + the detokenized page in disjoint windows of the
-    model's seq_length. Expected value computed here from lm-eval's own built-in wikitext functions
-    (detokenizer, word/byte counts) and plain cross-entropy of a float64 model, so only summation
-    order differs: rel 1e-9. Token perplexity (1,218 targets for 1,093 words on this page) would be
-    exp(sum NLL / 1218): 5.0e4 against the word perplexity 1.7e5 of this untrained model."""
+    sum log p the rolling loglikelihood of the detokenized page after [eot] in lm-eval's own windows
+    of the model's seq_length (the last one with a full window of context). Expected value computed
+    here from lm-eval's own built-in wikitext functions (detokenizer, word/byte counts, rolling
+    windows) and plain cross-entropy of a float64 model, so only summation order differs: rel 1e-9.
+    Token perplexity (1,218 targets for 1,093 words on this page) would be exp(sum NLL / 1218):
+    5.0e4 against the word perplexity 1.7e5 of this untrained model."""
     from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer
 
     from repro.eval.lm_eval_adapter import MegatronReproLM
@@ -194,12 +215,7 @@ def test_lm_eval_wikitext_word_perplexity_is_per_word_of_the_page(setup):
     assert sample["doc"] == doc and doc["page"].startswith(" = Robert Boulter = ")
 
     ids = [tok.eod] + tok.encode(wikitext_detokenizer(doc))
-    sum_nll = 0.0
-    with torch.no_grad():
-        for start in range(0, len(ids) - 1, seq):  # disjoint windows, each scores all its targets
-            targets = ids[start + 1:start + seq + 1]
-            logits = gpt(torch.tensor([ids[start:start + len(targets)]]))[0]
-            sum_nll += torch.nn.functional.cross_entropy(logits, torch.tensor(targets), reduction="sum").item()
+    sum_nll = -_lm_eval_rolling(gpt, ids[1:], tok.eod, seq)[0]
     counts = process_results(doc, [0.0])
     words, size = counts["word_perplexity"][1], counts["byte_perplexity"][1]
     assert (words, len(ids) - 1) == (1093, 1218)  # words of the raw page vs BPE targets

@@ -208,18 +208,60 @@ def _finetune_rank(vocab: str, tp: int, batch: int) -> tuple[list[float], dict]:
     return result.losses, result.accuracy
 
 
-@pytest.mark.parametrize("world, tp", [(2, 2), (2, 1)])
-def test_finetuning_at_tp2_and_dp2_reproduces_serial(vocab_file, world, tp):
-    """fp32, dropout off, 3 epochs of 10 questions in one batch: every step's loss at TP=2 (or DP=2,
-    5 questions a rank) within 1e-5 relative of TP=1 (the layouts only reorder sums), and the same
-    accuracies. The multiple-choice head is replicated on the TP ranks and stays identical."""
-    serial_losses, serial_acc = run_ranks(_finetune_rank, 1, str(vocab_file), 1, 10)[0]
-    results = run_ranks(_finetune_rank, world, str(vocab_file), tp, 10, timeout=300)
+@pytest.mark.parametrize("world, tp, batch", [(2, 2, 10), (2, 1, 10), (2, 1, 4), (2, 1, 6)])
+def test_finetuning_at_tp2_and_dp2_reproduces_serial(vocab_file, world, tp, batch):
+    """fp32, dropout off, 3 epochs of 10 questions: every step's loss at TP=2 (or DP=2) within 1e-5
+    relative of TP=1 (the layouts only reorder sums), and the same accuracies. The multiple-choice
+    head is replicated on the TP ranks and stays identical. Batch 4 and 6 end each epoch with a short
+    batch of 2 and 4 questions: at DP=2 one rank gets none (batch 4) or the shares are 3 and 1
+    (batch 6), and the step's gradient is still the whole batch's mean."""
+    serial_losses, serial_acc = run_ranks(_finetune_rank, 1, str(vocab_file), 1, batch)[0]
+    results = run_ranks(_finetune_rank, world, str(vocab_file), tp, batch, timeout=300)
     for losses, acc in results:
-        assert len(losses) == len(serial_losses) == 3
+        assert len(losses) == len(serial_losses) == 3 * -(-10 // batch)
         assert max(abs(a - b) / b for a, b in zip(losses, serial_losses)) < 1e-5, (losses, serial_losses)
         assert acc == serial_acc
     assert serial_losses[-1] < serial_losses[0]
+
+
+def test_size_is_the_models_shape_and_picks_the_papers_batch_and_lr():
+    """--size left out: the paper BERT size of exactly the model's shape (its batch/lr: 16/1e-5 for
+    1.3B), else "custom"; a paper size given for a model of another shape is refused."""
+    from repro.cli import UserError
+    from repro.eval.race_cli import size_label
+    from repro.eval.race_finetune import options_for
+    from repro.models.sizes import SIZES
+
+    def paper(name):
+        return BertConfig(**SIZES[name].model_config().__dict__)
+
+    tiny = BertConfig(vocab_size=300, **TINY)
+    assert size_label(None, tiny) == "custom" and size_label("tiny", tiny) == "tiny"
+    assert [size_label(None, paper(n)) for n in ("bert-336m", "bert-1.3b", "bert-3.9b")] == \
+        ["bert-336m", "bert-1.3b", "bert-3.9b"]
+    opts = options_for(size_label(None, paper("bert-1.3b")), None, None, 3, 1)
+    assert (opts.batch_size, opts.lr) == (16, 1e-5)
+    assert size_label("bert-1.3b", paper("bert-1.3b")) == "bert-1.3b"
+    with pytest.raises(UserError, match=r"--size bert-336m is the paper's L24-h1024-a16-s512, but the model is "
+                                        r"L24-h2048-a32-s512 \(bert-1.3b\)"):
+        size_label("bert-336m", paper("bert-1.3b"))
+    with pytest.raises(UserError, match=r"L2-h64-a4-s96 \(not a paper size\)\. Fix: leave out --size"):
+        size_label("bert-336m", tiny)
+
+
+def test_a_model_config_without_size_is_logged_custom_with_its_shape(tmp_path, vocab_file, capsys):
+    """`repro finetune race --model-config tiny_cpu.yaml` without --size: size "custom" (not the paper's
+    bert-336m), and the shape the report checks a size against."""
+    from repro.cli import main
+
+    assert main(["finetune", "race", "--race-dir", str(FIXTURE), "--vocab", str(vocab_file), "--model-config",
+                 str(ROOT / "experiments/bert/tiny_cpu.yaml"), "--epochs", "1", "--batch-size", "5",
+                 "--seq-length", "64", "--seeds", "1", "--no-mlflow", "--run-dir", str(tmp_path / "run")]) == 0
+    params = json.loads((tmp_path / "run" / "params.json").read_text())
+    assert params["size"] == "custom"
+    shape = [params[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")]
+    assert [int(v) for v in shape] == [2, 64, 4, 64]
+
 
 def test_the_median_seed_by_dev_accuracy_reports_one_runs_numbers():
     # per-cell medians would mix seeds (middle of one, high of another); the paper's median is a run

@@ -1,7 +1,8 @@
 """BERT: RACE accuracy and MLM validation perplexity (the paper's BERT results), layer-norm order (Fig. 7).
 
-RACE runs (repro/eval/race_cli.py, experiment "bert") carry params task=race, size, checkpoint, tp,
-dp and metrics `test/acc_{middle,high,total}` (percent, of the seed with the median dev accuracy).
+RACE runs (repro/eval/race_cli.py, experiment "bert") carry params task=race, size, the model shape
+(num_layers, hidden_size, num_attention_heads, seq_length), checkpoint, tp, dp and metrics
+`test/acc_{middle,high,total}` (percent, of the seed with the median dev accuracy).
 Fig. 7 runs are trainer runs (`repro train`, or repro/models/bert_ablation.py at CPU size) with the params
 `model.layernorm_order`, `model.num_layers`, `model.hidden_size` and the per-step metric `mlm_loss`;
 runs of the earlier standalone ablation loop (params `layernorm_order`, ..., metric `loss/mlm`) are read too.
@@ -40,12 +41,13 @@ def _race_label(run) -> str:
 
 
 def race_runs(runs: pd.DataFrame) -> list[dict]:
-    """Newest RACE run per model size: test accuracy per level, label, provenance."""
+    """Newest RACE run per model (a paper size only when the logged shape is that size's): test
+    accuracy per level, label, provenance."""
     if runs.empty or "params.task" not in runs:
         return []
     out: dict[str, dict] = {}
     for _, run in runs[runs["params.task"] == "race"].iterrows():
-        size = R.get(run, "params.size", "?")
+        size = R.size_name(run) or "?"
         out.setdefault(size, {"model": size, **{f"race_{lv}": R.get(run, f"metrics.test/acc_{lv}") for lv in LEVELS},
                               "seeds": R.get(run, "params.seeds", "?"), "label": _race_label(run),
                               "provenance": R.provenance(run) + f"; tp={R.get(run, 'params.tp', '?')}"
@@ -58,7 +60,7 @@ def mlm_runs(runs: pd.DataFrame) -> dict[str, float]:
     """Newest MLM validation perplexity per model size, where a pretraining run logged one."""
     out: dict[str, float] = {}
     for _, run in runs.iterrows():
-        size = R.get(run, "params.model_size") or R.get(run, "params.size")
+        size = R.size_name(run)
         ppl = _mlm_ppl(run)
         if size and ppl is not None:
             out.setdefault(size, ppl)

@@ -143,6 +143,49 @@ def is_paper_size(name: str | None) -> bool:
     return bool(name) and name in SIZES
 
 
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def _int(value) -> int | None:
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def logged_shape(row) -> dict[str, int | None]:
+    """The model shape a run logged: the trainer's `model.*` params, else a RACE run's bare ones (its
+    seq_length is the fine-tuning length; the paper's 2020 RACE example used 512, the BERT sizes')."""
+    return {k: _int(get(row, f"params.model.{k}", get(row, f"params.{k}"))) for k in SHAPE_KEYS}
+
+
+def shape_text(row) -> str:
+    """`L24-h1024-a16-s1024` from the logged shape, `?` where not logged."""
+    shape = logged_shape(row)
+    return "L{}-h{}-a{}-s{}".format(*("?" if shape[k] is None else shape[k] for k in SHAPE_KEYS))
+
+
+def paper_size(row) -> str | None:
+    """The run's named paper size (params model_size or size) when its logged shape is exactly that
+    size's; None for other names, reduced overrides and runs that did not log their shape."""
+    name = get(row, "params.model_size") or get(row, "params.size")
+    if not is_paper_size(name):
+        return None
+    size = SIZES[name]
+    return name if logged_shape(row) == {k: getattr(size, k) for k in SHAPE_KEYS} else None
+
+
+def size_name(row) -> str | None:
+    """The run's model as the report names it: a paper size only when paper_size confirms it; a paper
+    name on another shape, or `custom`, becomes `custom L2-h64-a4-s128`; other names as logged."""
+    name = get(row, "params.model_size") or get(row, "params.size")
+    if paper_size(row):
+        return name
+    if is_paper_size(name) or name == "custom":
+        return f"custom {shape_text(row)}"
+    return name or None
+
+
 def run_label(row) -> str:
     """"GPU, paper size" style label; CPU and reduced-size runs say so."""
     device = str(get(row, "params.device_type", "") or "")
@@ -156,8 +199,7 @@ def run_label(row) -> str:
         parts.append(str(get(row, "params.device_name", device)))
     else:
         parts.append("device not logged")
-    size = get(row, "params.model_size") or get(row, "params.size")
-    parts.append("paper size" if is_paper_size(size) else "reduced size (not a paper config)")
+    parts.append("paper size" if paper_size(row) else "reduced size (not a paper config)")
     return ", ".join(parts)
 
 

@@ -51,13 +51,12 @@ def sustained_tflops(history: pd.DataFrame) -> float:
 
 
 def _shape(row) -> str:
-    keys = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    return "L{}-h{}-a{}-s{}".format(*(R.get(row, f"params.model.{k}", "?") for k in keys))
+    return R.shape_text(row)
 
 
 def _config(row) -> str:
-    size = R.get(row, "params.model_size")
-    return size if R.is_paper_size(size) else f"custom {_shape(row)}"
+    """The paper config when the run's logged shape is that config's, else `custom` and the shape."""
+    return R.paper_size(row) or f"custom {_shape(row)}"
 
 
 def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:

@@ -131,11 +131,25 @@ def load_gpt(ckpt: Path, pg):
         raise UserError(str(err)) from err
 
 
+POSITIVE_OPTIONS = {"batch_size": "e.g. --batch-size 8", "max_lines": "or leave it out for the whole file",
+                    "max_examples": "or leave it out for all 5,153 passages"}
+
+
+def _check_positive(args) -> None:
+    """A UserError for --batch-size, --max-lines or --max-examples below 1 (None: not given)."""
+    for key, hint in POSITIVE_OPTIONS.items():
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            option = "--" + key.replace("_", "-")
+            raise UserError(f"{option} {value} must be at least 1. Fix: give a positive number, {hint}")
+
+
 def _options(args) -> EvalOptions:
     from repro.data.fetch import data_dir_from_env
 
     if args.stride < 1 or args.window < args.stride:
         raise UserError(f"--stride {args.stride} must be between 1 and --window {args.window}")
+    _check_positive(args)
     return EvalOptions(Path(args.data_dir) if args.data_dir else data_dir_from_env(), args.window,
                        args.stride, args.batch_size, args.file, not args.non_strict, args.megatron_split,
                        args.max_lines, args.max_examples)

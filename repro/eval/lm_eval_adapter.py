@@ -11,8 +11,10 @@ lambada_openai_local`). A checkpoint of any TP degree is merged to TP=1 on load.
 
 Loglikelihood encodes context and continuation separately and scores them exactly as
 `repro eval lambada` does (same batching code), so lm-eval's lambada `acc` equals the strict
-accuracy. Rolling loglikelihood prefixes the end-of-text token and scores windows of the model's
-seq_length with a configurable stride (default: disjoint windows, lm-eval's own convention).
+accuracy. Rolling loglikelihood uses lm-eval's own windows (`get_rolling_token_windows` with the
+end-of-text prefix, then `make_disjoint_window`), as lm-eval's Hugging Face model does: each window
+of the model's seq_length predicts the next seq_length tokens, and the last one takes a full
+window of context. `rolling_stride=S` predicts S tokens a window instead (context_len = L - S + 1).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from __future__ import annotations
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from repro.eval.lambada import Example, score_examples
 from repro.eval.scoring import model_device, vocab_parallel_argmax
-from repro.eval.wikitext import WikitextData, evaluate_perplexity
 from repro.parallel.groups import ProcessGroups
 
 
@@ -48,6 +50,8 @@ class MegatronReproLM(LM):
         self.batch_size_per_call = _as_int(batch_size, 8)
         self.max_length = self.model.cfg.seq_length
         self.rolling_stride = _as_int(rolling_stride, self.max_length)
+        if self.rolling_stride < 1:
+            raise ValueError(f"rolling_stride={rolling_stride}: give a positive number of tokens per window")
         self.max_gen_toks = _as_int(max_gen_toks, 64)
 
     def _encode_pair(self, context: str, continuation: str) -> Example:
@@ -65,15 +69,24 @@ class MegatronReproLM(LM):
         return [(-s.nll, s.correct) for s in scores]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
-        """Sum log p of every token of each string, the first conditioned on end-of-text."""
-        out = []
-        for req in requests:
-            tokens = [self.tokenizer.eod] + self.tokenizer.encode(req.args[0])
-            result = evaluate_perplexity(self.model, ProcessGroups.single(), WikitextData(tokens, 1),
-                                         self.max_length, self.rolling_stride, self.batch_size_per_call,
-                                         self.tokenizer.eod)
-            out.append(-result.sum_nll)
+        """Sum log p of every token of each string, the first conditioned on end-of-text (0.0 for "")."""
+        owners, examples = [], []
+        for i, req in enumerate(requests):
+            for ctx, cont in self._rolling_windows(req.args[0]):
+                owners.append(i)
+                examples.append(Example(ctx, cont))
+        scores = score_examples(self.model, None, examples, self.batch_size_per_call, self.tokenizer.eod)
+        out = [0.0] * len(requests)
+        for i, score in zip(owners, scores):
+            out[i] -= score.nll
         return out
+
+    def _rolling_windows(self, text: str) -> list[tuple[list[int], list[int]]]:
+        """lm-eval's (context, continuation) windows of a string, context and continuation disjoint."""
+        context_len = self.max_length - min(self.rolling_stride, self.max_length) + 1
+        windows = get_rolling_token_windows(self.tokenizer.encode(text), self.tokenizer.eod, self.max_length,
+                                            context_len)
+        return [make_disjoint_window(w) for w in windows]
 
     def generate_until(self, requests) -> list[str]:
         """Greedy continuation of each context until a stop string or max_gen_toks tokens."""

@@ -187,7 +187,9 @@ def register(sub) -> None:
     p = tasks.add_parser("race", help="RACE reading comprehension (paper Table 5)")
     p.add_argument("--race-dir", help="RACE root with {train,dev,test}/{middle,high} (REPRO_RACE_DIR)")
     p.add_argument("--checkpoint", help="pretrained BERT (repro.models.bert_checkpoint, any TP degree)")
-    p.add_argument("--size", default="bert-336m", help="bert-336m | bert-1.3b | bert-3.9b: paper batch/lr")
+    p.add_argument("--size", help="bert-336m | bert-1.3b | bert-3.9b: the paper's batch/lr, logged as the size "
+                   "(default: the size of the model's shape, else custom; bert-336m without --checkpoint "
+                   "and --model-config)")
     p.add_argument("--model-config", help="YAML with a model: block (e.g. experiments/bert/tiny_cpu.yaml)")
     p.add_argument("--data-dir", help="holds vocab/bert-large-uncased-vocab.txt (REPRO_DATA_DIR)")
     p.add_argument("--vocab", help="a WordPiece vocab.txt to use instead of the data dir's")

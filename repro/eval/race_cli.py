@@ -11,6 +11,8 @@ from repro.models.bert import BertConfig
 
 EXPERIMENT = "bert"
 POSITIONS = "embeddings.position.weight"
+DEFAULT_SIZE = "bert-336m"  # the model built without --checkpoint and --model-config
+SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
 def _tokenizer(args):
@@ -43,23 +45,50 @@ def model_config(args, vocab_size: int) -> tuple[BertConfig, dict | None]:
         known = {f.name for f in fields(BertConfig)}
         cfg = BertConfig(**{k: v for k, v in block.items() if k in known})
     else:
-        cfg = BertConfig(**_bert_size(args.size).model_config().__dict__)
+        cfg = BertConfig(**_bert_size(args.size or DEFAULT_SIZE).model_config().__dict__)
     cfg.vocab_size = vocab_size
     print(f"warning: no --checkpoint: fine-tuning a randomly initialised BERT ({cfg.num_layers} layers, "
           f"hidden {cfg.hidden_size})")
     return cfg, None
 
 
-def _bert_size(name: str):
-    """The named BERT size, or a UserError listing them (--size builds the model only without
-    --checkpoint and --model-config; otherwise it is a label and picks the paper's batch/lr)."""
+def _bert_sizes() -> dict:
     from repro.models.sizes import SIZES
 
-    berts = [n for n, s in SIZES.items() if s.family == "bert"]
+    return {n: s for n, s in SIZES.items() if s.family == "bert"}
+
+
+def _bert_size(name: str):
+    """The named BERT size, or a UserError listing them (--size builds the model only without
+    --checkpoint and --model-config; otherwise it names the model's size: see size_label)."""
+    berts = _bert_sizes()
     if name not in berts:
         raise UserError(f"--size {name} is not a BERT size. Fix: choose one of {', '.join(berts)}, "
                         "or give --checkpoint or --model-config for another model")
-    return SIZES[name]
+    return berts[name]
+
+
+def _shape(model) -> tuple[int, ...]:
+    return tuple(getattr(model, k) for k in SHAPE)
+
+
+def _shape_text(model) -> str:
+    return "L{}-h{}-a{}-s{}".format(*_shape(model))
+
+
+def size_label(name: str | None, cfg: BertConfig) -> str:
+    """The size to log and to pick the paper's batch/lr by: --size if given, else the paper BERT size
+    of exactly the model's shape (layers, hidden, heads, positions), else "custom". A paper size
+    given for a model of another shape is a UserError (the run would be reported as that size)."""
+    sizes = _bert_sizes()
+    inferred = next((n for n, s in sizes.items() if _shape(s) == _shape(cfg)), None)
+    if name is None:
+        return inferred or "custom"
+    if name in sizes and name != inferred:
+        raise UserError(f"--size {name} is the paper's {_shape_text(sizes[name])}, but the model is "
+                        f"{_shape_text(cfg)} ({inferred or 'not a paper size'}). Fix: leave out --size (the "
+                        "size is inferred from the model's shape), or give a checkpoint of that size")
+    return name
 
 
 def shorten(cfg: BertConfig, state: dict | None, seq_length: int) -> tuple[BertConfig, dict | None]:
@@ -98,7 +127,9 @@ def run(args) -> int:
         root = race_dir_from_env(args.race_dir)
         raw = {s: load_race(root, s) for s in ("train", "dev", "test")}
         tok = _tokenizer(args)
-        cfg, state = shorten(*model_config(args, tok.vocab_size), args.seq_length)
+        cfg, state = model_config(args, tok.vocab_size)
+        size = size_label(args.size, cfg)
+        cfg, state = shorten(cfg, state, args.seq_length)
     except (RaceFormatError, FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
     except CheckpointError as err:
@@ -111,18 +142,19 @@ def run(args) -> int:
     from repro.provenance import git_sha
     from repro.train.loop import device_name
 
-    params = {"task": "race", "size": args.size, "device": str(device), "device_type": device.type,
+    params = {"task": "race", "size": size, "device": str(device), "device_type": device.type,
               "device_name": device_name(device),
               "world_size": pg.tp_size * pg.dp_size, "precision": "fp32", "git_sha": git_sha(),
               "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
               "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
-              "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
+              "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+              "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
               "train_questions": len(splits["train"])}
     # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
-    log = RunLogger(args.run_dir, EXPERIMENT, f"race-{args.size}", params, {"task": "race"},
+    log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, {"task": "race"},
                     use_mlflow=not args.no_mlflow) if pg.rank == 0 else None
     try:
-        chosen = _fine_tune_seeds(args, cfg, state, splits, pg, device, log)
+        chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log)
     except BaseException:
         if log:
             log.close("FAILED")
@@ -133,8 +165,9 @@ def run(args) -> int:
     return 0
 
 
-def _fine_tune_seeds(args, cfg, state, splits, pg, device, log):
-    """Every seed's fine-tuning and accuracies; (results, median-dev seed's result) on rank 0."""
+def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log):
+    """Every seed's fine-tuning (the paper's batch/lr of `size`) and accuracies; (results, median-dev
+    seed's result) on rank 0."""
     from repro.eval.race_finetune import options_for, print_report, run_seed
 
     def record(metrics: dict, step: int = 0) -> None:
@@ -143,7 +176,7 @@ def _fine_tune_seeds(args, cfg, state, splits, pg, device, log):
 
     results = []
     for seed in args.seeds:
-        opts = options_for(args.size, args.batch_size, args.lr, args.epochs, seed)
+        opts = options_for(size, args.batch_size, args.lr, args.epochs, seed)
         res = run_seed(cfg, state, splits, opts, pg,
                        lambda m, i, s=seed: record({f"seed{s}/{k}": v for k, v in m.items()}, i), device)
         record({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})

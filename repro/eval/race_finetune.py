@@ -103,32 +103,42 @@ def evaluate(model: MultipleChoiceBert, data: RaceTensors, batch_size: int = 16)
     return accuracy_by_level(torch.cat(preds), data.labels, data.levels)
 
 
-def _train_step(model, opt, sched, batch, pg: ProcessGroups, clip: float) -> float:
-    tokens, types, mask, labels = batch
-    loss = F.cross_entropy(model(tokens, types, mask).float(), labels)
+def _train_step(model, opt, sched, share, pg: ProcessGroups, clip: float, batch_count: int) -> float:
+    """One step on this rank's share of a batch of `batch_count` questions; returns the batch's mean loss.
+
+    Each rank backpropagates its summed loss x dp / batch_count, so the DP average of the gradients is
+    the gradient of the whole batch's mean loss however unevenly a short last batch splits (an empty
+    share adds zero gradients without running the model)."""
+    tokens, types, mask, labels = share
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if len(labels):
+        loss_sum = F.cross_entropy(model(tokens, types, mask).float(), labels, reduction="sum")
+        (loss_sum * (pg.dp_size / batch_count)).backward()
+    else:  # no rows: no forward (its TP peers skip it too), zero gradients for the DP all-reduce
+        loss_sum = torch.zeros((), device=labels.device)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
     all_reduce_gradients(model.parameters(), pg.dp_group)
     clip_grad_norm(model.parameters(), clip, pg.tp_group)
     opt.step()
     sched.step()
-    return _mean_over_dp(loss.detach(), pg)
+    return _sum_over_dp(loss_sum.detach(), pg) / batch_count
 
 
-def _mean_over_dp(loss: torch.Tensor, pg: ProcessGroups) -> float:
-    """The whole batch's loss: the mean of the DP ranks' losses over their equal shares."""
+def _sum_over_dp(value: torch.Tensor, pg: ProcessGroups) -> float:
+    """The sum of `value` over the DP ranks."""
     if pg.dp_size > 1:
         import torch.distributed as dist
 
-        loss = loss.clone()
-        dist.all_reduce(loss, group=pg.dp_group)
-        loss /= pg.dp_size
-    return loss.item()
+        value = value.clone()
+        dist.all_reduce(value, group=pg.dp_group)
+    return value.item()
 
 
 def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOptions,
              pg: ProcessGroups | None = None, log=None) -> list[float]:
-    """Train for opts.epochs; each DP rank takes its slice of every (seeded, shuffled) batch."""
+    """Train for opts.epochs; each DP rank takes its slice of every (seeded, shuffled) batch. The
+    last batch of an epoch may be short (as serially): a rank whose slice is empty adds zero."""
     pg = pg or ProcessGroups.single()
     if opts.batch_size % pg.dp_size:
         raise ValueError(f"batch_size={opts.batch_size} is not divisible by dp={pg.dp_size}: "
@@ -141,12 +151,10 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(opts.seed + epoch))
         for step in range(steps_per_epoch):
             batch = order[step * opts.batch_size:(step + 1) * opts.batch_size]
-            mine = batch[pg.dp_rank * per_rank:(pg.dp_rank + 1) * per_rank]
-            if len(mine) == 0:  # a short last batch: keep every DP rank in step
-                mine = batch[:1]
+            mine = batch[pg.dp_rank * per_rank:(pg.dp_rank + 1) * per_rank]  # may be empty
             model.train()
-            batch_rows = _rows(train, mine, _device(model))
-            losses.append(_train_step(model, opt, sched, batch_rows, pg, opts.clip_grad))
+            share = _rows(train, mine, _device(model))
+            losses.append(_train_step(model, opt, sched, share, pg, opts.clip_grad, len(batch)))
             if log is not None and len(losses) % opts.log_every == 0:
                 log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0]}, len(losses))
     return losses

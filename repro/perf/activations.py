@@ -48,16 +48,17 @@ class ActivationDtypes:
     mask: int  # one hidden-dropout mask element
     stats: int  # layer-norm mean and rstd
     autocast: bool  # half copies of the matmul weights are kept until the backward
+    half_norm: int  # a layer norm's saved copy of a compute-dtype input (CUDA autocast runs it in fp32)
 
     @classmethod
     def of(cls, precision: str, params: str, device_type: str) -> "ActivationDtypes":
         """The dtypes a run with `precision` (fp32/bf16/fp16) and `params` (fp32/half) keeps."""
         cuda = device_type == "cuda"
         if precision == "fp32":
-            return cls(4, 4, 1 if cuda else 4, 4, False)
+            return cls(4, 4, 1 if cuda else 4, 4, False, 4)
         if params == "half":
-            return cls(2, 2, 1 if cuda else 2, 4 if cuda else 2, False)
-        return cls(4, 2, 1 if cuda else 4, 4, True)  # autocast: fp32 residual stream, half matmuls
+            return cls(2, 2, 1 if cuda else 2, 4 if cuda else 2, False, 2)
+        return cls(4, 2, 1 if cuda else 4, 4, True, 4 if cuda else 2)  # autocast: fp32 residual, half matmuls
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,35 @@ def activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtype
     output_matrix = vocab * h // tp * (dt.compute if dt.autocast else 0)
     return ActivationMemory(layers=layers, outside_layers=embedding + final_norm + loss,
                             autocast_weights=output_matrix + (0 if recompute else layer_matrices),
+                            autocast_cache=layer_matrices if recompute else 0,
+                            rebuilt_layer=full_layer if recompute else 0)
+
+
+def bert_activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, math: bool = False,
+                           recompute: bool | None = None) -> ActivationMemory:
+    """Activation bytes per TP rank for one micro batch of repro.models.bert.BERT with its MLM and
+    SOP heads: GPT's layers (either layer-norm order keeps the same bytes) plus the additive
+    attention mask SDPA makes of the padding mask in each layer (b s c); outside the layers the
+    token types, an embedding layer norm (original order) or a final one (rearranged), the MLM
+    head over every position (dense input, GeLU input, layer-norm input in fp32 under autocast,
+    output-layer input), its fp32 softmax, the pooler and the SOP head."""
+    recompute = cfg.activation_checkpointing if recompute is None else recompute
+    b, s, h, l = batch, cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    vocab = cfg.padded_vocab_size(tp)
+    full_layer = layer_bytes(cfg, batch, tp, dt, math) + (0 if math else b * s * dt.compute)
+    layers = l * b * s * h * dt.residual + b * s if recompute else l * full_layer  # + the bool padding mask
+    embedding = 16 * b * s + 8 * s + b * s * h * dt.mask + (b * s if tp > 1 else 0)
+    norm = b * s * h * dt.residual + 2 * b * s * dt.stats  # the embedding's (post) or the final one (pre)
+    mlm_head = b * s * h * (3 * dt.compute + dt.half_norm) + 2 * b * s * dt.stats
+    loss = b * s * vocab // tp * 4 + b * s + 8 * b * s + 4 * b * s  # softmax, outside mask, targets, predicted
+    padded_rows = vocab // tp if cfg.vocab_size < vocab else 0  # the -inf fill's mask (bool)
+    sop = b * h * dt.compute * (2 if dt.autocast else 1) + 16 * b + 8  # tanh (and its input's half copy)
+    head_matrices = (2 * h * h + 2 * h) * dt.compute if dt.autocast else 0  # MLM dense, pooler, SOP
+    output_matrix = vocab * h // tp * (dt.compute if dt.autocast else 0)
+    layer_matrices = l * 12 * h * h // tp * (dt.compute if dt.autocast else 0)
+    outside = embedding + norm + mlm_head + loss + padded_rows + sop
+    return ActivationMemory(layers=layers, outside_layers=outside,
+                            autocast_weights=head_matrices + output_matrix + (0 if recompute else layer_matrices),
                             autocast_cache=layer_matrices if recompute else 0,
                             rebuilt_layer=full_layer if recompute else 0)
 

@@ -29,6 +29,15 @@ def params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
     return sharded // tp + replicated
 
 
+def bert_params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters one TP rank of repro.models.bert.BERT with its heads holds: GPT's count (the same
+    embeddings, layers and one extra layer norm) plus token-type embeddings, the pooler, the MLM
+    head (dense, layer norm, vocab-parallel bias) and the SOP head."""
+    h = cfg.hidden_size
+    heads = (h * h + h) * 2 + 2 * h + 2 * h + 2  # pooler and MLM dense, MLM layer norm, SOP
+    return params_per_rank(cfg, tp) + cfg.num_tokentypes * h + heads + cfg.padded_vocab_size(tp) // tp
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank by category."""
@@ -53,9 +62,10 @@ def bytes_per_param(precision: str, zero_stage: int, fp32_main_grads: bool = Fal
 
 
 def memory_per_rank(cfg: ModelConfig, tp: int = 1, dp: int = 1, zero_stage: int = 0,
-                    precision: str = "fp32", fp32_main_grads: bool = False) -> MemoryEstimate:
-    """Analytic bytes of parameters, gradients and Adam state on one rank."""
-    n = params_per_rank(cfg, tp)
+                    precision: str = "fp32", fp32_main_grads: bool = False, n: int | None = None) -> MemoryEstimate:
+    """Analytic bytes of parameters, gradients and Adam state on one rank (of a GPT, or of a model
+    with `n` parameters per rank)."""
+    n = params_per_rank(cfg, tp) if n is None else n
     w, g, o = bytes_per_param(precision, zero_stage, fp32_main_grads)
     return MemoryEstimate(
         params=n * w // (dp if zero_stage >= 3 else 1),

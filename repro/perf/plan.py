@@ -27,8 +27,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from repro.perf.activations import ActivationDtypes, ActivationMemory, activation_memory, math_attention
-from repro.perf.memory import memory_per_rank, params_per_rank
+from repro.perf.activations import (
+    ActivationDtypes,
+    ActivationMemory,
+    activation_memory,
+    bert_activation_memory,
+    math_attention,
+)
+from repro.perf.memory import bert_params_per_rank, memory_per_rank, params_per_rank
 from repro.perf.scaling_model import (
     DGX2H,
     H200_CLUSTER,
@@ -78,19 +84,28 @@ class MemoryPlan:
         return max(self.forward_backward, self.step)
 
 
+def parameters_per_rank(cfg: RunConfig) -> int:
+    """Parameters one TP rank of the config's model holds."""
+    count = bert_params_per_rank if cfg.family == "bert" else params_per_rank
+    return count(cfg.model, cfg.parallel.tp)
+
+
 def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> MemoryPlan:
     """Bytes per rank of `cfg` laid out as `derived`, on a CUDA device (or "cpu")."""
     tp, dp, p = cfg.parallel.tp, derived.dp, cfg.precision
-    n = params_per_rank(cfg.model, tp)
+    n = parameters_per_rank(cfg)
     half = p.params == "half" and p.precision != "fp32"
     dt = ActivationDtypes.of(p.precision, "half" if half or cfg.train.zero_stage else p.params, device_type)
-    acts = activation_memory(cfg.model, cfg.train.micro_batch_size, tp, dt,
-                             math_attention(device_type, cfg.model.attention_dropout))
+    bert = cfg.family == "bert"
+    acts = (bert_activation_memory if bert else activation_memory)(
+        cfg.model, cfg.train.micro_batch_size, tp, dt, math_attention(device_type, cfg.model.attention_dropout))
     b, s, vocab = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.padded_vocab_size(tp)
-    logits_copy = b * s * vocab // tp * dt.compute if dt.compute < 4 else 0
+    # the logits beside the cross-entropy's fp32 softmax: GPT's in-place fp32 path has none, BERT's
+    # -inf-filled logits live until its loss returns
+    logits_copy = b * s * vocab // tp * dt.compute if bert or dt.compute < 4 else 0
     accumulating = derived.grad_accum_steps > 1
     if cfg.train.zero_stage:
-        zero = memory_per_rank(cfg.model, tp, dp, cfg.train.zero_stage, "half")
+        zero = memory_per_rank(cfg.model, tp, dp, cfg.train.zero_stage, "half", n=n)
         return MemoryPlan(zero.params, 0, zero.optimizer, 0, zero.grads if accumulating else 0, zero.grads,
                           acts, logits_copy)
     weight_bytes = 2 if half else 4
@@ -143,11 +158,8 @@ class Plan:
 
 def plan(cfg: RunConfig, gpus: int, cluster: Cluster) -> Plan:
     """Validate `cfg` at `gpus` ranks and predict its memory per GPU and time on `cluster`."""
-    if cfg.family != "gpt":
-        raise ValueError(f"family={cfg.family!r}: `repro plan` models the GPT configs (BERT's activations, "
-                         "heads and masks are not modelled yet)")
     derived = derive(cfg, gpus)
-    return Plan(cfg.name, gpus, cluster, derived, params_per_rank(cfg.model, cfg.parallel.tp),
+    return Plan(cfg.name, gpus, cluster, derived, parameters_per_rank(cfg),
                 memory_plan(cfg, derived), time_plan(cfg, derived, cluster))
 
 

@@ -4,7 +4,7 @@
 
 CPU: the trainer itself (engine build and two steps of a 4-layer h=128 GPT on random tokens), for
 every precision recipe, attention kernel and checkpointing setting, with gradient accumulation, at
-TP=2 and at DP=2 (torch DDP); the peak is the running sum of the allocations torch.profiler records
+TP=2 and at DP=2 (torch DDP), and of the same-size BERT on random padded batches; the peak is the running sum of the allocations torch.profiler records
 (repro.perf.activations.peak_bytes_during). CUDA: the peaks `repro.perf.gpu_bench` measured with
 torch.cuda.max_memory_allocated (a results JSON given with --gpu-json), against the plan for the
 same configuration. On CPU a dropout mask has its input's dtype and attention dropout selects the
@@ -22,7 +22,8 @@ import torch
 
 from repro.provenance import git_sha, write_atomic
 
-TINY_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "tiny" / "gpt_tiny.yaml"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
+CONFIGS = {"gpt": EXPERIMENTS / "tiny" / "gpt_tiny.yaml", "bert": EXPERIMENTS / "bert" / "tiny_cpu.yaml"}
 RECIPES = {
     "fp32": {"precision.precision": "fp32"},
     "bf16 autocast": {"precision.precision": "bf16"},
@@ -34,12 +35,24 @@ RECIPES = {
 def overrides(extra: dict, global_batch: int) -> list[str]:
     """The 4-layer h=128 CPU model with micro batch 4 and `extra` settings."""
     base = {"model.num_layers": 4, "model.hidden_size": 128, "model.num_attention_heads": 4,
-            "model.seq_length": 128, "model.vocab_size": 1000, "train.micro_batch_size": 4,
+            "model.seq_length": 128, "model.vocab_size": 1000, "model.make_vocab_size_divisible_by": 128,
+            "train.micro_batch_size": 4,
             "train.global_batch_size": global_batch, "train.device": "cpu", "tracking.enabled": "false"}
     return [f"{k}={v}" for k, v in {**base, **extra}.items()]
 
 
-def measured_and_planned(extra: dict, accum: int = 1, world: int = 1) -> tuple[int, int]:
+def _micro_batches(cfg, accum: int) -> list:
+    """`accum` random micro batches of the family's layout (BERT's with padding and ~20% predicted)."""
+    if cfg.family == "bert":
+        from repro.models.bert import as_bert_config
+        from repro.models.bert_checks import random_bert_batch
+
+        return [random_bert_batch(as_bert_config(cfg.model), 4, seed=i) for i in range(accum)]
+    gen = torch.Generator().manual_seed(0)
+    return [tuple(torch.randint(0, 1000, (4, 128), generator=gen) for _ in range(2)) for _ in range(accum)]
+
+
+def measured_and_planned(extra: dict, accum: int = 1, world: int = 1, family: str = "gpt") -> tuple[int, int]:
     """(measured peak, planned peak) in bytes on this rank: engine build and two training steps."""
     from repro.parallel.groups import ParallelDims, ProcessGroups, build_process_groups
     from repro.perf.activations import peak_bytes_during
@@ -49,11 +62,10 @@ def measured_and_planned(extra: dict, accum: int = 1, world: int = 1) -> tuple[i
     from repro.train.step import train_step
 
     dp = world // int(extra.get("parallel.tp", 1))
-    cfg = load_config(TINY_CONFIG, overrides(extra, 4 * accum * dp))
+    cfg = load_config(CONFIGS[family], overrides(extra, 4 * accum * dp))
     derived = derive(cfg, world)
     pg = ProcessGroups.single() if world == 1 else build_process_groups(ParallelDims.from_world(cfg.parallel.tp, world))
-    gen = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, 1000, (4, 128), generator=gen) for _ in range(2)) for _ in range(accum)]
+    batches = _micro_batches(cfg, accum)
 
     def run():
         eng = build_engine(cfg, derived, pg)
@@ -69,21 +81,25 @@ def two_rank_case(extra: dict) -> tuple[int, int]:
     return measured_and_planned(extra, world=2)
 
 
-def cpu_cases() -> list[tuple[str, dict, int, int]]:
-    """(name, settings, accumulation steps, ranks) of every CPU check."""
+def cpu_cases() -> list[tuple[str, dict, int, int, str]]:
+    """(name, settings, accumulation steps, ranks, family) of every CPU check."""
     cases = []
     for recipe, settings in RECIPES.items():
         for dropout, kernel in ((0.0, "fused attention"), (0.1, "math attention")):
             for ckpt in (False, True):
                 name = f"{recipe}, {kernel}, checkpointing {'on' if ckpt else 'off'}"
                 cases.append((name, {**settings, "model.attention_dropout": dropout,
-                                     "model.activation_checkpointing": str(ckpt).lower()}, 1, 1))
+                                     "model.activation_checkpointing": str(ckpt).lower()}, 1, 1, "gpt"))
     fused = {"model.attention_dropout": 0.0}
-    cases += [("fp32, 2 accumulation steps", {**RECIPES["fp32"], **fused}, 2, 1),
-              ("bf16 half, bf16 grads, 2 accumulation steps", {**RECIPES["bf16 half, bf16 grads"], **fused}, 2, 1),
-              ("fp32, TP=2 (per rank)", {**RECIPES["fp32"], **fused, "parallel.tp": 2}, 1, 2),
+    cases += [("fp32, 2 accumulation steps", {**RECIPES["fp32"], **fused}, 2, 1, "gpt"),
+              ("bf16 half, bf16 grads, 2 accumulation steps", {**RECIPES["bf16 half, bf16 grads"], **fused}, 2, 1, "gpt"),
+              ("fp32, TP=2 (per rank)", {**RECIPES["fp32"], **fused, "parallel.tp": 2}, 1, 2, "gpt"),
               ("bf16 half, bf16 grads, DP=2 with torch DDP (per rank)", {**RECIPES["bf16 half, bf16 grads"], **fused},
-               1, 2)]
+               1, 2, "gpt")]
+    for recipe in ("fp32", "bf16 autocast", "bf16 half, fp32 main grads"):
+        for ckpt in (False, True):
+            cases.append((f"BERT, {recipe}, fused attention, checkpointing {'on' if ckpt else 'off'}",
+                          {**RECIPES[recipe], **fused, "model.activation_checkpointing": str(ckpt).lower()}, 1, 1, "bert"))
     return cases
 
 
@@ -93,8 +109,9 @@ def run_cpu_checks() -> list[dict]:
     from repro.parallel.spawn import run_ranks
 
     rows = []
-    for name, settings, accum, world in tqdm(cpu_cases(), desc="memory checks", unit="case"):
-        pairs = [measured_and_planned(settings, accum)] if world == 1 else run_ranks(two_rank_case, 2, settings)
+    for name, settings, accum, world, family in tqdm(cpu_cases(), desc="memory checks", unit="case"):
+        pairs = ([measured_and_planned(settings, accum, family=family)] if world == 1
+                 else run_ranks(two_rank_case, 2, settings))
         for rank, (measured, planned) in enumerate(pairs):
             rows.append({"device": "cpu", "case": name + (f", rank {rank}" if world > 1 else ""),
                          "measured_mib": measured / 2**20, "planned_mib": planned / 2**20,

@@ -189,10 +189,24 @@ def test_plan_json_matches_the_memory_model(capsys):
     (["experiments/tiny/gpt_tiny.yaml"], "pass --gpus N"),
     (["experiments/scaling/scale_8b.yaml", "--gpus", "12"], "at 12 GPUs"),
     (["experiments/bert/bert_336m.yaml", "--gpus", "0"], "launch at least one rank"),
+    ([], "give a training config"),
 ])
 def test_plan_errors_name_the_fix(capsys, args, message):
     assert main(["plan", *[str(ROOT / a) if a.endswith(".yaml") else a for a in args]]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_paper_config_fits_the_papers_32_gb_v100s(tmp_path, capsys):
+    """The paper trained all of these on DGX-2H V100s with 32 GB: the plan must agree that they fit."""
+    from repro.launch.scripts import job_scripts
+
+    assert main(["plan", "--paper", "--out", str(tmp_path)]) == 0
+    rows = [line.split(" | ") for line in (tmp_path / "paper_configs.md").read_text().splitlines()
+            if line.startswith("| ") and ".sh" in line]
+    trained = {s.path.name for s in job_scripts() if "launch_train" in s.path.read_text()}
+    assert {r[0].strip("| ") for r in rows} == trained and len(rows) == 2 * len(trained)
+    assert all(r[9] == "yes" for r in rows if r[4] == "dgx2h")
+    assert (tmp_path / "paper_configs.csv").exists() and "gpt2_8.3b.sh" in capsys.readouterr().out
 
 
 def test_table2_days_come_from_the_shipped_configs():

@@ -19,13 +19,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--out", type=Path, default=Path("results/scaling_model"))
     s.set_defaults(func=_scaling)
     pl = sub.add_parser("plan", help="memory per GPU and time to train of a config on a cluster, before launch")
-    pl.add_argument("config", type=Path)
+    pl.add_argument("config", type=Path, nargs="?", help="a training config (or --paper)")
     pl.add_argument("--gpus", type=int, default=None,
                     help="GPUs of the run (default: what the slurm/ script running this config asks for)")
     pl.add_argument("--cluster", choices=("dgx2h", "h200"), default="h200",
                     help="dgx2h: the paper's V100 32 GB servers; h200: 8x H200 nodes (default)")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--paper", action="store_true",
+                    help="every slurm/ training script's config at its GPU count on both clusters, as a table")
+    pl.add_argument("--out", type=Path, default=None, help="with --paper: also write paper_configs.{md,csv} here")
     pl.set_defaults(func=_plan)
 
 
@@ -79,6 +82,10 @@ def _plan(args) -> int:
     from repro.perf.plan import CLUSTERS, format_plan, plan, plan_dict
     from repro.train.config import RunConfigError, load_config
 
+    if args.paper:
+        return _plan_paper(args)
+    if args.config is None:
+        raise UserError("repro plan: give a training config (e.g. experiments/gpt2/gpt2_8.3b.yaml), or --paper")
     gpus = args.gpus if args.gpus is not None else _script_gpus(args.config)
     if gpus is None:
         raise UserError(f"{args.config}: no slurm/ script runs this config, so the GPU count is unknown. "
@@ -89,4 +96,19 @@ def _plan(args) -> int:
     except (RunConfigError, LayoutError, ValueError) as err:
         raise UserError(f"{args.config} at {gpus} GPUs: {err}") from None
     print(json.dumps(plan_dict(result), indent=2) if args.json else format_plan(result, cfg))
+    return 0
+
+
+def _plan_paper(args) -> int:
+    from repro.perf.plan import paper_config_markdown, paper_config_rows
+    from repro.perf.scaling_model import _csv
+    from repro.provenance import write_atomic
+
+    rows = paper_config_rows()
+    md = paper_config_markdown(rows)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "paper_configs.csv", _csv(rows))
+        write_atomic(args.out / "paper_configs.md", md.encode())
+    print(md)
     return 0

@@ -253,3 +253,44 @@ def paper_table2(cluster: Cluster) -> list[dict]:
         rows.append({"cluster": cluster.name, "config": name, "gpus": gpus, "iteration_s": t.iteration_s,
                      "predicted_days": days, "paper_days": paper, "error": days / paper - 1})
     return rows
+
+
+def paper_config_rows() -> list[dict]:
+    """Every training script's config in slurm/ at its GPU count, planned on both clusters."""
+    from repro.launch.scripts import job_scripts
+    from repro.tracking.store import project_root
+    from repro.train.config import load_config
+
+    rows = []
+    for script in job_scripts():
+        if not script.config or "launch_train" not in script.path.read_text():
+            continue
+        cfg = load_config(project_root() / script.config)
+        for key, cluster in CLUSTERS.items():
+            p = plan(cfg, script.ntasks, cluster)
+            rows.append({"script": script.path.name, "config": script.config, "gpus": script.ntasks,
+                         "tp": cfg.parallel.tp, "dp": p.derived.dp, "micro_batch": cfg.train.micro_batch_size,
+                         "cluster": key, "params_per_gpu": p.params_per_rank,
+                         "activations_gib": p.memory.activation_peak / GIB, "peak_gib": p.memory.peak / GIB,
+                         "usable_gib": cluster.memory_gib - HEADROOM_GIB, "fits": p.fits,
+                         "iteration_s": p.time.iteration_s, "train_iters": cfg.train.train_iters,
+                         "days": p.time.days, "gpu_hours": p.time.gpu_hours})
+    return rows
+
+
+def paper_config_markdown(rows: list[dict]) -> str:
+    lines = ["# Every paper config, planned before launch (`repro plan --paper`)\n",
+             "Each slurm/ training script's config at the script's GPU count, on the paper's DGX-2H (V100 "
+             "32 GB) and on an H200 cluster. Memory: repro.perf.plan (checked against measured peaks in "
+             "memory_check.md); time: the analytic scaling model (its error against the paper in "
+             "../scaling_model/table.md; BERT's uses the GPT FLOP formula at its sequence length, leaving out "
+             "the MLM head's dense layer and the pooler). No measurement involved.\n",
+             "| script | GPUs | TP x DP | micro batch | cluster | params/GPU | activations GiB | peak GiB | "
+             "of usable | fits | iter s | iterations | days | GPU-hours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['script']} | {r['gpus']} | {r['tp']} x {r['dp']} | {r['micro_batch']} | {r['cluster']} | "
+                     f"{r['params_per_gpu'] / 1e6:,.0f}M | {r['activations_gib']:.2f} | {r['peak_gib']:.2f} | "
+                     f"{r['usable_gib']:.1f} | {'yes' if r['fits'] else 'NO'} | {r['iteration_s']:.3f} | "
+                     f"{r['train_iters']:,} | {r['days']:.2f} | {r['gpu_hours']:,.0f} |")
+    return "\n".join(lines) + "\n"

@@ -99,3 +99,15 @@ def test_a_sweep_that_submits_everything_lists_every_job(sbatch, capsys):
     assert [line for line in out.splitlines() if line.startswith("submitted")] == [
         "submitted job 7001 (gpt2_355m.sh)", "submitted job 7002 (gpt2_2.5b.sh)", "submitted job 7003 (gpt2_8.3b.sh)"]
     assert "table2: jobs 7001 7002 7003; follow with `repro slurm status 7001 7002 7003`" in out
+
+
+def test_check_prints_the_planned_memory(capsys):
+    """`repro slurm check` (which every job runs before srun) states the plan's peak memory per rank."""
+    from repro.perf.plan import memory_plan
+    from repro.train.config import derive, load_config
+
+    config = str(ROOT / "experiments" / "tiny" / "gpt_tiny.yaml")
+    assert main(["slurm", "check", config, "--ntasks", "2", "--set", "tracking.enabled=false"]) == 0
+    cfg = load_config(config, ["tracking.enabled=false"])
+    expected = memory_plan(cfg, derive(cfg, 2), "cpu").peak / 2**30
+    assert f"planned peak memory per rank: {expected:.2f} GiB (CPU)" in capsys.readouterr().out

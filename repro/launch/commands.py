@@ -60,7 +60,26 @@ def _check(args) -> int:
     uri = _init_tracking(cfg)
     print(f"config ok: {cfg.name} tp={cfg.parallel.tp} dp={derived.dp} grad_accum={derived.grad_accum_steps} "
           f"on {args.ntasks} tasks; tracking {uri if cfg.tracking.enabled else 'off'}")
+    print(memory_line(cfg, derived))
     return 0
+
+
+def memory_line(cfg, derived) -> str:
+    """`repro plan`'s peak per rank against this node's GPU memory, warning when it would not fit."""
+    import torch
+
+    from repro.perf.plan import HEADROOM_GIB, memory_plan
+
+    cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
+    peak = memory_plan(cfg, derived, "cuda" if cuda else "cpu").peak / 2**30
+    if not cuda:
+        return f"planned peak memory per rank: {peak:.2f} GiB (CPU)"
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    line = f"planned peak memory per GPU: {peak:.2f} GiB of {total:.1f} GiB ({torch.cuda.get_device_name(0)})"
+    if peak > total - HEADROOM_GIB:
+        line += (f"\nwarning: that leaves less than {HEADROOM_GIB:g} GiB for the CUDA context, NCCL and "
+                 "fragmentation: the job will likely run out of memory. `repro plan CONFIG` lists what to change")
+    return line
 
 
 def sbatch_command(script: Path, extra: list[str], settings: dict[str, str]) -> list[str]:

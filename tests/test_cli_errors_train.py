@@ -4,6 +4,7 @@ and nothing already written changed (file bytes and mtimes compared before and a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -139,6 +140,47 @@ def test_resume_at_another_tp_names_the_saved_tp_not_reshard(run, corpus, capfd)
     assert "saved at tp=1 but this run has tp=2" in out and "--set parallel.tp=1" in out, out
     assert "model weights only" in out and "--out DIR" not in out
     assert _snapshot(run) == before
+
+
+def _zero_checkpoint(run_dir: Path, dp: int, zero_stage: int = 1) -> None:
+    """The meta.json and `latest` of a checkpoint saved at tp=1 x dp=`dp` (nothing else: never loaded)."""
+    ckpt = run_dir / "checkpoints" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    meta = {"tp": 1, "dp": dp, "world_size": dp, "zero_stage": zero_stage, "iteration": 2, "consumed_samples": 8}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (run_dir / "checkpoints" / "latest").write_text(ckpt.name)
+
+
+def test_resume_of_a_zero_run_at_another_dp_is_refused_before_anything_is_built(corpus, tmp_path, capfd):
+    """DeepSpeed cannot repartition ZeRO's optimizer state: the --nproc preflight, and train() itself
+    (srun/torchrun), refuse naming the saved and current world and dp sizes, before building anything.
+    The plain trainer resumes at any dp."""
+    from repro.parallel.groups import ProcessGroups
+    from repro.train.checkpoint import CheckpointError
+    from repro.train.loop import resume_meta, train
+
+    _zero_checkpoint(tmp_path / "run", dp=2)
+    before = _snapshot(tmp_path)
+    zero = {"train.zero_stage": 1, "train.train_iters": 4}
+    rc, out = _train(capfd, corpus, tmp_path / "run", "--nproc", "1", **zero)
+    needle = "saved by DeepSpeed ZeRO-1 at world size 2 (tp=1 x dp=2) but this launch has world size 1 (dp=1)"
+    assert rc == 2 and needle in out and "resume on 2 ranks (--nproc 2" in out and "Traceback" not in out, out
+    cfg = load_config(TINY, tiny_overrides(corpus, tmp_path / "run", **{**DONE, **zero}))
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        train(cfg, ProcessGroups.single())
+    assert _snapshot(tmp_path) == before
+    assert resume_meta(cfg, 1, 2)[0].name == "iter_0000002"  # at the saved dp it resumes
+    _zero_checkpoint(tmp_path / "plain", dp=2, zero_stage=0)
+    plain = load_config(TINY, tiny_overrides(corpus, tmp_path / "plain", **DONE))
+    assert resume_meta(plain, 1, 1)[0].name == "iter_0000002"
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:0", "CUDA"])
+def test_an_unknown_train_device_is_refused_naming_the_choices(corpus, tmp_path, capfd, device):
+    """Before, any value but cuda/auto trained silently on the CPU (on a GPU node with NCCL picked)."""
+    rc, out = _train(capfd, corpus, tmp_path / "fresh", **{"train.device": device})
+    assert rc == 2 and f"train.device={device!r}: use auto (cuda when available), cpu or cuda" in out, out
+    assert "--set train.device=cuda" in out and not (tmp_path / "fresh").exists()
 
 
 # ---- 5, 6: counts are validated before anything is written ---------------------------------------

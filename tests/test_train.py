@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from repro.parallel.spawn import run_ranks
+from conftest import require
+from repro.parallel.spawn import free_port, run_ranks
 from repro.train.commands import train_rank
 from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
 
@@ -29,24 +35,46 @@ def _train(world: int, corpus, run_dir: Path, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def serial_losses(corpus, tmp_path_factory) -> list[float]:
+def serial(corpus, tmp_path_factory) -> dict:
+    """TP=1 x DP=1 (micro batch 2, 2 accumulation steps): per-step losses and the final held-out loss."""
     run_dir = tmp_path_factory.mktemp("serial")
-    _train(1, corpus, run_dir)
+    final = _train(1, corpus, run_dir)
     losses = _losses(run_dir)
     assert len(losses) == 20
-    return losses
+    return {"losses": losses, "valid_loss": final["valid_loss"]}
+
+
+@pytest.fixture(scope="module")
+def serial_losses(serial) -> list[float]:
+    return serial["losses"]
 
 
 @pytest.mark.parametrize("tp, world", [(2, 2), (1, 2), (2, 4)])
-def test_layouts_reproduce_serial_losses(serial_losses, corpus, tmp_path, tp, world):
+def test_layouts_reproduce_serial_losses(serial, corpus, tmp_path, tp, world):
     """fp32, same global batch (4): each step's loss within 1e-5 relative of TP=1 x DP=1 (only the
-    order of floating-point sums differs; 20 AdamW steps keep it at ~1e-6)."""
-    _train(world, corpus, tmp_path, **{"parallel.tp": tp, "train.micro_batch_size": 4 * tp // world})
+    order of floating-point sums differs; 20 AdamW steps keep it at ~1e-6), and so is the final
+    held-out loss: eval_iters counts global batches, so every layout evaluates the same 10 x 4 samples
+    (before, eval_iters micro batches per rank: 20 samples serially, 40 at DP=2 or at micro batch 4)."""
+    serial_losses = serial["losses"]
+    final = _train(world, corpus, tmp_path, **{"parallel.tp": tp, "train.micro_batch_size": 4 * tp // world})
     losses = _losses(tmp_path)
     assert len(losses) == len(serial_losses)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses))
     assert worst < 1e-5, worst
     assert serial_losses[-1] < serial_losses[0] - 0.5  # it is actually learning
+    assert abs(final["valid_loss"] - serial["valid_loss"]) / serial["valid_loss"] < 1e-5, (final, serial)
+
+
+def test_eval_iters_counts_global_batches():
+    """Megatron's eval_iters: global batches, split over DP and micro batches; a short split gives
+    whole global batches, or whole micro-batch rounds when it is shorter than one."""
+    from repro.train.config import load_config
+    from repro.train.loop import eval_micro_batches
+
+    cfg = load_config(TINY, ["train.eval_iters=10"])  # micro batch 2, global batch 4
+    assert [eval_micro_batches(cfg, dp, 1000) for dp in (1, 2)] == [20, 10]
+    assert [eval_micro_batches(cfg, dp, 14) for dp in (1, 2)] == [6, 3]  # 3 global batches of 4
+    assert [eval_micro_batches(cfg, dp, 3) for dp in (1, 2)] == [1, 0]
 
 
 def test_compiled_tp2_with_checkpointing_reproduces_serial_losses(serial_losses, corpus, tmp_path):
@@ -72,6 +100,54 @@ def test_deepspeed_zero_reproduces_serial_losses(serial_losses, corpus, tmp_path
     for r in ranks:
         unsharded = 8 * r["local_parameters"]
         assert abs(r["optimizer_state_bytes"] / unsharded - 0.5) < 0.01, (r["optimizer_state_bytes"], unsharded)
+
+
+def test_deepspeed_zero_checkpoint_model_holds_fp32_masters(corpus, tmp_path):
+    """ZeRO-1 bf16 at DP=2: DeepSpeed's module is bf16, but model_tp00.pt (what eval, reshard and
+    export read) holds the fp32 masters gathered from both DP ranks' partitions, equal to DeepSpeed's
+    own zero_to_fp32 consolidation and not bf16-rounded; evaluation loads it, and the run resumes
+    exactly."""
+    require(importlib.util.find_spec("deepspeed") is not None, "DeepSpeed")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from repro.parallel.groups import ProcessGroups
+    from repro.train import checkpoint as ck
+
+    extra = {"train.zero_stage": 1, "precision.precision": "bf16", "train.micro_batch_size": 2,
+             "train.train_iters": 2, "train.eval_iters": 1}
+    _train(2, corpus, tmp_path, **extra)
+    ckpt = ck.latest_checkpoint(tmp_path / "checkpoints")
+    saved = torch.load(ckpt / "model_tp00.pt", weights_only=True)
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")
+    trained = [k for k in saved if f"model.{k}" in masters]
+    assert {n for n, p in ck.load_model_for_eval(ckpt, ProcessGroups.single()).named_parameters()} <= set(trained)
+    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], masters[f"model.{k}"]) for k in trained)
+    assert any(not torch.equal(saved[k], saved[k].bfloat16().float()) for k in trained), "bf16 values, upcast"
+    _train(2, corpus, tmp_path, **{**extra, "train.train_iters": 3})  # resumes (DeepSpeed's own fp32 state)
+    _train(2, corpus, tmp_path / "full", **{**extra, "train.train_iters": 3})
+    assert _losses_by_step(tmp_path) == _losses_by_step(tmp_path / "full") and len(_losses_by_step(tmp_path)) == 3
+
+
+def _losses_by_step(run_dir: Path) -> dict[int, float]:
+    from repro.tracking.logger import read_metrics
+
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+
+
+@pytest.mark.parametrize("launch_env", [{}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}],
+                         ids=["repro-train", "srun"])
+def test_zero_trains_without_local_rank(corpus, tmp_path, launch_env):
+    """Plain `repro train` and `srun -n 1 repro train` set no LOCAL_RANK (only torchrun does), which
+    DeepSpeed asserts: the trainer sets it from the launch's local rank (SLURM_LOCALID, else 0)."""
+    require(importlib.util.find_spec("deepspeed") is not None, "DeepSpeed")
+    launch_vars = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID")
+    env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    env.update(launch_env, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    over = tiny_overrides(corpus, tmp_path, **{"train.zero_stage": 1, "train.train_iters": 1, "data.valid_prefix": ""})
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "train", TINY, *sum((["--set", o] for o in over), [])],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "iteration      1/1" in out.stdout
 
 
 def test_deepspeed_zero_resume_is_exact(corpus, tmp_path):

@@ -21,17 +21,20 @@ TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
 
 
 def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
-    """Two injected inf gradients: both steps skipped (weights untouched), the scale halves after the
-    second (hysteresis 2), and training then continues with finite losses."""
+    """Three injected inf gradients: every step skipped (weights untouched); the scale halves at the
+    second (hysteresis 2) and again at the third (Megatron-LM's rule: the used-up hysteresis comes back
+    only when the scale grows), and training then continues with finite losses."""
     eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16", "precision.initial_loss_scale": 1024})
     start_scale = eng.scaler.scale
     weight = eng.model.transformer.wpe.weight
     hook = weight.register_hook(lambda g: g * float("inf"))
     before = weight.detach().clone()
     first, second = train_step(eng, batches()), train_step(eng, batches())
+    assert first.skipped and second.skipped and eng.scaler.scale == start_scale / 2
+    third = train_step(eng, batches())
     hook.remove()
-    assert first.skipped and second.skipped and torch.equal(weight, before)
-    assert eng.scaler.scale == start_scale / 2 and eng.scaler.skipped == 2
+    assert third.skipped and torch.equal(weight, before)
+    assert eng.scaler.scale == start_scale / 4 and eng.scaler.skipped == 3
     after = [train_step(eng, batches()) for _ in range(3)]
     assert not any(r.skipped for r in after) and all(math.isfinite(r.loss) for r in after)
     assert not torch.equal(weight, before)
@@ -66,12 +69,125 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(corpus, tmp_path):
     results = run_ranks(_overflow_on_rank_1, 2, corpus, str(tmp_path))
     assert results == [(True, 512.0, True), (True, 512.0, True)]
 
+class _MegatronScaler:
+    """Megatron-LM's DynamicGradScaler.update (megatron/core/optimizer/grad_scaler.py), transcribed:
+    the hysteresis tracker is reset only when the scale grows."""
+
+    def __init__(self, scale: float, window: int, hysteresis: int) -> None:
+        self.scale, self.window, self.hysteresis = scale, window, hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale * 0.5, 1.0)
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.window:
+                self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
+                self.scale *= 2.0
+
+
+def test_loss_scaler_hysteresis_is_megatrons():
+    """From 2^32 with hysteresis 2, 12 overflows in a row: the 2nd halves the scale and so does every
+    one after it (2^21 at the 12th, not 2^26 as when each halving needed 2 overflows); a clean step
+    does not restore the hysteresis, a growth does. A random overflow pattern with window 3 follows
+    Megatron-LM's DynamicGradScaler step by step."""
+    import random
+
+    from repro.train.optim import DynamicLossScaler
+
+    ours = DynamicLossScaler(2.0**32, 1000, 2, 1.0, overflows_left=2)
+    log2 = []
+    for _ in range(12):
+        ours.update(True)
+        log2.append(math.log2(ours.scale))
+    assert log2 == [32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21] and ours.skipped == 12
+    ours.update(False)
+    ours.update(True)
+    assert ours.scale == 2.0**20  # one clean step: the next overflow still halves
+    rng = random.Random(0)
+    ours, megatron = DynamicLossScaler(2.0**16, 3, 2, 1.0, overflows_left=2), _MegatronScaler(2.0**16, 3, 2)
+    for _ in range(2000):
+        overflow = rng.random() < 0.3
+        ours.update(overflow)
+        megatron.update(overflow)
+        assert ours.scale == megatron.scale
+
+
 def test_fp16_paper_scale_comes_down_from_2_pow_32(corpus, tmp_path):
-    """From the paper's 2^32 the scale halves every `hysteresis` overflows until steps succeed."""
+    """From the paper's 2^32 the scale halves at the `hysteresis`-th overflow and at every one after
+    it, until steps succeed."""
     eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16"})
     results = [train_step(eng, batches()) for _ in range(50)]
     assert results[0].skipped and eng.scaler.scale < 2.0**32
     assert not results[-1].skipped and math.isfinite(results[-1].loss)
+
+
+def _skipped_iters(run_dir: Path) -> dict[int, float]:
+    from repro.tracking.logger import read_metrics
+
+    return {row["step"]: row["skipped_iters"] for row in read_metrics(run_dir) if "skipped_iters" in row}
+
+
+def test_skipped_iters_continue_across_a_resume(corpus, tmp_path):
+    """fp16 from 2^32 skips its first steps: 2 iterations then a new launch to 4 logs the same
+    skipped_iters as one launch of 4 (the checkpointed scaler's count, not a per-launch one)."""
+    fp16 = {"precision.precision": "fp16", "train.log_interval": 1, "optim.lr_decay_iters": 4,
+            "data.valid_prefix": ""}
+    run_ranks(train_rank, 1, TINY, tiny_overrides(corpus, tmp_path / "full", **fp16, **{"train.train_iters": 4}))
+    split = tiny_overrides(corpus, tmp_path / "split", **fp16)
+    run_ranks(train_rank, 1, TINY, split + ["train.train_iters=2"])
+    run_ranks(train_rank, 1, TINY, split + ["train.train_iters=4"])
+    full = _skipped_iters(tmp_path / "full")
+    assert _skipped_iters(tmp_path / "split") == full and full[4] > full[2] > 0, full
+
+
+def test_skipped_iters_under_zero_is_deepspeeds_checkpointed_count():
+    from types import SimpleNamespace
+
+    from repro.train.loop import skipped_iters
+
+    assert skipped_iters(SimpleNamespace(deepspeed=True, wrapped=SimpleNamespace(skipped_steps=7))) == 7
+    scaler = SimpleNamespace(skipped=3)
+    assert skipped_iters(SimpleNamespace(deepspeed=False, scaler=scaler)) == 3
+    assert skipped_iters(SimpleNamespace(deepspeed=False, scaler=None)) == 0
+
+
+def _slow_eval_and_save(config: str, overrides: list[str], seconds: float) -> dict:
+    """Training whose evaluations and checkpoints each take `seconds` longer."""
+    import time
+
+    from repro.train import loop
+
+    evaluate, save = loop.evaluate, loop.save
+
+    def slow(fn):
+        def run(*args, **kwargs):
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
+        return run
+
+    loop.evaluate, loop.save = slow(evaluate), slow(save)
+    return train_rank(config, overrides)
+
+
+def test_throughput_leaves_out_evaluation_and_checkpoint_time(corpus, tmp_path):
+    """Evaluation and a checkpoint after iterations 2 and 4, each 3 s long: the next interval's
+    ms/iter (hence tokens/s, TFLOP/s, MFU) is the steps' own (before, 3 s per iteration was added), and
+    the two durations are logged as eval_seconds and save_seconds."""
+    from repro.tracking.logger import read_metrics
+
+    over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 6, "train.log_interval": 2,
+                                               "train.eval_interval": 2, "train.save_interval": 2})
+    run_ranks(_slow_eval_and_save, 1, TINY, over, 3.0)
+    rows = read_metrics(tmp_path)
+    ms = {r["step"]: r["ms_per_iter"] for r in rows if "ms_per_iter" in r}
+    assert set(ms) == {2, 4, 6} and ms[4] < 1500 and ms[6] < 1500, ms  # before: over 3000
+    assert [r["step"] for r in rows if r.get("eval_seconds", 0) >= 3] == [2, 4, 6]
+    assert [r["step"] for r in rows if r.get("save_seconds", 0) >= 3] == [2, 4, 6]
 
 
 def test_bf16_trains(corpus, tmp_path):
@@ -154,7 +270,7 @@ def test_unreachable_server_then_sync(corpus, tmp_path):
     """Tracking URI at a closed port: the run completes, JSONL holds every metric, sync uploads it."""
     run_dir = tmp_path / "run"
     final = _run_with_tracking(corpus, run_dir, f"http://127.0.0.1:{free_port()}")
-    assert final.get("mlflow_run_id") is None and (run_dir / "tracking_unsynced").exists()
+    assert final.get("mlflow_run_id") is None and not (run_dir / "mlflow_run_id").exists()
     from repro.tracking.logger import read_metrics
 
     assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == list(range(1, 21))

@@ -154,6 +154,73 @@ def test_a_signal_during_setup_checkpoints_after_the_first_step(corpus, tmp_path
     assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000001"
 
 
+def _signalled_during_a_periodic_save(config: str, overrides: list[str]) -> tuple[list[int], dict]:
+    """A rank that gets SIGUSR1 while its iteration-4 periodic checkpoint is being written."""
+    from repro.train import loop
+
+    save, calls = loop.save, []
+
+    def save_and_signal(eng, state, run_id):
+        calls.append(state.iteration)
+        if state.iteration == 4:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return save(eng, state, run_id)
+
+    loop.save = save_and_signal
+    return calls, train_rank(config, overrides)
+
+
+def test_a_signal_during_a_periodic_save_does_not_save_that_iteration_again(corpus, tmp_path):
+    """The stop path skips the save when `latest` already names the iteration (as the end of training
+    does): no second full write in Slurm's grace period, and no rewrite of the checkpoint `latest` names."""
+    over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 10, "train.save_interval": 2})
+    calls, final = run_ranks(_signalled_during_a_periodic_save, 1, TINY, over)[0]
+    assert calls == [2, 4] and final["stopped_by_signal"] and final["iteration"] == 4
+    ckpts = tmp_path / "checkpoints"
+    assert ck.latest_checkpoint(ckpts).name == "iter_0000004" and (tmp_path / "stopped_by_signal").read_text() == "4"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["iter_0000002", "iter_0000004", "latest"]
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL landing right after a deletion."""
+
+
+@pytest.mark.parametrize("killed_after", [1, 2])
+def test_saving_the_iteration_latest_names_again_always_leaves_a_complete_one(tmp_path, monkeypatch, killed_after):
+    """finish_save over the checkpoint `latest` names renames the old copy aside and deletes it only
+    after the new one is in place and `latest` rewritten: a kill after any deletion leaves `latest`
+    naming a complete checkpoint (before, it deleted the old copy first: `latest` named nothing)."""
+    import json
+    import shutil
+
+    from repro.parallel.groups import ProcessGroups
+
+    pg, root = ProcessGroups.single(), tmp_path / "checkpoints"
+    for version in ("old", "new"):
+        tmp = ck.begin_save(root, 4, pg)
+        (tmp / "meta.json").write_text(json.dumps({"tp": 1, "version": version}))
+        if version == "old":
+            ck.finish_save(root, 4, pg)
+    rmtree, deleted = shutil.rmtree, []
+
+    def rmtree_then_killed(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        deleted.append(path)
+        if len(deleted) == killed_after:
+            raise _Killed
+
+    monkeypatch.setattr(ck.shutil, "rmtree", rmtree_then_killed)
+    with pytest.raises(_Killed):
+        ck.finish_save(root, 4, pg)
+    monkeypatch.undo()
+    assert ck.read_meta(ck.latest_checkpoint(root))["version"] == ("old", "new")[killed_after - 1]
+    tmp = ck.begin_save(root, 4, pg)  # and the next save of it cleans up
+    (tmp / "meta.json").write_text(json.dumps({"tp": 1, "version": "newer"}))
+    ck.finish_save(root, 4, pg)
+    assert ck.read_meta(ck.latest_checkpoint(root))["version"] == "newer"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "latest"]
+
+
 def test_the_callers_signal_handlers_are_back_after_training(corpus, tmp_path):
     """The trainer takes SIGTERM/SIGUSR1 only while it trains (a notebook or a sweep calling train()
     keeps its own handlers)."""

@@ -18,7 +18,6 @@ from pathlib import Path
 from repro.tracking.store import default_tracking_uri, experiment_id
 
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
-UNSYNCED_FILE = "tracking_unsynced"  # present while metrics.jsonl holds rows MLflow may lack
 
 
 class TrackingError(RuntimeError):
@@ -105,7 +104,6 @@ class RunLogger:
                       f"metrics continue in {self.metrics_path}; upload later with "
                       f"`repro tracking sync {self.run_dir}`", stacklevel=3)
         self._client = None
-        (self.run_dir / UNSYNCED_FILE).write_text(str(err)[:1000])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Append to metrics.jsonl now; queue for MLflow, sent in batches every `FLUSH_SECONDS`
@@ -195,7 +193,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 @dataclass(frozen=True)
 class SyncResult:
-    """What `sync_run` did: `created` a run, `updated` the named one, or found it `up to date`."""
+    """What `sync_run` did: `created` a run, `updated` the named one, or found it `up to date` (it
+    lacked nothing)."""
 
     run_id: str
     action: str
@@ -263,13 +262,11 @@ def _existing_run(client, run_id: str | None):
 
 
 def _create_run(client, run_dir: Path, tags: dict):
-    """A new run; its id is recorded (with the unsynced marker) first, so a broken sync resumes into it."""
+    """A new run; its id is recorded first, so a broken sync resumes into it."""
     rest = {k: str(v) for k, v in tags.items() if k not in ("experiment", "run_name")}
     run = client.create_run(experiment_id(client, tags["experiment"]), run_name=tags["run_name"],
                             tags={**rest, "synced_from": str(run_dir)})
     _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
-    if not (run_dir / UNSYNCED_FILE).exists():
-        (run_dir / UNSYNCED_FILE).write_text("sync in progress")
     return run
 
 
@@ -280,31 +277,49 @@ def _metric_rows(rows: list[dict]) -> list:
             for row in rows for k, v in row.items() if k not in ("step", "time")]
 
 
-def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> int:
-    """Log the params and metric rows the run lacks (a row = key, step, timestamp), and artifacts/."""
+def _missing_artifacts(client, run_id: str, run_dir: Path) -> list[Path]:
+    """Files and folders of run_dir/artifacts the run lacks, or holds at another size (rewritten)."""
+    folder = run_dir / "artifacts"
+    if not folder.is_dir():
+        return []
+    held = {a.path: a.file_size for a in client.list_artifacts(run_id)}
+    return [p for p in sorted(folder.iterdir())
+            if p.name not in held or (p.is_file() and held[p.name] != p.stat().st_size)]
+
+
+def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple[int, bool]:
+    """Log the params, metric rows (a row = key, step, timestamp) and artifacts the run lacks:
+    (metric values sent, whether anything was)."""
     run_id = run.info.run_id
-    _log_params(client, run_id, {k: v for k, v in params.items() if k not in run.data.params})
+    new_params = {k: v for k, v in params.items() if k not in run.data.params}
+    _log_params(client, run_id, new_params)
     metrics = _metric_rows(rows)
     logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
               for m in client.get_metric_history(run_id, key)}
     new = [m for m in metrics if (m.key, m.step, m.timestamp) not in logged]
     send_metrics(client, run_id, new)
-    if (run_dir / "artifacts").is_dir():
-        client.log_artifacts(run_id, str(run_dir / "artifacts"))
-    if run.data.tags.get("synced_from") == str(run_dir) and run.info.status != "FINISHED":
+    artifacts = _missing_artifacts(client, run_id, run_dir)
+    for path in artifacts:
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), artifact_path=path.name)
+        else:
+            client.log_artifact(run_id, str(path))
+    finish = run.data.tags.get("synced_from") == str(run_dir) and run.info.status != "FINISHED"
+    if finish:
         client.set_terminated(run_id, "FINISHED")  # a run this command created
-    return len(new)
+    return len(new), bool(new_params or new or artifacts or finish)
 
 
 def sync_run(run_dir: str | Path) -> SyncResult:
-    """Upload a run directory logged while MLflow was unreachable (or with tracking off).
+    """Upload what MLflow lacks of a run directory: one logged while MLflow was unreachable or with
+    tracking off, whose logger was killed with metrics still queued, or that was synced while it trained.
 
     Safe to repeat, and never a duplicate: when `mlflow_run_id` names a run the store holds, that run
-    is used. Without a `tracking_unsynced` marker it is up to date and nothing is sent; with one, only
-    the params and metric rows it lacks are logged into it (a live run that lost its server is
-    completed, and a resumed run keeps one MLflow run). Otherwise a new run is created and its id
-    written to `mlflow_run_id` before the upload, so an interrupted sync resumes into it. The run
-    directory is read and checked completely before MLflow is contacted."""
+    is compared with the directory every time, and only the params, metric rows and artifacts it lacks
+    are logged into it (a resumed run keeps one MLflow run); `up to date` when it lacks nothing.
+    Otherwise a new run is created and its id written to `mlflow_run_id` before the upload, so an
+    interrupted sync resumes into it. The run directory is read and checked completely before MLflow
+    is contacted."""
     run_dir = Path(run_dir)
     params, tags, rows = _read_run_dir(run_dir)
     uri, named = default_tracking_uri(), recorded_run_id(run_dir)
@@ -314,11 +329,8 @@ def sync_run(run_dir: str | Path) -> SyncResult:
 
         client = MlflowClient(tracking_uri=uri)
         run = _existing_run(client, named)
-        if run is not None and not (run_dir / UNSYNCED_FILE).exists():
-            return SyncResult(run.info.run_id, "up to date", 0, uri)
         note = f"{RUN_ID_FILE} named run {named}, which {uri} does not hold" if named and run is None else ""
         action = "updated" if run is not None else "created"
         run = run or _create_run(client, run_dir, tags)
-        sent = _upload(client, client.get_run(run.info.run_id), run_dir, params, rows)
-    (run_dir / UNSYNCED_FILE).unlink(missing_ok=True)
-    return SyncResult(run.info.run_id, action, sent, uri, note)
+        sent, changed = _upload(client, client.get_run(run.info.run_id), run_dir, params, rows)
+    return SyncResult(run.info.run_id, action if changed or action == "created" else "up to date", sent, uri, note)

@@ -3,14 +3,15 @@
 Layout of `<run_dir>/checkpoints/`::
 
     iter_0000200/meta.json            iteration, consumed samples, layout, resolved config, git SHA
-    iter_0000200/model_tp00.pt        TP rank 0's model shard (written by DP replica 0 of tp 0)
+    iter_0000200/model_tp00.pt        TP rank 0's model shard, fp32 weights (written by DP replica 0 of tp 0)
     iter_0000200/optim_tp00.pt        optimizer, lr scheduler, loss scaler (plain trainer)
     iter_0000200/deepspeed/           DeepSpeed's ZeRO state (when zero_stage > 0)
     iter_0000200/rng_rank00000.pt     CPU/CUDA generator states and the TP-region tracker, per rank
     latest                            the name of the newest complete checkpoint
 
 Every file is written into `iter_XXXXXXX.tmp/`, which is renamed once all ranks are done; `latest`
-is replaced last. A crash mid-write leaves the previous checkpoint loadable. Files are read with
+is replaced last. A crash mid-write leaves the previous checkpoint loadable (and a second save of the
+iteration `latest` names keeps the first until the second is in place). Files are read with
 `torch.load(weights_only=True)`. The DP replicas hold the same model and optimizer state, so TP rank
 t's files are written and read by one replica (t mod dp: the shards of a node-wide TP group move
 through different nodes) and broadcast over the DP group on resume (`load_replicated`).
@@ -61,13 +62,20 @@ def begin_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
 
 
 def finish_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
-    """Rename the finished temporary directory into place, then point `latest` at it."""
+    """Rename the finished temporary directory into place, then point `latest` at it.
+
+    An older copy of the same iteration (which `latest` may name) is renamed aside, not deleted,
+    until the new one is in place and `latest` rewritten: a kill at any point leaves a complete copy."""
     _barrier(pg)
-    final = root / iter_name(iteration)
+    name = iter_name(iteration)
+    final, old = root / name, root / f"{name}.old"
     if pg.rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(root / f"{iter_name(iteration)}.tmp", final)
-        write_atomic(root / "latest", iter_name(iteration).encode())
+        shutil.rmtree(old, ignore_errors=True)  # left by a kill after the rename below
+        if final.exists():
+            os.replace(final, old)
+        os.replace(root / f"{name}.tmp", final)
+        write_atomic(root / "latest", name.encode())
+        shutil.rmtree(old, ignore_errors=True)
     _barrier(pg)
     return final
 

@@ -59,7 +59,7 @@ def _preflight(args, launched: bool) -> None:
     if args.nproc and not launched:
         cfg = load_config(args.config, args.set)
         derive(cfg, args.nproc)
-        resume_meta(cfg, cfg.parallel.tp)
+        resume_meta(cfg, cfg.parallel.tp, args.nproc)
 
 
 def _train(args) -> int:

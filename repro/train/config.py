@@ -71,7 +71,8 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     """Iterations without overflow before the scale doubles."""
     hysteresis: int = 2
-    """Overflows tolerated before the scale is halved."""
+    """Overflows before the scale first halves (Megatron-LM's and DeepSpeed's rule: once used up, every
+    further overflow halves it; it is restored only when the scale grows)."""
     min_loss_scale: float = 1.0
 
 
@@ -89,7 +90,8 @@ class TrainConfig:
     eval_interval: int = 0
     """Held-out loss every N iterations (0: only at the end)."""
     eval_iters: int = 10
-    """Micro batches of held-out loss per evaluation."""
+    """Global batches of held-out loss per evaluation, as in Megatron-LM: eval_iters x global_batch_size
+    samples, split over the DP ranks, so every layout evaluates the same samples."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage for optimizer state (0: plain trainer without DeepSpeed)."""
     zero_overlap_comm: bool = False
@@ -293,6 +295,9 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
         raise RunConfigError(f"precision.main_grads={cfg.precision.main_grads!r}: use fp32 or param")
     if cfg.optim.lr_decay_style not in ("cosine", "linear", "constant"):
         raise RunConfigError(f"lr_decay_style={cfg.optim.lr_decay_style!r}: use cosine, linear or constant")
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise RunConfigError(f"train.device={t.device!r}: use auto (cuda when available), cpu or cuda, e.g. "
+                             "--set train.device=cuda (each rank takes the GPU of its local rank; no index)")
     if cfg.family not in ("gpt", "bert"):
         raise RunConfigError(f"family={cfg.family!r}: use gpt or bert")
     if t.compile and t.zero_stage:

@@ -9,6 +9,7 @@ ProcessGroups object passed as `mpu`.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -101,6 +102,7 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
     if cfg.train.zero_stage > 0:
         import deepspeed
 
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))  # DeepSpeed asserts it; only torchrun sets it
         wrapped, optimizer, _, scheduler = deepspeed.initialize(
             model=objective, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
             config=deepspeed_config(cfg, derived), dist_init_required=False)

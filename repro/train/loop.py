@@ -98,8 +98,9 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
     replica t mod dp (`shard_owner`), so at TP=8 the 8 shards leave from 8 nodes, not all from node 0."""
     root, pg = Path(eng.cfg.run_dir) / "checkpoints", eng.pg
     tmp = ck.begin_save(root, state.iteration, pg)
-    if pg.dp_rank == ck.shard_owner(pg):  # one DP replica per TP shard, spread over nodes
-        model_state = eng.masters.state_dict(eng.model) if eng.masters else eng.model.state_dict()
+    owner = pg.dp_rank == ck.shard_owner(pg)  # one DP replica per TP shard, spread over nodes
+    model_state = _model_state(eng, owner)
+    if owner:
         torch.save(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
         if not eng.deepspeed:
             extra = {"optimizer": eng.optimizer.state_dict(), "scheduler": eng.scheduler.state_dict(),
@@ -117,7 +118,35 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
     return ck.finish_save(root, state.iteration, pg)
 
 
-def resume_meta(cfg: RunConfig, tp: int) -> tuple[Path | None, dict]:
+def _model_state(eng: Engine, owner: bool) -> dict | None:
+    """The model file's fp32 weights (a half model's masters; ZeRO's fp32 partitions, gathered with
+    every DP rank taking part) on the owner replica; None elsewhere."""
+    if eng.deepspeed:
+        return zero_fp32_state_dict(eng.model, owner)
+    if not owner:
+        return None
+    return eng.masters.state_dict(eng.model) if eng.masters else eng.model.state_dict()
+
+
+def zero_fp32_state_dict(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
+    """The model's state dict with DeepSpeed ZeRO's fp32 master of every parameter (not the
+    bf16/fp16 copy the module holds), as the plain trainer saves; None where not `keep`.
+
+    Each master is partitioned over the DP group: `safe_get_full_fp32_param` all-reduces it, so every
+    DP rank calls this in the same parameter order; only the ranks that `keep` hold the result, in host
+    memory (a whole fp32 copy of the TP shard would not fit beside ZeRO's state on every GPU)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = {id(p) for p in model.parameters()}
+    state = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():  # buffers as they are
+        full = safe_get_full_fp32_param(tensor) if id(tensor) in params else None
+        if keep:
+            state[name] = (full if full is not None else tensor.detach()).cpu()
+    return state if keep else None
+
+
+def resume_meta(cfg: RunConfig, tp: int, world_size: int) -> tuple[Path | None, dict]:
     """The run's latest checkpoint and its meta, checked against this launch (nothing is loaded)."""
     latest = ck.latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
     if latest is None:
@@ -132,6 +161,12 @@ def resume_meta(cfg: RunConfig, tp: int) -> tuple[Path | None, dict]:
             f"{latest} was saved at tp={meta['tp']} but this run has tp={tp}: a run resumes at its saved "
             f"layout, so launch with --set parallel.tp={meta['tp']}{ranks}. `repro checkpoint reshard` "
             "converts the model weights only (for evaluation, fine-tuning or export), not a run to resume")
+    if meta.get("zero_stage", 0) > 0 and meta["dp"] != world_size // tp:
+        raise ck.CheckpointError(
+            f"{latest} was saved by DeepSpeed ZeRO-{meta['zero_stage']} at world size {meta['world_size']} "
+            f"(tp={meta['tp']} x dp={meta['dp']}) but this launch has world size {world_size} (dp={world_size // tp}): "
+            "ZeRO's optimizer state is partitioned over dp and DeepSpeed cannot repartition it, so resume "
+            f"on {meta['world_size']} ranks (--nproc {meta['world_size']}, srun -n {meta['world_size']})")
     if "config_yaml" in meta:
         check_resume(meta["config_yaml"], cfg, str(latest))
     return latest, meta
@@ -207,11 +242,22 @@ def _memory_gb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+def eval_micro_batches(cfg: RunConfig, dp: int, samples: int) -> int:
+    """Micro batches per DP rank of one evaluation: `train.eval_iters` global batches, as in
+    Megatron-LM, so every layout evaluates the same first eval_iters x global_batch_size held-out
+    samples; fewer whole global batches when the split is shorter (whole micro-batch rounds of all
+    DP ranks when it is shorter than one global batch)."""
+    t = cfg.train
+    per_global = t.global_batch_size // (t.micro_batch_size * dp)  # micro batches of a global batch, per rank
+    whole = min(t.eval_iters, samples // t.global_batch_size) * per_global
+    return whole or min(t.eval_iters * per_global, samples // (t.micro_batch_size * dp))
+
+
 def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
     if not cfg.data.valid_prefix:
         return None
     data = build_dataset(cfg, cfg.data.valid_prefix, write_cache=pg.rank == 0)  # once; each evaluation restarts it
-    count = min(cfg.train.eval_iters, len(data) // (cfg.train.micro_batch_size * pg.dp_size))
+    count = eval_micro_batches(cfg, pg.dp_size, len(data))
     return lambda: _micro_batches(iter(data_loader(cfg, pg, data)), count)
 
 
@@ -223,17 +269,31 @@ def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
             f" | skipped {int(m['skipped_iters'])}")
 
 
-def _step_metrics(result, skipped_total: int) -> dict:
+def skipped_iters(eng: Engine) -> int:
+    """Steps skipped for fp16 overflow since the run began (the loss scaler's count, or DeepSpeed's
+    skipped_steps: both are checkpointed, so a resumed run continues the count)."""
+    if eng.deepspeed:
+        return int(getattr(eng.wrapped, "skipped_steps", 0))
+    return eng.scaler.skipped if eng.scaler else 0
+
+
+def _step_metrics(result, eng: Engine) -> dict:
     """Per-step metrics: the loss, its parts (BERT: mlm_loss, sop_loss), lr, grad norm, loss scale."""
     return {"loss": result.loss, **result.parts, "lr": result.lr, "grad_norm": result.grad_norm,
-            "loss_scale": result.loss_scale, "skipped_iters": skipped_total}
+            "loss_scale": result.loss_scale, "skipped_iters": skipped_iters(eng)}
 
 
 class _Interval:
-    """Accumulates step results between log lines."""
+    """Accumulates step results between log lines (evaluation and checkpoint time `exclude`d)."""
 
     def __init__(self) -> None:
-        self.start, self.steps, self.skipped_total = time.perf_counter(), 0, 0
+        self.start, self.steps = time.perf_counter(), 0
+
+    def exclude(self, since: float) -> float:
+        """Leave the seconds since `since` (a perf_counter value) out of this interval; returns them."""
+        seconds = time.perf_counter() - since
+        self.start += seconds
+        return seconds
 
     def metrics(self, result, eng: Engine, peak: float | None) -> dict:
         seconds = (time.perf_counter() - self.start) / max(self.steps, 1)
@@ -242,7 +302,7 @@ class _Interval:
         tp = throughput(cfg.model, tokens, seconds, eng.pg.dims.world_size, device_name(eng.device),
                         cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak)
         self.start, self.steps = time.perf_counter(), 0
-        return {**_step_metrics(result, self.skipped_total),
+        return {**_step_metrics(result, eng),
                 "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],
                 "tflops_per_device": tp["model_tflops_per_device"], "mfu": tp["mfu"],
                 "hw_tflops_per_device": tp["hardware_tflops_per_device"], "hfu": tp["hfu"],
@@ -254,7 +314,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     derived = derive(cfg, pg.dims.world_size)
     if not cfg.data.train_prefix:
         raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it")
-    latest, saved = resume_meta(cfg, pg.tp_size)
+    latest, saved = resume_meta(cfg, pg.tp_size, pg.dims.world_size)
     if saved and saved["iteration"] >= cfg.train.train_iters:
         if (Path(cfg.run_dir) / "final_metrics.json").exists():
             return _nothing_to_train(cfg, saved, pg.rank)
@@ -282,7 +342,6 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
                 state.iteration += 1
                 state.consumed_samples += cfg.train.global_batch_size
                 interval.steps += 1
-                interval.skipped_total += int(result.skipped)
                 final = _after_step(eng, state, result, interval, peak, logger, valid)
                 if stop.agreed(eng.device) and state.iteration < cfg.train.train_iters:  # the last step finishes
                     return _stop_for_signal(eng, state, final, logger, meta)
@@ -294,9 +353,9 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
 
 
 def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: dict) -> dict:
-    """Checkpoint, mark the MLflow run KILLED, and leave the marker that has slurm/launch.sh requeue the
-    job (the resumed launch reopens the same MLflow run)."""
-    save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
+    """Checkpoint (unless this iteration's periodic save just did), mark the MLflow run KILLED, and leave
+    the marker that has slurm/launch.sh requeue the job (the resumed launch reopens the same MLflow run)."""
+    _save_unless_saved(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
     _log(logger, {"preempted": 1.0}, state.iteration)
     if logger:  # sends queued metrics
         logger.close("KILLED")
@@ -343,26 +402,36 @@ def _log(logger: RunLogger | None, metrics: dict, step: int) -> None:
 
 
 def _after_step(eng, state, result, interval, peak, logger, valid) -> dict:
+    """Log, and evaluate and save when due; their time is logged as eval_seconds and save_seconds,
+    not charged to the next interval's ms/iter, tokens/s and TFLOP/s."""
     cfg, it = eng.cfg, state.iteration
-    metrics = _step_metrics(result, interval.skipped_total)
+    metrics = _step_metrics(result, eng)
     if it % cfg.train.log_interval == 0 or it == cfg.train.train_iters:
         metrics = interval.metrics(result, eng, peak)
         if logger:
             print(_log_line(state, cfg, metrics), flush=True)
     _log(logger, {**metrics, "consumed_samples": state.consumed_samples}, it)
     if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0:
-        _log(logger, evaluate(eng, valid()), it)
+        began = time.perf_counter()
+        held_out = evaluate(eng, valid())
+        _log(logger, {**held_out, "eval_seconds": interval.exclude(began)}, it)
     if cfg.train.save_interval and it % cfg.train.save_interval == 0:
+        began = time.perf_counter()
         save(eng, state, logger.run_id if logger else None)
+        _log(logger, {"save_seconds": interval.exclude(began)}, it)
     return metrics
+
+
+def _save_unless_saved(eng: Engine, state: TrainState, run_id: str | None) -> None:
+    """Save, unless `latest` already names this iteration (a periodic save just wrote it)."""
+    latest = ck.latest_checkpoint(Path(eng.cfg.run_dir) / "checkpoints")
+    if latest is None or latest.name != ck.iter_name(state.iteration):
+        save(eng, state, run_id)
 
 
 def _finish(eng, state, final, logger, valid, meta) -> dict:
     cfg = eng.cfg
-    root = Path(cfg.run_dir) / "checkpoints"
-    latest = ck.latest_checkpoint(root)
-    if latest is None or latest.name != ck.iter_name(state.iteration):
-        save(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
+    _save_unless_saved(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
     final = {**final, "iteration": state.iteration, "consumed_samples": state.consumed_samples,
              "optimizer_state_bytes": optimizer_state_bytes(eng),
              "local_parameters": sum(p.numel() for p in eng.model.parameters())}

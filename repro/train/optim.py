@@ -53,8 +53,11 @@ def lr_lambda(cfg: OptimConfig, train_iters: int):
 class DynamicLossScaler:
     """fp16 dynamic loss scaling (paper recipe: start 2^32, window 1000, hysteresis 2, minimum 1).
 
-    An overflow skips the step; after `hysteresis` overflows the scale halves. `window` clean
-    iterations double it.
+    An overflow skips the step. The `hysteresis`-th overflow halves the scale, and so does every
+    overflow after it until `window` clean iterations double the scale, which restores the hysteresis.
+    This is Megatron-LM's rule (`DynamicGradScaler.update` in megatron/core/optimizer/grad_scaler.py;
+    in 2019 `DynamicLossScaler.update_scale` in megatron/fp16/loss_scaler.py, `delayed_shift`), which
+    DeepSpeed's `DynamicLossScaler` keeps (`consecutive_hysteresis: false`, its default).
     """
 
     scale: float = 2.0**32
@@ -88,9 +91,8 @@ class DynamicLossScaler:
             self.skipped += 1
             self.clean_iters = 0
             self.overflows_left -= 1
-            if self.overflows_left <= 0:
+            if self.overflows_left <= 0:  # not restored here: only growth restores it
                 self.scale = max(self.scale / 2.0, self.min_scale)
-                self.overflows_left = self.hysteresis
             return
         self.clean_iters += 1
         if self.clean_iters % self.window == 0:

@@ -1,0 +1,91 @@
+"""`repro tracking sync` compares a run directory with its MLflow run every time: rows a killed logger
+had queued, and rows logged after a sync made while the run still trained, reach MLflow; a repeated
+sync, or one racing the live logger, never duplicates a row."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from repro.tracking.logger import RunLogger, recorded_run_id, sync_run
+
+UNREACHABLE = "http://127.0.0.1:9"
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def _steps(uri: str, run_id: str, key: str = "loss") -> list[int]:
+    from mlflow import MlflowClient
+
+    return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def _log(logger: RunLogger, steps) -> None:
+    for step in steps:
+        logger.log_metrics({"loss": 10.0 - step}, step)
+
+
+def test_rows_queued_when_the_logger_was_killed_are_synced(tmp_path, store):
+    """MLflow up throughout, the process killed (OOM, Slurm's KillWait) with rows still queued for
+    the next batched flush: sync sends exactly those rows, and a file the run never uploaded."""
+    run_dir = tmp_path / "run"
+    logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {})
+    logger.log_artifact(_write(tmp_path / "config.yaml", "a: 1\n"))
+    _log(logger, range(1, 6))  # queued (FLUSH_SECONDS), then the process dies: no flush, no close
+    _write(run_dir / "artifacts" / "final_metrics.json", "{}")
+    assert _steps(store, logger.run_id) == []
+    first = sync_run(run_dir)
+    assert (first.run_id, first.action, first.metrics_sent) == (logger.run_id, "updated", 5)
+    assert _steps(store, logger.run_id) == [1, 2, 3, 4, 5]
+    from mlflow import MlflowClient
+
+    assert {a.path for a in MlflowClient(store).list_artifacts(logger.run_id)} == {"config.yaml", "final_metrics.json"}
+    again = sync_run(run_dir)
+    assert (again.action, again.metrics_sent) == ("up to date", 0) and _steps(store, logger.run_id) == [1, 2, 3, 4, 5]
+
+
+def test_rows_logged_after_a_sync_made_while_the_run_trained_are_synced(tmp_path, store, monkeypatch):
+    """MLflow down at start (the logger writes metrics.jsonl only), synced mid-run once the server is
+    back, then training continues: the final sync sends the later rows."""
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as down, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        down.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {})
+    _log(logger, (1, 2, 3))
+    mid = sync_run(run_dir)
+    assert (mid.action, mid.metrics_sent) == ("created", 3)
+    _log(logger, (4, 5, 6))
+    logger.close()
+    final = sync_run(run_dir)
+    assert (final.run_id, final.action, final.metrics_sent) == (mid.run_id, "updated", 3)
+    assert _steps(store, mid.run_id) == [1, 2, 3, 4, 5, 6] and recorded_run_id(run_dir) == mid.run_id
+    assert sync_run(run_dir).action == "up to date"
+
+
+def test_a_sync_racing_the_live_logger_duplicates_nothing(tmp_path, store):
+    """A sync while the logger is up and has rows queued sends them; the logger's own flush of the
+    same rows later adds nothing (a row is key, step and timestamp, as the logger wrote it)."""
+    run_dir = tmp_path / "run"
+    with RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {}) as logger:
+        _log(logger, (1, 2, 3))
+        assert sync_run(run_dir).metrics_sent == 3
+        _log(logger, (4,))
+    from mlflow import MlflowClient
+
+    history = MlflowClient(store).get_metric_history(logger.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert sync_run(run_dir).action == "up to date"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -9,8 +9,8 @@ Memory per rank, in two phases of a training step (plain trainer; n = parameters
   optimizer: Adam's m and v, n x 8 (fused AdamW on CUDA: no temporaries).
 - gradients: `.grad` in the parameter dtype, set to None when a step starts, so they exist in the
   forward only when accumulating over micro batches; a half model's step gives its masters fp32
-  `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (a copy of the gradients,
-  dp > 1) or the fp32 main-gradient buffer (`main_grads: fp32`, n x 4, the masters' `.grad`).
+  `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (dp > 1; the `.grad` are
+  views of them) or the fp32 main-gradient buffer (`main_grads: fp32`, n x 4, the masters' `.grad`).
 - activations: repro.perf.activations for one micro batch: what autograd keeps when the forward
   ends (plus torch's autocast weight cache while it runs), or, checkpointing, the layer inputs plus
   one layer rebuilt in the backward.
@@ -111,10 +111,12 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     weight_bytes = 2 if half else 4
     if half and p.main_grads == "fp32":
         return MemoryPlan(n * 2, n * 4, n * 8, n * 4, 0, 0, acts, logits_copy)
-    buckets = n * weight_bytes if dp > 1 else 0  # torch DDP keeps its own copy of the gradients
+    if dp > 1:  # torch DDP's buckets hold the gradients all run (.grad are views of them)
+        return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, n * weight_bytes, 0,
+                          n * 4 if half else 0, acts, logits_copy)
     grads = n * weight_bytes
     step_grads = n * 4 if half else grads  # a half model's masters get fp32 .grad for the step
-    return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, buckets,
+    return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, 0,
                       grads if accumulating else 0, step_grads, acts, logits_copy)
 
 

@@ -32,6 +32,11 @@ RECIPES = {
 }
 
 
+# a model whose parameters outweigh its checkpointed activations: DDP's gradient copy would show
+DDP_STEP_PEAK = {**RECIPES["fp32"], "model.attention_dropout": 0.0, "model.activation_checkpointing": "true",
+                 "model.num_layers": 8, "model.hidden_size": 256}
+
+
 def overrides(extra: dict, global_batch: int) -> list[str]:
     """The 4-layer h=128 CPU model with micro batch 4 and `extra` settings."""
     base = {"model.num_layers": 4, "model.hidden_size": 128, "model.num_attention_heads": 4,
@@ -95,7 +100,9 @@ def cpu_cases() -> list[tuple[str, dict, int, int, str]]:
               ("bf16 half, bf16 grads, 2 accumulation steps", {**RECIPES["bf16 half, bf16 grads"], **fused}, 2, 1, "gpt"),
               ("fp32, TP=2 (per rank)", {**RECIPES["fp32"], **fused, "parallel.tp": 2}, 1, 2, "gpt"),
               ("bf16 half, bf16 grads, DP=2 with torch DDP (per rank)", {**RECIPES["bf16 half, bf16 grads"], **fused},
-               1, 2, "gpt")]
+               1, 2, "gpt"),
+              ("fp32, checkpointing on, 8 layers h=256 (the optimizer step is the peak), DP=2 with torch DDP "
+               "(per rank)", DDP_STEP_PEAK, 1, 2, "gpt")]
     for recipe in ("fp32", "bf16 autocast", "bf16 half, fp32 main grads"):
         for ckpt in (False, True):
             cases.append((f"BERT, {recipe}, fused attention, checkpointing {'on' if ckpt else 'off'}",

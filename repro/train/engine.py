@@ -112,8 +112,9 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
     if masters is not None and cfg.precision.main_grads == "fp32":
         main_grads = MainGrads(masters.pairs(), pg.dp_group)
     elif pg.dp_size > 1:
-        wrapped = DistributedDataParallel(wrapped, process_group=pg.dp_group,
+        wrapped = DistributedDataParallel(wrapped, process_group=pg.dp_group, gradient_as_bucket_view=True,
                                           device_ids=[device.index] if device.type == "cuda" else None)
+        # gradient_as_bucket_view: .grad are views of DDP's buckets, not a second copy of every gradient
     scaler = DynamicLossScaler.from_config(cfg.precision) if cfg.precision.precision == "fp16" else None
     return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, scaler, rng,
                   masters=masters, main_grads=main_grads)

@@ -292,9 +292,10 @@ def test_repro_slurm_sweep_submits_a_table_through_sbatch(slurm_cluster, site, t
     out = _repro_slurm(site, "sweep", "table3", "--", "--dry-run", SBATCH_OVERCOMMIT="1",
                        REPRO_EVAL_CHECKPOINT=str(tmp_path))
     assert out.returncode == 0, out.stderr
-    command, summary = out.stdout.splitlines()
+    command, queued, summary = out.stdout.splitlines()
     assert command == f"sbatch --parsable -p debug {ROOT}/slurm/zeroshot_eval.sh --dry-run"
     job = re.fullmatch(r"table3: jobs (\d+); follow with `repro slurm status \1`", summary).group(1)
+    assert queued == f"submitted job {job} (zeroshot_eval.sh)"  # printed as soon as sbatch answered
     record = slurm_cluster.wait_job(job, timeout=60)
     log = _job_output(site, job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", log

@@ -302,3 +302,16 @@ def test_reshard_and_hf_export_keep_outputs(uninterrupted, tmp_path):
     with torch.no_grad():
         theirs = hf(torch.arange(32).view(2, 16) * 97 % 50257).logits
     assert (theirs - ref).abs().max() / scale < 1e-5
+
+
+def test_latest_falls_back_to_the_copy_set_aside(tmp_path):
+    """A kill between finish_save's two renames leaves `latest` naming a missing directory and the
+    complete copy at iter_N.old: resume reads that copy instead of failing."""
+    root = tmp_path / "checkpoints"
+    (root / "iter_0000004.old").mkdir(parents=True)
+    (root / "iter_0000004.old" / "meta.json").write_text("{}")
+    (root / "latest").write_text("iter_0000004")
+    assert ck.latest_checkpoint(root) == root / "iter_0000004.old"
+    (root / "iter_0000004.old" / "meta.json").unlink()
+    with pytest.raises(ck.CheckpointError, match="no meta.json"):
+        ck.latest_checkpoint(root)

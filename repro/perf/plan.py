@@ -10,12 +10,14 @@ Memory per rank, in two phases of a training step (plain trainer; n = parameters
 - gradients: `.grad` in the parameter dtype, set to None when a step starts, so they exist in the
   forward only when accumulating over micro batches; a half model's step gives its masters fp32
   `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (dp > 1; the `.grad` are
-  views of them) or the fp32 main-gradient buffer (`main_grads: fp32`, n x 4, the masters' `.grad`).
+  views of them, except while micro batches accumulate under no_sync()) or the fp32 main-gradient
+  buffer (`main_grads: fp32`, n x 4, the masters' `.grad`).
 - activations: repro.perf.activations for one micro batch: what autograd keeps when the forward
   ends (plus torch's autocast weight cache while it runs), or, checkpointing, the layer inputs plus
   one layer rebuilt in the backward.
-- DeepSpeed ZeRO-1/2: repro.perf.memory's partitioned weights, gradients and optimizer state, with
-  the same activations; DeepSpeed's communication buckets are not counted.
+- DeepSpeed ZeRO-1/2: repro.perf.memory's partitioned weights, gradients and optimizer state (a half
+  model unless precision is fp32), the fp32 gradients of this rank's partition in the step, the same
+  activations; DeepSpeed's communication buckets are not counted.
 Not counted: the CUDA context, NCCL's buffers and allocator fragmentation: `HEADROOM_GIB` is kept
 free for them (about what a CUDA context plus NCCL take on an H100-class GPU).
 
@@ -95,7 +97,8 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     tp, dp, p = cfg.parallel.tp, derived.dp, cfg.precision
     n = parameters_per_rank(cfg)
     half = p.params == "half" and p.precision != "fp32"
-    dt = ActivationDtypes.of(p.precision, "half" if half or cfg.train.zero_stage else p.params, device_type)
+    zero_half = cfg.train.zero_stage > 0 and p.precision != "fp32"  # DeepSpeed keeps a half model
+    dt = ActivationDtypes.of(p.precision, "half" if half or zero_half else p.params, device_type)
     bert = cfg.family == "bert"
     acts = (bert_activation_memory if bert else activation_memory)(
         cfg.model, cfg.train.micro_batch_size, tp, dt, math_attention(device_type, cfg.model.attention_dropout))
@@ -105,15 +108,17 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     logits_copy = b * s * vocab // tp * dt.compute if bert or dt.compute < 4 else 0
     accumulating = derived.grad_accum_steps > 1
     if cfg.train.zero_stage:
-        zero = memory_per_rank(cfg.model, tp, dp, cfg.train.zero_stage, "half", n=n)
-        return MemoryPlan(zero.params, 0, zero.optimizer, 0, zero.grads if accumulating else 0, zero.grads,
-                          acts, logits_copy)
+        zero = memory_per_rank(cfg.model, tp, dp, cfg.train.zero_stage, "half" if zero_half else "fp32", n=n)
+        fp32_slice = n * 4 // dp if zero_half else 0  # the step's fp32 gradients of this rank's partition
+        return MemoryPlan(zero.params, 0, zero.optimizer, 0, zero.grads if accumulating else 0,
+                          zero.grads + fp32_slice, acts, logits_copy)
     weight_bytes = 2 if half else 4
     if half and p.main_grads == "fp32":
         return MemoryPlan(n * 2, n * 4, n * 8, n * 4, 0, 0, acts, logits_copy)
-    if dp > 1:  # torch DDP's buckets hold the gradients all run (.grad are views of them)
-        return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, n * weight_bytes, 0,
-                          n * 4 if half else 0, acts, logits_copy)
+    if dp > 1:  # torch DDP's buckets hold the gradients all run (.grad are views of them), but the
+        # micro batches under no_sync() accumulate into fresh .grad beside them (set to None each step)
+        return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, n * weight_bytes,
+                          n * weight_bytes if accumulating else 0, n * 4 if half else 0, acts, logits_copy)
     grads = n * weight_bytes
     step_grads = n * 4 if half else grads  # a half model's masters get fp32 .grad for the step
     return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, 0,

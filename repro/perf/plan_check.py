@@ -81,9 +81,9 @@ def measured_and_planned(extra: dict, accum: int = 1, world: int = 1, family: st
     return peak, memory_plan(cfg, derived, "cpu").peak
 
 
-def two_rank_case(extra: dict) -> tuple[int, int]:
+def two_rank_case(extra: dict, accum: int = 1) -> tuple[int, int]:
     """measured_and_planned on each of 2 ranks (for repro.parallel.spawn.run_ranks)."""
-    return measured_and_planned(extra, world=2)
+    return measured_and_planned(extra, accum, world=2)
 
 
 def cpu_cases() -> list[tuple[str, dict, int, int, str]]:
@@ -102,7 +102,9 @@ def cpu_cases() -> list[tuple[str, dict, int, int, str]]:
               ("bf16 half, bf16 grads, DP=2 with torch DDP (per rank)", {**RECIPES["bf16 half, bf16 grads"], **fused},
                1, 2, "gpt"),
               ("fp32, checkpointing on, 8 layers h=256 (the optimizer step is the peak), DP=2 with torch DDP "
-               "(per rank)", DDP_STEP_PEAK, 1, 2, "gpt")]
+               "(per rank)", DDP_STEP_PEAK, 1, 2, "gpt"),
+              ("the same with 2 accumulation steps (no_sync gradients beside the buckets), DP=2 (per rank)",
+               DDP_STEP_PEAK, 2, 2, "gpt")]
     for recipe in ("fp32", "bf16 autocast", "bf16 half, fp32 main grads"):
         for ckpt in (False, True):
             cases.append((f"BERT, {recipe}, fused attention, checkpointing {'on' if ckpt else 'off'}",
@@ -118,7 +120,7 @@ def run_cpu_checks() -> list[dict]:
     rows = []
     for name, settings, accum, world, family in tqdm(cpu_cases(), desc="memory checks", unit="case"):
         pairs = ([measured_and_planned(settings, accum, family=family)] if world == 1
-                 else run_ranks(two_rank_case, 2, settings))
+                 else run_ranks(two_rank_case, 2, settings, accum))
         for rank, (measured, planned) in enumerate(pairs):
             rows.append({"device": "cpu", "case": name + (f", rank {rank}" if world > 1 else ""),
                          "measured_mib": measured / 2**20, "planned_mib": planned / 2**20,

@@ -65,7 +65,8 @@ def finish_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
     """Rename the finished temporary directory into place, then point `latest` at it.
 
     An older copy of the same iteration (which `latest` may name) is renamed aside, not deleted,
-    until the new one is in place and `latest` rewritten: a kill at any point leaves a complete copy."""
+    until the new one is in place and `latest` rewritten: a kill at any point leaves a complete copy
+    (`latest_checkpoint` reads the one set aside when killed between the two renames)."""
     _barrier(pg)
     name = iter_name(iteration)
     final, old = root / name, root / f"{name}.old"
@@ -103,6 +104,9 @@ def latest_checkpoint(root: Path) -> Path | None:
     if not pointer.exists():
         return None
     path = Path(root) / pointer.read_text().strip()
+    aside = path.with_name(f"{path.name}.old")
+    if not (path / "meta.json").exists() and (aside / "meta.json").exists():
+        return aside  # killed between finish_save's two renames: the complete earlier copy
     if not (path / "meta.json").exists():
         raise CheckpointError(f"{pointer} names {path.name}, which has no meta.json: remove the "
                               "broken directory and point `latest` at an earlier one")

@@ -36,6 +36,8 @@ HW_FLOP_FORMULA = ("Narayanan et al. 2021: 96 B s l h^2 (1 + s/6h + V/16lh) with
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+    saved_at: int = -1
+    """The iteration the last checkpoint holds (known alike on every rank: no filesystem read)."""
 
 
 class StopSignal:
@@ -110,12 +112,15 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
         eng.wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="zero", save_latest=False)
     torch.save(ck.rng_state(eng.rng), tmp / f"rng_rank{pg.rank:05d}.pt")
     if pg.rank == 0:
-        meta = {"format": ck.FORMAT_VERSION, "family": eng.cfg.family, **state.__dict__, "tp": pg.tp_size,
+        meta = {"format": ck.FORMAT_VERSION, "family": eng.cfg.family, "iteration": state.iteration,
+                "consumed_samples": state.consumed_samples, "tp": pg.tp_size,
                 "dp": pg.dp_size, "world_size": pg.dims.world_size, "zero_stage": eng.cfg.train.zero_stage,
                 "model": eng.cfg.model.__dict__, "config_yaml": to_yaml(eng.cfg), "git_sha": git_sha(),
                 "mlflow_run_id": run_id}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    return ck.finish_save(root, state.iteration, pg)
+    final = ck.finish_save(root, state.iteration, pg)
+    state.saved_at = state.iteration
+    return final
 
 
 def _model_state(eng: Engine, owner: bool) -> dict | None:
@@ -220,7 +225,7 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     if not rng_file.exists():  # a different DP size: take the same TP rank's state
         rng_file = path / f"rng_rank{pg.tp_rank:05d}.pt"
     meta["rng"] = ck.load_file(rng_file)  # restored just before the first step (setup draws too)
-    return TrainState(meta["iteration"], meta["consumed_samples"]), meta
+    return TrainState(meta["iteration"], meta["consumed_samples"], saved_at=meta["iteration"]), meta
 
 
 def optimizer_state_bytes(eng: Engine) -> int:
@@ -423,9 +428,10 @@ def _after_step(eng, state, result, interval, peak, logger, valid) -> dict:
 
 
 def _save_unless_saved(eng: Engine, state: TrainState, run_id: str | None) -> None:
-    """Save, unless `latest` already names this iteration (a periodic save just wrote it)."""
-    latest = ck.latest_checkpoint(Path(eng.cfg.run_dir) / "checkpoints")
-    if latest is None or latest.name != ck.iter_name(state.iteration):
+    """Save, unless this iteration is saved already (a periodic save just wrote it, or the run resumed
+    from it). Decided from the state every rank holds alike, so all ranks take the same branch of this
+    collective (each reading `latest` from a caching network filesystem might not)."""
+    if state.saved_at != state.iteration:
         save(eng, state, run_id)
 
 

@@ -164,7 +164,11 @@ def planned_memory_gib(cfg: ModelConfig, spec: RunSpec, device_type: str) -> flo
 def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmup: int,
                peak: float | None, deadline: float) -> RunResult:
     """Time `steps` training steps after `warmup` ones; stops early at the deadline."""
-    result = RunResult(spec, peak_tflops=peak, planned_memory_gib=planned_memory_gib(cfg, spec, device.type))
+    try:  # the plan is a side note: it must never cost a measurement
+        planned = planned_memory_gib(cfg, spec, device.type)
+    except Exception:  # noqa: BLE001
+        planned = None
+    result = RunResult(spec, peak_tflops=peak, planned_memory_gib=planned)
     model.cfg.activation_checkpointing = spec.checkpointing
     masters = MasterWeights(model, DTYPES[spec.dtype]) if spec.params == "half" else None
     main = MainGrads(masters.pairs()) if masters is not None else None

@@ -9,8 +9,9 @@ Tolerances:
   estimate: a few transient buffers are counted as alive together when torch frees one before
   making the next. Measured (results/plan/memory_check.md): -0.1% to +8.9% over 16 one-rank
   recipes, +3.5% to +10.0% at TP=2 over repeated runs, +4.3% at DP=2, -0.9% to +5.8% for BERT.
-  The DP=2 case whose peak is the optimizer step fails (-13%) if torch DDP keeps a second copy of
-  the gradients (gradient_as_bucket_view off): measured 141.1 MB without the views, 122.7 with.
+  Larger DP=2 models are measured in results/plan/memory_check.md but not tested: gloo's allreduce
+  scratch buffer (a bucket's size, 26 MB there) lands at the peak in some runs and not others
+  (149.1 vs 175.6 MB measured for the same step with accumulation); NCCL reduces in place.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from repro.perf.activations import (
     count_saved_bytes,
     math_attention,
 )
-from repro.perf.plan_check import DDP_STEP_PEAK, measured_and_planned, two_rank_case
+from repro.perf.plan_check import measured_and_planned, two_rank_case
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
@@ -154,9 +155,8 @@ def test_planned_peak_with_accumulation():
 
 @pytest.mark.parametrize("extra", [{"parallel.tp": 2, "precision.precision": "fp32", "model.attention_dropout": 0.0},
                                    {"precision.precision": "bf16", "precision.params": "half",
-                                    "precision.main_grads": "param", "model.attention_dropout": 0.0},
-                                   DDP_STEP_PEAK],
-                         ids=["tp2", "dp2-ddp-buckets", "dp2-no-gradient-copy"])
+                                    "precision.main_grads": "param", "model.attention_dropout": 0.0}],
+                         ids=["tp2", "dp2-ddp-buckets"])
 def test_planned_peak_on_two_ranks(extra):
     """Two gloo ranks: gloo's own scratch buffers, allocated on its threads at moments that vary from
     run to run, move the measured peak by up to ~2 MB (-3% to +10% of these 20-30 MB steps over
@@ -165,10 +165,29 @@ def test_planned_peak_on_two_ranks(extra):
         assert 0.93 * measured <= planned <= 1.15 * measured, (measured, planned)
 
 
-def test_planned_peak_with_ddp_accumulation():
-    """Micro batches under DDP's no_sync() accumulate into fresh .grad beside the buckets."""
-    for measured, planned in run_ranks(two_rank_case, 2, DDP_STEP_PEAK, 2):
-        assert 0.93 * measured <= planned <= 1.15 * measured, (measured, planned)
+def _ddp_grad_storages() -> tuple[int, int]:
+    """(parameters, distinct .grad storages) on this rank after a DP=2 training step."""
+    from repro.parallel.groups import ParallelDims, build_process_groups
+    from repro.train.config import derive, load_config
+    from repro.train.engine import build_engine
+    from repro.train.step import train_step
+
+    cfg = load_config(TINY, ["train.micro_batch_size=2", "train.global_batch_size=4", "model.seq_length=16",
+                             "train.device=cpu", "tracking.enabled=false"])
+    eng = build_engine(cfg, derive(cfg, 2), build_process_groups(ParallelDims.from_world(1, 2)))
+    gen = torch.Generator().manual_seed(0)
+    train_step(eng, [tuple(torch.randint(0, 1000, (2, 16), generator=gen) for _ in range(2))])
+    params = [p for p in eng.model.parameters() if p.grad is not None]
+    return len(params), len({p.grad.untyped_storage().data_ptr() for p in params})
+
+
+def test_ddp_gradients_are_views_of_its_buckets():
+    """No second copy of the gradients: every .grad lives in one of DDP's few buckets (with
+    gradient_as_bucket_view off each has its own storage). The memory this saves was measured in
+    results/plan/memory_check.md (134.5 -> 117.0 MiB per rank); a peak test of it is not stable on
+    gloo, whose allreduce scratch buffers of a bucket's size land at run-dependent moments."""
+    for params, storages in run_ranks(_ddp_grad_storages, 2):
+        assert params > 10 and storages <= 2, (params, storages)
 
 
 def test_zero_plans_the_precision_it_runs():

@@ -9,8 +9,8 @@ Tolerances:
   estimate: a few transient buffers are counted as alive together when torch frees one before
   making the next. Measured (results/plan/memory_check.md): -0.1% to +8.9% over 16 one-rank
   recipes, +3.5% to +10.0% at TP=2 over repeated runs, +4.3% at DP=2, -0.9% to +5.8% for BERT.
-  Larger DP=2 models are measured in results/plan/memory_check.md but not tested: gloo's allreduce
-  scratch buffer (a bucket's size, 26 MB there) lands at the peak in some runs and not others
+  Larger DP=2 models are measured in results/plan/memory_check.md but not tested: in some runs the
+  peak is a bucket's size (26 MB there) higher, most likely gloo's allreduce scratch buffer (not traced)
   (149.1 vs 175.6 MB measured for the same step with accumulation); NCCL reduces in place.
 """
 
@@ -158,8 +158,8 @@ def test_planned_peak_with_accumulation():
                                     "precision.main_grads": "param", "model.attention_dropout": 0.0}],
                          ids=["tp2", "dp2-ddp-buckets"])
 def test_planned_peak_on_two_ranks(extra):
-    """Two gloo ranks: gloo's own scratch buffers, allocated on its threads at moments that vary from
-    run to run, move the measured peak by up to ~2 MB (-3% to +10% of these 20-30 MB steps over
+    """Two gloo ranks: the measured peak moves from run to run (most likely gloo's own scratch buffers,
+    allocated on its threads; not traced), by up to ~2 MB (-3% to +10% of these 20-30 MB steps over
     repeated runs), hence the wider lower bound."""
     for measured, planned in run_ranks(two_rank_case, 2, extra):
         assert 0.93 * measured <= planned <= 1.15 * measured, (measured, planned)
@@ -185,7 +185,7 @@ def test_ddp_gradients_are_views_of_its_buckets():
     """No second copy of the gradients: every .grad lives in one of DDP's few buckets (with
     gradient_as_bucket_view off each has its own storage). The memory this saves was measured in
     results/plan/memory_check.md (134.5 -> 117.0 MiB per rank); a peak test of it is not stable on
-    gloo, whose allreduce scratch buffers of a bucket's size land at run-dependent moments."""
+    gloo: some runs peak a bucket's size higher (most likely its allreduce scratch; not traced)."""
     for params, storages in run_ranks(_ddp_grad_storages, 2):
         assert params > 10 and storages <= 2, (params, storages)
 

@@ -44,6 +44,38 @@ def test_cpu_flash_attention_is_invisible_to_flop_counter():
     assert gap == 3 * 4 * 2 * SMALL.seq_length**2 * SMALL.hidden_size * SMALL.num_layers
 
 
+def _bert_count(recompute: bool) -> tuple[dict, ModelConfig]:
+    from repro.models.bert import BERT
+
+    cfg = ModelConfig(**{**SMALL.__dict__, "activation_checkpointing": recompute, "num_tokentypes": 2})
+    g = torch.Generator().manual_seed(0)
+    b, s = 2, cfg.seq_length
+    labels = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+    labels[:, ::3] = -100  # positions not predicted: the logits are still computed everywhere
+    batch = {"tokens": torch.randint(0, cfg.vocab_size, (b, s), generator=g),
+             "token_types": torch.zeros(b, s, dtype=torch.long), "padding_mask": torch.ones(b, s),
+             "mlm_labels": labels, "sop_label": torch.tensor([0, 1])}
+    return flops.count_flops(BERT(cfg).train(), batch), cfg
+
+
+def test_bert_formula_is_gpts_plus_its_heads_exactly():
+    # Same layers, logits at every position, plus the MLM dense layer, pooler and SOP head; backward
+    # twice the forward. Exact (float tolerance 1e-12).
+    got, cfg = _bert_count(False)
+    assert got["forward"] == pytest.approx(flops.forward_flops(cfg, 2, bert=True), rel=1e-12)
+    assert got["total"] == pytest.approx(flops.flops_per_iteration(cfg, 2, recompute=False, bert=True), rel=1e-12)
+    # Without the heads the GPT formula undercounts: 2.4% at this tiny size, 0.29% for BERT-336M.
+    gpt_only = flops.flops_per_iteration(cfg, 2, recompute=False)
+    assert 0.02 < 1 - gpt_only / got["total"] < 0.03
+
+
+def test_bert_recompute_formula_counts_layers_again_but_not_the_heads():
+    got, cfg = _bert_count(True)
+    s, h, l = cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    want = flops.flops_per_iteration(cfg, 2, recompute=True, bert=True)
+    assert got["total"] == pytest.approx(want - 8 * 2 * s * l * h * h, rel=1e-12)  # as GPT's test above
+
+
 def test_elementwise_work_the_formula_ignores_is_small_at_paper_sizes():
     from repro.models.sizes import get_size
 

@@ -141,7 +141,8 @@ def time_plan(cfg: RunConfig, derived: Derived, cluster: Cluster) -> TimePlan:
     gpus = cfg.parallel.tp * derived.dp
     per_replica = cfg.train.global_batch_size // derived.dp
     parts = iteration_time(cfg.model, per_replica, cfg.parallel.tp, derived.dp, cluster,
-                           calibrate_gemm_efficiency(cluster), recompute=cfg.model.activation_checkpointing)
+                           calibrate_gemm_efficiency(cluster), recompute=cfg.model.activation_checkpointing,
+                           bert=cfg.family == "bert")
     total_s = parts["total"] * cfg.train.train_iters
     return TimePlan(parts["total"], {k: v for k, v in parts.items() if k != "total"},
                     cfg.train.global_batch_size * cfg.model.seq_length / parts["total"],
@@ -290,8 +291,7 @@ def paper_config_markdown(rows: list[dict]) -> str:
              "Each slurm/ training script's config at the script's GPU count, on the paper's DGX-2H (V100 "
              "32 GB) and on an H200 cluster. Memory: repro.perf.plan (checked against measured peaks in "
              "memory_check.md); time: the analytic scaling model (its error against the paper in "
-             "../scaling_model/table.md; BERT's uses the GPT FLOP formula at its sequence length, leaving out "
-             "the MLM head's dense layer and the pooler). No measurement involved.\n",
+             "../scaling_model/table.md; BERT's counts its heads too, repro.perf.flops). No measurement involved.\n",
              "| script | GPUs | TP x DP | micro batch | cluster | params/GPU | activations GiB | peak GiB | "
              "of usable | fits | iter s | iterations | days | GPU-hours |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -29,7 +29,7 @@ from pathlib import Path
 from repro.models.config import ModelConfig
 from repro.models.sizes import get_size
 from repro.perf.flops import flops_per_iteration
-from repro.perf.memory import params_per_rank
+from repro.perf.memory import bert_params_per_rank, params_per_rank
 
 
 @dataclass(frozen=True)
@@ -88,16 +88,18 @@ def _elementwise_bytes(cfg: ModelConfig, batch: int, recompute: bool = True) -> 
 
 
 def iteration_time(cfg: ModelConfig, batch: int, tp: int, dp: int, cl: Cluster, gemm_eff: float,
-                   recompute: bool = True) -> dict[str, float]:
+                   recompute: bool = True, bert: bool = False) -> dict[str, float]:
     """Seconds per iteration by component, for one replica of `batch` sequences; without
-    `recompute` the 72-formula's GEMMs, 3 element-wise passes and 4 TP all-reduces per layer."""
-    gemm = flops_per_iteration(cfg, batch, recompute=recompute) / (cl.peak_tflops * 1e12 * gemm_eff) / tp
+    `recompute` the 72-formula's GEMMs, 3 element-wise passes and 4 TP all-reduces per layer;
+    `bert` adds BERT's head GEMMs and parameters (its layers are GPT's)."""
+    gemm = flops_per_iteration(cfg, batch, recompute=recompute, bert=bert) / (cl.peak_tflops * 1e12 * gemm_eff) / tp
     repl, shard = _elementwise_bytes(cfg, batch, recompute)
     bsh_bytes = batch * cfg.seq_length * cfg.hidden_size * 2
     tp_comm = (6 if recompute else 4) * cfg.num_layers * ring_allreduce_s(bsh_bytes, tp, cl.intra_gbps,
                                                                           cl.alpha_intra_s)
     bw, alpha = dp_bandwidth_gbps(cl, tp, dp)
-    dp_comm = ring_allreduce_s(params_per_rank(cfg, tp) * 2, dp, bw, alpha)
+    params = (bert_params_per_rank if bert else params_per_rank)(cfg, tp)
+    dp_comm = ring_allreduce_s(params * 2, dp, bw, alpha)
     parts = {"gemm": gemm, "sharded_elementwise": shard / (cl.hbm_gbps * 1e9) / tp,
              "replicated_elementwise": repl / (cl.hbm_gbps * 1e9), "tp_comm": tp_comm, "dp_comm": dp_comm}
     parts["total"] = sum(parts.values())

@@ -305,7 +305,8 @@ class _Interval:
         cfg = eng.cfg
         tokens = cfg.train.global_batch_size * cfg.model.seq_length
         tp = throughput(cfg.model, tokens, seconds, eng.pg.dims.world_size, device_name(eng.device),
-                        cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak)
+                        cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak,
+                        bert=cfg.family == "bert")
         self.start, self.steps = time.perf_counter(), 0
         return {**_step_metrics(result, eng),
                 "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],

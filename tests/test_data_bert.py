@@ -119,6 +119,16 @@ def test_loader_batches(dataset):
     assert loader.consumed_samples == 16
 
 
+def test_loader_workers_give_the_same_batches(dataset):
+    # Masks come from a per-sample RNG seeded by (seed, epoch, index): the same in any process.
+    def batches(workers: int) -> list:
+        loader = bert_loader(dataset, 4, dp_rank=1, dp_size=2, consumed_samples=8, workers=workers)
+        return [b for _, b in zip(range(12), loader)]
+
+    for a, b in zip(batches(0), batches(2), strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # --- the sample map: vectorized builder against a plain loop over sentences ---
 
 

@@ -3,6 +3,8 @@ ranks, repeat across TP ranks, and resume exactly from a consumed-samples count.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -79,6 +81,47 @@ def test_resume_mid_epoch_continues_the_sequence(prefix):
     resumed = iter(gpt_loader(GPTDataset(prefix, SEQ, seed=5), 3, 1, 2, consumed_samples=25 * 6))
     for expected in batches[25:]:
         assert torch.equal(next(resumed).tokens, expected.tokens)
+
+
+def test_worker_processes_give_the_same_batches_in_the_same_order(prefix):
+    # Two workers build batches ahead of the consumer: across the epoch boundary (39 steps), from a
+    # resume point, and up to total_samples, the batches equal those built in this process.
+    def batches(workers: int, consumed: int = 0, total: int | None = None) -> list:
+        loader = gpt_loader(GPTDataset(prefix, SEQ, seed=5), 3, 1, 2, consumed, total, workers=workers)
+        return list(itertools.islice(loader, 45)), loader.consumed_samples
+
+    for consumed, total in ((0, None), (25 * 6, None), (6, 6 * 20)):
+        (serial, n_serial), (background, n_background) = batches(0, consumed, total), batches(2, consumed, total)
+        assert len(serial) == len(background) == (45 if total is None else 19)
+        assert n_serial == n_background == consumed + 6 * len(serial)
+        for a, b in zip(serial, background):
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
+
+
+def test_loader_workers_ignore_the_stop_signals_slurm_sends_to_every_process(prefix):
+    # Slurm signals every process of a step (SIGUSR1 before the time limit, SIGTERM at it): the
+    # workers must outlive it so the trainer can reach its checkpoint; they stop with the loader.
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    expected = list(itertools.islice(gpt_loader(GPTDataset(prefix, SEQ, seed=5), 3), 30))
+    before = {p.pid for p in mp.active_children()}
+    it = iter(gpt_loader(GPTDataset(prefix, SEQ, seed=5), 3, workers=2))
+    got = [next(it)]
+    workers = [p.pid for p in mp.active_children() if p.pid not in before]
+    assert len(workers) == 2
+    for pid in workers:
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            os.kill(pid, sig)
+    got += list(itertools.islice(it, 29))
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(got, expected)) and len(got) == 30
+    it.close()  # the generator's DataLoader iterator goes, and with it its workers
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(p.pid in workers for p in mp.active_children()):
+        time.sleep(0.05)
+    assert not [p.pid for p in mp.active_children() if p.pid in workers]
 
 
 def test_shuffle_index_is_cached_and_rebuilt_when_corrupt(prefix, tmp_path):

@@ -65,7 +65,9 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+    # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
+    # kills any rank still alive
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -70,10 +70,11 @@ def build_objective(cfg: RunConfig, model: nn.Module) -> nn.Module:
 
 
 def to_device(batch, device: torch.device):
-    """Move a micro batch (tuple of tensors or dict of tensors) to the device."""
+    """Move a micro batch (tuple of tensors or dict of tensors) to the device (asynchronously from
+    the loader's pinned memory)."""
     if isinstance(batch, dict):
-        return {k: v.to(device) for k, v in batch.items()}
-    return tuple(t.to(device) for t in batch)
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
 def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
@@ -93,10 +94,14 @@ def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
     return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache, write_cache)
 
 
-def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0):
-    """A resumable micro-batch loader over `dataset` for this DP rank."""
+def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0,
+                device: torch.device | None = None):
+    """A resumable micro-batch loader over `dataset` for this DP rank: `data.num_workers` processes
+    build its batches ahead, pinned for a CUDA `device`."""
     if cfg.family == "bert":
         from repro.data.bert_dataset import bert_loader as loader
     else:
         from repro.data.gpt_dataset import gpt_loader as loader
-    return loader(dataset, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, consumed_samples)
+    pin = device is not None and device.type == "cuda"
+    return loader(dataset, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, consumed_samples,
+                  workers=cfg.data.num_workers, pin_memory=pin)

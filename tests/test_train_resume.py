@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,7 +123,7 @@ def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
         time.sleep(0.05)
     for child in _children(proc.pid):
-        os.kill(child, signal.SIGTERM)  # as Slurm does: every task gets the signal
+        os.kill(child, signal.SIGTERM)  # as Slurm does: every process of the step (loader workers too)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     stopped_at = int(ck.latest_checkpoint(tmp_path / "checkpoints").name.split("_")[1])
@@ -152,6 +153,54 @@ def test_a_signal_during_setup_checkpoints_after_the_first_step(corpus, tmp_path
     assert final["stopped_by_signal"] and final["iteration"] == 1
     assert (tmp_path / "stopped_by_signal").read_text() == "1"
     assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000001"
+
+
+def _signalled_before_training(config: str, overrides: list[str]) -> dict:
+    """A rank that gets SIGUSR1 before the trainer exists (loading its config, joining its group)."""
+    from repro.train import config as config_module
+
+    load = config_module.load_config
+
+    def signal_then_load(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)  # the default action would kill the process
+        return load(*args, **kwargs)
+
+    config_module.load_config = signal_then_load
+    return train_rank(config, overrides)
+
+
+def test_a_signal_before_the_trainer_starts_is_kept_until_it_can_checkpoint(corpus, tmp_path):
+    over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 10})
+    final = run_ranks(_signalled_before_training, 1, TINY, over, timeout=90)[0]
+    assert final["stopped_by_signal"] and final["iteration"] == 1
+    assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000001"
+
+
+def _signalled_during_step_3(config: str, overrides: list[str]) -> dict:
+    """A rank that gets SIGUSR1 during its third training step."""
+    from repro.train import loop
+
+    step, calls = loop.train_step, []
+
+    def step_and_signal(eng, batches):
+        calls.append(None)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step(eng, batches)
+
+    loop.train_step = step_and_signal
+    return train_rank(config, overrides)
+
+
+def test_a_stop_signal_skips_the_due_evaluation_and_checkpoints(corpus, tmp_path):
+    # Evaluation is due at iteration 3; the signal came during that step: straight to the checkpoint.
+    over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 10, "train.eval_interval": 3,
+                                                 "train.eval_iters": 4})
+    final = run_ranks(_signalled_during_step_3, 1, TINY, over)[0]
+    assert final["stopped_by_signal"] and final["iteration"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if "valid_loss" in r], rows
+    assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000003"
 
 
 def _signalled_during_a_periodic_save(config: str, overrides: list[str]) -> tuple[list[int], dict]:

@@ -11,6 +11,9 @@ USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError"
 
 def train_rank(config_path: str | None, overrides: list[str]) -> dict:
     """Body of one rank: set up groups from the launch environment, then train."""
+    from repro.train.signals import record_stop_signals
+
+    record_stop_signals()  # before the imports and the process group: a stop signal now is kept
     import torch
     import torch.distributed as dist
 
@@ -64,6 +67,9 @@ def _preflight(args, launched: bool) -> None:
 
 def _train(args) -> int:
     from repro.parallel.groups import discover_launch_env
+    from repro.train.signals import record_stop_signals
+
+    record_stop_signals()  # a stop signal during the checks below is honoured after the first step
 
     launched = discover_launch_env().launched  # torchrun / srun
     _preflight(args, launched)

@@ -25,6 +25,7 @@ from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, check_resume, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
 from repro.train.objectives import build_dataset, data_loader
+from repro.train.signals import STOP_SIGNALS, PendingStop
 from repro.train.step import evaluate, train_step
 
 FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
@@ -44,13 +45,16 @@ class StopSignal:
     """SIGTERM / SIGUSR1 (Slurm preemption, time limit) ask for a checkpoint and a clean exit, while
     inside `with StopSignal(group)`; the caller's handlers are back afterwards."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group, self.received, self._saved = group, None, {}
 
     def __enter__(self) -> "StopSignal":
         self._saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        for previous in self._saved.values():  # one that came before this handler existed
+            if isinstance(previous, PendingStop) and previous.received:
+                self.received = previous.received
         return self
 
     def __exit__(self, *exc) -> None:
@@ -258,12 +262,12 @@ def eval_micro_batches(cfg: RunConfig, dp: int, samples: int) -> int:
     return whole or min(t.eval_iters * per_global, samples // (t.micro_batch_size * dp))
 
 
-def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
+def _valid_loader(cfg: RunConfig, pg: ProcessGroups, device: torch.device):
     if not cfg.data.valid_prefix:
         return None
     data = build_dataset(cfg, cfg.data.valid_prefix, write_cache=pg.rank == 0)  # once; each evaluation restarts it
     count = eval_micro_batches(cfg, pg.dp_size, len(data))
-    return lambda: _micro_batches(iter(data_loader(cfg, pg, data)), count)
+    return lambda: _micro_batches(iter(data_loader(cfg, pg, data, device=device)), count)
 
 
 def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
@@ -333,8 +337,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         if latest is not None:
             state, meta = load(eng, latest)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
-        loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples))
-        valid = _valid_loader(cfg, pg)
+        loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device))
+        valid = _valid_loader(cfg, pg, eng.device)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
         logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data)) if pg.rank == 0 else None
@@ -348,7 +352,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
                 state.iteration += 1
                 state.consumed_samples += cfg.train.global_batch_size
                 interval.steps += 1
-                final = _after_step(eng, state, result, interval, peak, logger, valid)
+                final = _after_step(eng, state, result, interval, peak, logger, valid, stop)
                 if stop.agreed(eng.device) and state.iteration < cfg.train.train_iters:  # the last step finishes
                     return _stop_for_signal(eng, state, final, logger, meta)
             return _finish(eng, state, final, logger, valid, meta)
@@ -407,9 +411,10 @@ def _log(logger: RunLogger | None, metrics: dict, step: int) -> None:
         logger.log_metrics(metrics, step)
 
 
-def _after_step(eng, state, result, interval, peak, logger, valid) -> dict:
+def _after_step(eng, state, result, interval, peak, logger, valid, stop: StopSignal) -> dict:
     """Log, and evaluate and save when due; their time is logged as eval_seconds and save_seconds,
-    not charged to the next interval's ms/iter, tokens/s and TFLOP/s."""
+    not charged to the next interval's ms/iter, tokens/s and TFLOP/s. A due evaluation is skipped
+    once a stop signal is agreed: Slurm's warning leaves time for the checkpoint, not for both."""
     cfg, it = eng.cfg, state.iteration
     metrics = _step_metrics(result, eng)
     if it % cfg.train.log_interval == 0 or it == cfg.train.train_iters:
@@ -417,7 +422,7 @@ def _after_step(eng, state, result, interval, peak, logger, valid) -> dict:
         if logger:
             print(_log_line(state, cfg, metrics), flush=True)
     _log(logger, {**metrics, "consumed_samples": state.consumed_samples}, it)
-    if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0:
+    if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0 and not stop.agreed(eng.device):
         began = time.perf_counter()
         held_out = evaluate(eng, valid())
         _log(logger, {**held_out, "eval_seconds": interval.exclude(began)}, it)

@@ -364,9 +364,11 @@ def test_several_inputs_in_file_order_warn_that_valid_and_test_are_the_last_file
     assert f"{a}: kept 20 of 20 documents" in out and f"{b}: kept 20 of 20 documents" in out
 
 
-def test_sigterm_mid_run_removes_the_temporary_files_and_keeps_the_old_dataset(data_dir, tmp_path):
-    """Slurm's time limit sends SIGTERM: the CLI exits 143 with no temporary file left, and an
-    earlier dataset at the prefix (from a first run) is untouched."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_mid_run_removes_the_temporary_files_and_keeps_the_old_dataset(data_dir, tmp_path, signame):
+    """Slurm's time limit (SIGTERM) or slurm/prepare_data.sh's warning (SIGUSR1): the CLI exits 128 +
+    the signal with no temporary file left, and an earlier dataset at the prefix (from a first run)
+    is untouched."""
     import os
     import signal
     import subprocess
@@ -390,8 +392,9 @@ def test_sigterm_mid_run_removes_the_temporary_files_and_keeps_the_old_dataset(d
         time.sleep(0.05)
     time.sleep(1.0)  # well into tokenizing
     assert proc.poll() is None, "prepare ended before the signal: make the corpus larger"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stdout.read()
+    sig = getattr(signal, signame)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 128 + sig, proc.stdout.read()
     assert not list(tmp_path.glob("out.*tmp*")), list(tmp_path.glob("out.*tmp*"))
     assert {p.name: p.read_bytes() for p in tmp_path.glob("out_*")} == before
 

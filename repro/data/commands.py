@@ -23,8 +23,9 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _exit_for_signal(signum: int, frame) -> None:
-    """SIGTERM as SystemExit, so prepare's cleanup of its temporary files runs (the default action
-    would leave tens of GB of them at the paper's scale)."""
+    """SIGTERM or SIGUSR1 (slurm/prepare_data.sh's warning before its time limit) as SystemExit, so
+    prepare's cleanup of its temporary files runs (the default action would leave tens of GB of them
+    at the paper's scale)."""
     raise SystemExit(128 + signum)
 
 
@@ -48,7 +49,8 @@ def _prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, skip_bad_records=args.skip_bad_records, split_order=args.split_order,
         split_seed=args.split_seed,
         **({"workers": args.workers} if args.workers is not None else {}))
-    signal.signal(signal.SIGTERM, _exit_for_signal)  # Slurm's time limit or scancel: clean up, then exit
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # Slurm's warning, time limit or scancel: clean up, exit
+        signal.signal(sig, _exit_for_signal)
     report = prepare(opts)
     print(f"documents {report.documents}: kept {report.kept}, under {filters.min_tokens} tokens "
           f"{report.too_short}, eval overlap {report.eval_overlap}, near-duplicates "

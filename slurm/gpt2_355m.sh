@@ -6,6 +6,8 @@
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=8
 #SBATCH --gres=gpu:8
+#SBATCH --exclusive
+#SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue

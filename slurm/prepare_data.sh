@@ -11,14 +11,20 @@
 #   sbatch -p debug -N1 -n1 -c1 --gres=none slurm/prepare_data.sh --smoke    # WikiText-2 valid, into the run dir
 # Memory: the near-duplicate index holds ~2 KB per kept document (~80 GB for the paper's ~40M), so the
 # script asks for the node's memory (--mem=0; `sbatch --mem=120G` or `-p PARTITION` to change). Not
-# resumable: a job stopped by a time limit or preemption removes its temporary files and leaves any
-# earlier dataset at the prefix as it was; submit it again to start over.
+# resumable: submit it again to start over. Stopping: 5 min before the time limit Slurm sends USR1
+# to this shell (--signal=B:USR1@300), launch.sh forwards it through srun to `repro data prepare`,
+# which removes its temporary files and exits, leaving any earlier dataset at the prefix as it
+# was (so does `scancel --batch --signal=USR1 JOB`, or --signal=TERM, which launch.sh forwards as
+# USR1). A TERM that Slurm sends to the job's steps (the time limit itself, plain scancel,
+# preemption) makes srun SIGKILL the task ("forcing job termination"): its PREFIX*.tmp<pid> files
+# stay behind; delete them.
 #SBATCH --job-name=prepare_data
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 #SBATCH --cpus-per-task=32
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@300
 # shellcheck source=slurm/launch.sh
 source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
 parse_flags "$@"

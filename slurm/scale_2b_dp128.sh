@@ -5,6 +5,8 @@
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=8
 #SBATCH --gres=gpu:8
+#SBATCH --exclusive
+#SBATCH --mem=0
 #SBATCH --time=04:00:00
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue

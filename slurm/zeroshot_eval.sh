@@ -12,6 +12,8 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks=8
 #SBATCH --gres=gpu:8
+#SBATCH --exclusive
+#SBATCH --mem=0
 #SBATCH --time=04:00:00
 # shellcheck source=slurm/launch.sh
 source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"

@@ -1,5 +1,6 @@
 """Issue 7 against a real Slurm (tests/slurm_cluster.py): smoke training through sbatch + srun at TP=2
-with MLflow, preemption by USR1 -> checkpoint -> requeue -> exact resume, a clear error for a missing
+with MLflow, preemption by USR1 -> checkpoint -> requeue -> exact resume (also for a TERM to the batch
+shell; a TERM to srun is a hard kill), a clear error for a missing
 cluster variable before launch, the zero-shot and RACE scripts in smoke mode on trained checkpoints,
 the data-preparation script in smoke mode,
 `repro slurm submit | sweep | status` against the cluster (not only --dry-run), and a cluster that
@@ -109,6 +110,47 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm_cluster, site, smok
     status = subprocess.run([sys.executable, "-m", "repro.cli", "slurm", "status", job], env=site["env"],
                             capture_output=True, text=True, cwd=ROOT)
     assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stderr
+
+
+def _wait_for_steps(site: dict, run_dir: Path, job: str, steps: int = 3) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert time.monotonic() < deadline, _job_output(site, job)
+        time.sleep(0.2)
+
+
+def test_term_to_the_batch_shell_checkpoints_and_requeues_like_usr1(slurm_cluster, site, smoke_job, tmp_path):  # noqa: F811
+    """C1: srun answers a TERM by SIGKILLing its tasks, so launch.sh forwards a TERM that reaches the
+    batch shell as USR1: the trainer checkpoints, the job requeues and resumes exactly. C2/C3: the run
+    dir comes from the submitting environment (REPRO_RUNS_DIR, REPRO_RUN_NAME), although cluster.env
+    names another REPRO_RUNS_DIR, in both pieces."""
+    settings = tmp_path / "cluster.env"
+    settings.write_text(f"REPRO_RUNS_DIR={tmp_path}/file-runs\n")
+    env = {**site["env"], "REPRO_CLUSTER_ENV": str(settings), "REPRO_RUN_NAME": "term-stop"}
+    job = _submit(slurm_cluster, site, "slurm/scale_8b.sh", "--smoke", "--set", f"train.train_iters={ITERS}", env=env)
+    run_dir = site["runs"] / "term-stop"
+    _wait_for_steps(site, run_dir, job)
+    slurm_cluster.client("scancel", "--batch", "--signal=TERM", job)
+    record = slurm_cluster.wait_job(job, timeout=240)
+    out = "\n".join(p.read_text() for p in [site["out"] / f"job-{job}.out", *run_dir.glob("logs/*.out")] if p.exists())
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    assert "received SIGTERM" in out and "forwarding SIGUSR1 to the step" in out, out
+    assert record["Restarts"] == "1" and "requeueing job" in out and "holds no checkpoint" not in out, out
+    assert _losses(run_dir) == _losses(site["runs"] / f"scale_8b-{smoke_job[0]}"), out
+    assert not (tmp_path / "file-runs").exists()
+
+
+def test_term_to_srun_is_a_hard_kill(slurm_cluster, site):  # noqa: F811
+    """What slurm/README.md says of a TERM that Slurm sends to the job's steps (time limit, plain
+    scancel, preemption): srun kills the tasks ("forcing job termination"), no checkpoint, no requeue."""
+    job = _submit(slurm_cluster, site, "slurm/scale_1b.sh", "--smoke", "--set", f"train.train_iters={ITERS}")
+    run_dir = site["runs"] / f"scale_1b-{job}"
+    _wait_for_steps(site, run_dir, job)
+    slurm_cluster.client("scancel", "--full", "--signal=TERM", job)
+    record = slurm_cluster.wait_job(job, timeout=120)
+    out = _job_output(site, job)
+    assert record["JobState"] != "COMPLETED" and record["Restarts"] == "0", out
+    assert "forcing job termination" in out and not (run_dir / "stopped_by_signal").exists(), out
 
 
 def test_tasks_get_the_batch_environment_when_the_job_exports_only_its_settings(slurm_cluster, site, tmp_path):  # noqa: F811

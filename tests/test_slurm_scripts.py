@@ -104,34 +104,73 @@ if [[ "$1 $2" == "data prepare" && "${FAKE_PREPARE:-ok}" == fail ]]; then
 fi
 exit 0
 """
+FAKE_SCONTROL = """#!/bin/bash
+# a fake scontrol: hostnames (fail when FAKE_HOSTNAMES=fail), a job record (Requeue=$FAKE_REQUEUE),
+# requeue (fails when FAKE_REQUEUE_FAILS=1)
+echo "scontrol $*" >> "$FAKE_LOG"
+case "$1 $2" in
+  "show hostnames")
+    [[ "${FAKE_HOSTNAMES:-ok}" == ok ]] || { echo "scontrol: error: unable to resolve node list" >&2; exit 1; }
+    echo node001; echo node002 ;;
+  "show job") echo "JobId=$3 JobName=scale_8b Restarts=0 Requeue=${FAKE_REQUEUE:-1} Command=${FAKE_COMMAND:-/x.sh} StdIn=/dev/null" ;;
+  "requeue $SLURM_JOB_ID")
+    [[ "${FAKE_REQUEUE_FAILS:-0}" == 0 ]] || { echo "scontrol: error: Requested operation is presently disabled" >&2; exit 1; } ;;
+esac
+"""
+FAKE_SRUN = """#!/bin/bash
+# a fake srun: logs its arguments and SRUN_CPUS_PER_TASK; with FAKE_STEP=stop it stops as the trainer
+# does for a signal (marker, exit 0); with FAKE_STEP=wait it waits for a signal and logs which came
+echo "srun $* cpus=${SRUN_CPUS_PER_TASK:-}" >> "$FAKE_LOG"
+case "${FAKE_STEP:-ok}" in
+  stop) echo 7 > "$REPRO_RUN_DIR/stopped_by_signal" ;;
+  wait)
+    trap 'echo "step got USR1" >> "$FAKE_LOG"; echo 5 > "$REPRO_RUN_DIR/stopped_by_signal"; exit 0' USR1
+    trap 'echo "step got TERM" >> "$FAKE_LOG"; exit 137' TERM
+    touch "$FAKE_LOG.started"
+    while true; do sleep 0.05; done ;;
+esac
+"""
+
+
+def _job_env(tmp_path: Path, wikitext: bool = True, cluster_env: str | None = None, **extra: str) -> dict:
+    """The environment of a job without Slurm: fake SLURM_* variables, fake repro/scontrol/srun on
+    PATH, cluster.env (by default: REPRO_RUNS_DIR=tmp/runs, REPRO_DATA_DIR=tmp/data), extra variables."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in {"repro": FAKE_REPRO, "scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    if wikitext:
+        (tmp_path / "data" / "wikitext").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "wikitext" / "wikitext-2.valid.tokens").write_text(" = A = \n\n text\n")
+    if cluster_env is None:
+        cluster_env = f"REPRO_RUNS_DIR={tmp_path}/runs\nREPRO_DATA_DIR={tmp_path}/data\n"
+    (tmp_path / "cluster.env").write_text(cluster_env + "REPRO_ENV_ACTIVATE=none\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "REPRO_"))}
+    return {**env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REPRO_ROOT": str(ROOT),
+            "REPRO_CLUSTER_ENV": str(tmp_path / "cluster.env"), "SLURM_JOB_ID": "42", "SLURM_NTASKS": "2",
+            "SLURM_JOB_NAME": "scale_8b", "SLURM_JOB_NODELIST": "node[001-002]",
+            "FAKE_LOG": str(tmp_path / "calls"), "FAKE_COMMAND": str(ROOT / "slurm" / "scale_8b.sh"), **extra}
+
+
+def _run_job(tmp_path: Path, env: dict, *args: str, cwd: Path = ROOT, run_dir: Path | None = None):
+    """`bash slurm/scale_8b.sh ARGS` as a job would run it: exit status, job log (else the output), calls."""
+    out = subprocess.run(["bash", str(ROOT / "slurm" / "scale_8b.sh"), *args], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=60)
+    run_dir = run_dir or tmp_path / "runs" / f"scale_8b-{env['SLURM_JOB_ID']}"
+    log = run_dir / "logs" / f"slurm-{env['SLURM_JOB_ID']}.out"
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    return out, (log.read_text() if log.exists() else "") + out.stdout + out.stderr, calls
 
 
 def _fake_job(tmp_path: Path, wikitext: bool, prepare: str) -> tuple[subprocess.CompletedProcess, str, list[str]]:
     """`slurm/scale_8b.sh --smoke --dry-run` as a job would run it, with fake SLURM_* variables and
     fake repro/scontrol/srun on PATH (no Slurm): exit status, job log, the fake repro's calls."""
-    import os
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fakes = {"repro": FAKE_REPRO, "scontrol": "#!/bin/bash\necho node001\n",
-             "srun": '#!/bin/bash\necho "srun $*" >> "$FAKE_LOG"\n'}
-    for name, text in fakes.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    if wikitext:
-        (tmp_path / "data" / "wikitext").mkdir(parents=True)
-        (tmp_path / "data" / "wikitext" / "wikitext-2.valid.tokens").write_text(" = A = \n\n text\n")
-    (tmp_path / "cluster.env").write_text(f"REPRO_RUNS_DIR={tmp_path}/runs\nREPRO_DATA_DIR={tmp_path}/data\n"
-                                          "REPRO_ENV_ACTIVATE=none\n")
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REPRO_ROOT": str(ROOT),
-           "REPRO_CLUSTER_ENV": str(tmp_path / "cluster.env"), "SLURM_JOB_ID": "42", "SLURM_NTASKS": "2",
-           "SLURM_JOB_NAME": "scale_8b", "SLURM_JOB_NODELIST": "node001", "FAKE_LOG": str(tmp_path / "calls"),
-           "FAKE_PREPARE": prepare}
-    out = subprocess.run(["bash", "slurm/scale_8b.sh", "--smoke", "--dry-run"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
-    log = tmp_path / "runs" / "scale_8b-42" / "logs" / "slurm-42.out"
-    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-    return out, log.read_text() if log.exists() else out.stdout + out.stderr, calls
+    env = _job_env(tmp_path, wikitext, FAKE_PREPARE=prepare)
+    out, log, calls = _run_job(tmp_path, env, "--smoke", "--dry-run")
+    return out, log, [c for c in calls if not c.startswith("scontrol ")]
 
 
 @pytest.mark.parametrize("wikitext, prepare, needle", [
@@ -152,3 +191,211 @@ def test_smoke_mode_prepares_the_corpus_once_then_checks_and_prints_the_step(tmp
     assert calls[1].startswith("slurm check --ntasks 2")
     assert f"data.train_prefix={tmp_path}/runs/smoke-data/wiki_train" in calls[1]
     assert "launch.sh: step: srun" in log and not any(c.startswith("srun") for c in calls)  # a dry run
+
+
+# --- launch.sh and task.sh behaviour without Slurm (fake SLURM_* variables and commands) ---
+
+WHOLE_NODE = [s for s in SCRIPTS if s.options.get("gres") == "gpu:8"]
+
+
+@pytest.mark.parametrize("script", WHOLE_NODE, ids=lambda s: s.path.name)
+def test_whole_node_scripts_ask_for_the_nodes_cpus_and_memory(script):
+    """R1: without --exclusive and --mem=0 a site that binds tasks gives each GPU rank one CPU (shared
+    with its data-loader workers) and DefMemPerCPU memory."""
+    assert "exclusive" in script.options and script.options.get("mem") == "0", script.options
+
+
+def test_prepare_data_asks_for_a_warning_signal_before_its_time_limit():
+    """C1: the time limit's own TERM makes srun SIGKILL prepare (temporary files left behind)."""
+    options = read_script(ROOT / "slurm" / "prepare_data.sh").options
+    assert options.get("signal", "").startswith("B:USR1@"), options
+
+
+@pytest.mark.parametrize("spec, node, ntasks, expected", [
+    ("8(x64)", 63, 512, "8"), ("2,1", 0, 3, "2"), ("2,1", 1, 3, "1"), ("2(x3),1", 2, 7, "2"),
+    ("2(x3),1", 3, 7, "1"), (None, 0, 4, "4")])
+def test_task_sh_local_world_size_is_this_nodes_task_count(spec, node, ntasks, expected):
+    """R8: LOCAL_WORLD_SIZE from the step's per-node layout (it was SLURM_NTASKS without --ntasks-per-node)."""
+    env = {"PATH": "/usr/bin:/bin", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": str(ntasks),
+           "SLURM_NODEID": str(node), **({"SLURM_STEP_TASKS_PER_NODE": spec} if spec else {})}
+    out = subprocess.run(["bash", str(ROOT / "slurm" / "task.sh"), "printenv", "LOCAL_WORLD_SIZE"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
+
+
+def test_forwards_a_term_to_the_step_as_usr1_and_requeues(tmp_path):
+    """C1: srun answers TERM by SIGKILLing its tasks ("forcing job termination"), so a TERM to the batch
+    shell goes to the step as USR1, on which the trainer checkpoints (here a fake srun that stops on
+    USR1 like the trainer and dies on TERM like srun's tasks)."""
+    import os
+    import signal
+    import time
+
+    env = _job_env(tmp_path, FAKE_STEP="wait")
+    job = subprocess.Popen(["bash", str(ROOT / "slurm" / "scale_8b.sh"), "--smoke"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "calls.started").exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+        time.sleep(0.05)
+    os.kill(job.pid, signal.SIGTERM)
+    job.wait(timeout=30)
+    log = (tmp_path / "runs" / "scale_8b-42" / "logs" / "slurm-42.out").read_text()
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "step got USR1" in calls and "step got TERM" not in calls, log
+    assert "received SIGTERM" in log and "forwarding SIGUSR1 to the step" in log, log
+    assert job.returncode == 0 and "scontrol requeue 42" in calls, log
+
+
+def test_the_environment_wins_over_cluster_env(tmp_path):
+    """C2/C3: a value given at submit time (REPRO_RUNS_DIR, REPRO_RUN_NAME) is not replaced by the file."""
+    env = _job_env(tmp_path, cluster_env=f"REPRO_RUNS_DIR={tmp_path}/file-runs\nREPRO_DATA_DIR={tmp_path}/data\n",
+                   REPRO_RUNS_DIR=str(tmp_path / "runs"), REPRO_RUN_NAME="mine", REPRO_MASTER_PORT="23456")
+    out, log, calls = _run_job(tmp_path, env, "--smoke", "--dry-run", run_dir=tmp_path / "runs" / "mine")
+    assert out.returncode == 0, log
+    assert f"run dir {tmp_path}/runs/mine" in log and not (tmp_path / "file-runs").exists(), log
+    assert "rank-0 rendezvous node001:23456" in log, log
+
+
+@pytest.mark.parametrize("line", ["REPRO_RUN_NAME=shared", "REPRO_MASTER_PORT=23456"])
+def test_a_per_job_variable_in_cluster_env_is_refused(tmp_path, line):
+    """C2/C3: the shared file is read by every job: one run dir or one port for all of them."""
+    env = _job_env(tmp_path, cluster_env=f"REPRO_RUNS_DIR={tmp_path}/runs\nREPRO_DATA_DIR={tmp_path}/data\n{line}\n")
+    out, log, _ = _run_job(tmp_path, env, "--smoke", "--dry-run")
+    name = line.split("=")[0]
+    assert out.returncode == 2 and f"{name} is set in {tmp_path}/cluster.env" in out.stderr, log
+    assert f"give it at submit time, e.g. {line} sbatch" in out.stderr and not (tmp_path / "runs").exists()
+
+
+def test_cluster_settings_let_the_environment_win_and_refuse_per_job_values(tmp_path, monkeypatch):
+    """`repro slurm submit` sees the settings launch.sh sees (C2/C3)."""
+    from repro.launch.scripts import ClusterEnvError, cluster_settings
+
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text("REPRO_RUNS_DIR=/file/runs\nREPRO_PARTITION=gpu\n")
+    monkeypatch.setenv("REPRO_RUNS_DIR", "/mine")
+    settings = cluster_settings(env_file)
+    assert (settings["REPRO_RUNS_DIR"], settings["REPRO_PARTITION"]) == ("/mine", "gpu")
+    env_file.write_text("REPRO_RUN_NAME=shared\n")
+    with pytest.raises(ClusterEnvError, match="sets REPRO_RUN_NAME.*REPRO_RUN_NAME=shared repro slurm submit"):
+        cluster_settings(env_file)
+    monkeypatch.setenv("REPRO_RUN_NAME", "mine")
+    assert cluster_settings(env_file)["REPRO_RUN_NAME"] == "mine"
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_restart_without_a_checkpoint_warns_naming_the_run_dir(tmp_path, checkpoint):
+    """C3: a requeued piece that finds no checkpoint (cluster.env moved REPRO_RUNS_DIR) says so loudly."""
+    if checkpoint:
+        (tmp_path / "runs" / "scale_8b-42" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "runs" / "scale_8b-42" / "checkpoints" / "latest").write_text("iter_0000005")
+    out, log, _ = _run_job(tmp_path, _job_env(tmp_path, SLURM_RESTART_COUNT="1"), "--smoke", "--dry-run")
+    assert out.returncode == 0, log
+    warned = f"its run dir {tmp_path}/runs/scale_8b-42 holds no checkpoint" in log and "cluster.env" in log
+    assert warned != checkpoint, log
+
+
+def test_a_failed_requeue_says_how_to_continue_and_exits_3(tmp_path):
+    """R5: a job that is not requeueable is told so at the start; when `scontrol requeue` fails after
+    the checkpoint, the log gives the command that continues the run, and the exit status is 3."""
+    env = _job_env(tmp_path, FAKE_STEP="stop", FAKE_REQUEUE="0", FAKE_REQUEUE_FAILS="1")
+    out, log, calls = _run_job(tmp_path, env, "--smoke")
+    assert "WARNING: job 42 is not requeueable" in log, log
+    assert out.returncode == 3 and "scontrol requeue 42" in calls, log
+    assert (f"launch.sh:     REPRO_RUNS_DIR={tmp_path}/runs REPRO_RUN_NAME=scale_8b-42 sbatch {ROOT}/slurm/scale_8b.sh "
+            "--smoke") in log.splitlines(), log
+
+
+def test_a_failing_scontrol_hostnames_stops_the_job_naming_it(tmp_path):
+    """R7: it surfaced as `hosts[0]: unbound variable`."""
+    out, log, _ = _run_job(tmp_path, _job_env(tmp_path, FAKE_HOSTNAMES="fail"), "--smoke", "--dry-run")
+    assert out.returncode == 2 and "`scontrol show hostnames node[001-002]` failed" in log, log
+    assert "unbound variable" not in log and "step:" not in log, log
+
+
+def _free_pair() -> int:
+    """A port p in 15001..29998 with p and p + 1 free on this host."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(15001, 29998)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two free ports in 15001..29998")
+
+
+@pytest.mark.parametrize("probe", ["ss", "python3", "/dev/tcp"])
+def test_the_rank0_port_skips_one_in_use(tmp_path, probe):
+    """R2: the port derived from the job id is probed on the batch host (rank 0's): `ss`, else a
+    python3 bind, else bash's /dev/tcp (a PATH without ss, python3 here)."""
+    import os
+    import socket
+
+    port = _free_pair()
+    env = _job_env(tmp_path, SLURM_JOB_ID=str(port - 15000))
+    if probe != "ss":  # a PATH like /usr/bin without ss (and python3)
+        usr_bin = tmp_path / "usr-bin"
+        usr_bin.mkdir()
+        for entry in os.scandir("/usr/bin"):
+            if entry.name != "ss" and not (probe == "/dev/tcp" and entry.name.startswith("python")):
+                (usr_bin / entry.name).symlink_to(entry.path)
+        env["PATH"] = f"{tmp_path / 'bin'}:{usr_bin}:/usr/sbin"
+    with socket.socket() as listener:
+        listener.bind(("", port))
+        listener.listen()
+        out, log, _ = _run_job(tmp_path, env, "--smoke", "--dry-run")
+    assert out.returncode == 0, log
+    assert f"port {port} is in use" in log and f"rank-0 rendezvous node001:{port + 1}" in log, log
+
+
+@pytest.mark.parametrize("cpus, tasks_per_node, given, expected", [
+    ("16", "2", None, "CPUs per task: 8 (16 on the node, 2 tasks)"), ("96", "8(x2)", None, "CPUs per task: 12 "),
+    ("16", "2", "3", None)])
+def test_srun_tasks_get_the_nodes_cpus_divided_among_them(tmp_path, cpus, tasks_per_node, given, expected):
+    """R1: without --cpus-per-task a task got one CPU for the rank and its data-loader workers."""
+    extra = {"SLURM_CPUS_ON_NODE": cpus, "SLURM_TASKS_PER_NODE": tasks_per_node}
+    if given:
+        extra["SLURM_CPUS_PER_TASK"] = given
+    out, log, calls = _run_job(tmp_path, _job_env(tmp_path, FAKE_STEP="ok", **extra), "--smoke")
+    assert out.returncode == 0, log
+    srun = [c for c in calls if c.startswith("srun ")]
+    if expected:
+        assert expected in log and srun[0].endswith(f"cpus={expected.split()[3]}"), (log, srun)
+    else:
+        assert "CPUs per task" not in log and srun[0].endswith(f"cpus={given}"), (log, srun)
+
+
+def test_a_lock_held_too_long_stops_the_job_naming_it(tmp_path):
+    """R6: `flock` without a timeout kept every other job of the user waiting, allocation held."""
+    import fcntl
+
+    (tmp_path / "runs").mkdir()
+    import os
+
+    lock = tmp_path / "runs" / f".check.{os.getuid()}.lock"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out, log, calls = _run_job(tmp_path, _job_env(tmp_path, REPRO_LOCK_WAIT_S="1"), "--smoke", "--dry-run")
+    assert out.returncode == 2 and f"waited 1 s for the lock {lock} (the config check)" in log, log
+    assert not any(c.startswith("slurm check") for c in calls) and "step:" not in log, log
+
+
+def test_a_relative_runs_dir_is_taken_from_the_repository_root(tmp_path):
+    """R9: the batch shell (in the submit dir) and the tasks (in REPRO_ROOT) resolved it differently."""
+    import os
+
+    submit = tmp_path / "elsewhere" / "deeper"
+    submit.mkdir(parents=True)
+    relative = os.path.relpath(tmp_path / "runs", ROOT)
+    env = _job_env(tmp_path, cluster_env=f"REPRO_RUNS_DIR={relative}\nREPRO_DATA_DIR={tmp_path}/data\n")
+    out, log, calls = _run_job(tmp_path, env, "--smoke", "--dry-run", cwd=submit)
+    assert out.returncode == 0, log
+    assert f"run dir {tmp_path}/runs/scale_8b-42," in log, log
+    check = [c for c in calls if c.startswith("slurm check")]
+    assert f"run_dir={tmp_path}/runs/scale_8b-42" in check[0], check

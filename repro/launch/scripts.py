@@ -73,10 +73,15 @@ class ClusterEnvError(ValueError):
     """A cluster.env that launch.sh would refuse; the message names the file and the fix."""
 
 
+PER_JOB = {"REPRO_RUN_NAME": "run dir", "REPRO_MASTER_PORT": "rendezvous port"}
+
+
 def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
     """The environment as launch.sh sees it: os.environ plus slurm/cluster.env, sourced by bash with
-    launch.sh's `set -eu`. A file named by REPRO_CLUSTER_ENV (or env_file) must exist; the default
-    slurm/cluster.env may be absent (everything then comes from the environment)."""
+    launch.sh's `set -eu`, the environment winning (a variable it has keeps its value). A file named
+    by REPRO_CLUSTER_ENV (or env_file) must exist; the default slurm/cluster.env may be absent
+    (everything then comes from the environment). A per-job variable (PER_JOB) set by the file is a
+    ClusterEnvError, as in launch.sh: every job would share it."""
     named = env_file or os.environ.get("REPRO_CLUSTER_ENV")
     path = Path(named) if named else slurm_dir() / "cluster.env"
     if not path.exists():
@@ -90,7 +95,14 @@ def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
         raise ClusterEnvError(f"{path} failed when sourced by bash (exit {out.returncode}): "
                               f"{out.stderr.strip() or 'no message'}. Fix: correct that line; "
                               "slurm/cluster.env.example shows the format")
-    return dict(item.split("=", 1) for item in out.stdout.split("\0") if "=" in item)
+    sourced = dict(item.split("=", 1) for item in out.stdout.split("\0") if "=" in item)
+    for name, what in PER_JOB.items():
+        if sourced.get(name) and name not in os.environ:
+            raise ClusterEnvError(f"{path} sets {name}, and every job (and every requeued piece) reads that "
+                                  f"file: all of them would share one {what}. Fix: remove the line and give it "
+                                  f"to one job at submit time, e.g. `{name}={sourced[name]} repro slurm submit "
+                                  "slurm/SCRIPT.sh`")
+    return {**sourced, **os.environ}
 
 
 REQUIRED = {"REPRO_RUNS_DIR": "the shared directory for run directories",

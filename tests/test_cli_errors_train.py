@@ -183,6 +183,18 @@ def test_an_unknown_train_device_is_refused_naming_the_choices(corpus, tmp_path,
     assert "--set train.device=cuda" in out and not (tmp_path / "fresh").exists()
 
 
+def test_negative_loader_workers_are_refused_and_the_default_follows_the_family(corpus, tmp_path, capfd):
+    from repro.train.config import RunConfig
+    from repro.train.objectives import loader_workers
+
+    rc, out = _train(capfd, corpus, tmp_path / "fresh", **{"data.num_workers": -1})
+    assert rc == 2 and "data.num_workers=-1: use 0" in out and not (tmp_path / "fresh").exists(), out
+    assert loader_workers(RunConfig(family="bert")) == 2 and loader_workers(RunConfig(family="gpt")) == 0
+    explicit = RunConfig(family="gpt")
+    explicit.data.num_workers = 3
+    assert loader_workers(explicit) == 3
+
+
 # ---- 5, 6: counts are validated before anything is written ---------------------------------------
 
 @pytest.mark.parametrize("key, value, args", [

@@ -114,16 +114,21 @@ def test_replicated_load_sends_views_whole_and_keeps_state_dict_metadata(tmp_pat
         assert type(got) is OrderedDict and got._metadata == state._metadata
 
 
-def test_sigterm_saves_and_resumes(uninterrupted, corpus, tmp_path):
-    """SIGTERM mid-run: checkpoint, clean exit (0); the next launch finishes identically."""
-    over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40})
+@pytest.mark.parametrize("signame, workers", [("SIGTERM", 0), ("SIGUSR1", 2)])
+def test_a_stop_signal_saves_and_resumes(uninterrupted, corpus, tmp_path, signame, workers):
+    """SIGTERM, or Slurm's USR1 warning (which srun delivers to every process of the step, loader
+    workers too), mid-run: checkpoint, clean exit (0); the next launch finishes identically. With
+    workers, this run's samples come from 2 loader processes per rank, the uninterrupted run's from
+    none: the same losses."""
+    over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40,
+                                                 "data.num_workers": workers})
     proc = _cli("train", TINY, "--nproc", "2", *sum((["--set", o] for o in over), []))
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
         time.sleep(0.05)
     for child in _children(proc.pid):
-        os.kill(child, signal.SIGTERM)  # as Slurm does: every process of the step (loader workers too)
+        os.kill(child, getattr(signal, signame))  # every process: ranks (and their loader workers)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     stopped_at = int(ck.latest_checkpoint(tmp_path / "checkpoints").name.split("_")[1])

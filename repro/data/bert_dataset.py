@@ -260,7 +260,7 @@ def collate_bert(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor
 
 def bert_loader(dataset: BertDataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                 consumed_samples: int = 0, total_samples: int | None = None,
-                workers: int = 0, pin_memory: bool = False) -> ResumableLoader:
+                workers: int = 0) -> ResumableLoader:
     """Micro batches of BERT sample dicts for one DP rank, resuming after consumed_samples."""
     return ResumableLoader(dataset.at, collate_bert, micro_batch_size, dp_rank, dp_size,
-                           consumed_samples, total_samples, workers, pin_memory)
+                           consumed_samples, total_samples, workers)

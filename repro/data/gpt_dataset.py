@@ -81,7 +81,7 @@ def collate_gpt(samples: list[np.ndarray]) -> GPTBatch:
 
 def gpt_loader(dataset: GPTDataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                consumed_samples: int = 0, total_samples: int | None = None,
-               workers: int = 0, pin_memory: bool = False) -> ResumableLoader:
+               workers: int = 0) -> ResumableLoader:
     """Micro batches of GPTBatch for one DP rank, resuming after consumed_samples (all ranks)."""
     return ResumableLoader(dataset.at, collate_gpt, micro_batch_size, dp_rank, dp_size,
-                           consumed_samples, total_samples, workers, pin_memory)
+                           consumed_samples, total_samples, workers)

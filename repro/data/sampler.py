@@ -10,11 +10,14 @@ Example: 4 GPUs, TP=2 x DP=2, micro_batch_size=2. Ranks 0,1 (dp_rank 0) read pos
 4,5 ...; ranks 2,3 (dp_rank 1) read 2,3 then 6,7 .... After 3 steps consumed_samples = 12, and a
 loader started with consumed_samples=12 continues with 12,13 / 14,15.
 
-With `workers` > 0 the micro batches are built in that many forked worker processes (torch's
-DataLoader, in order, pinned for a CUDA copy when asked) while the model trains: the same batches,
-in the same order, off the critical path. A batch is a pure function of its positions, so workers
-change nothing else. Workers ignore SIGTERM/SIGUSR1/SIGINT: Slurm signals every process of a step,
-and the trainer, not its workers, decides when to stop (they exit with it).
+With `workers` > 0 the samples are built in that many forked worker processes (torch's DataLoader,
+in order) while the model trains, and stacked here: the same batches, in the same order, with the
+costly part (BERT's masking) off the critical path. Workers send numpy samples through their pipe,
+which costs less than tensors in shared memory (results/bench/data_loader.md). A batch is a pure
+function of its positions, so workers change nothing else. Workers ignore SIGUSR1: srun delivers
+Slurm's warning to every process of a step, and the trainer, not its workers, decides when to stop
+(they exit with it). SIGTERM keeps its default: torch and multiprocessing end a worker with it
+(under srun a TERM from Slurm is a SIGKILL of every task anyway).
 """
 
 from __future__ import annotations
@@ -120,19 +123,19 @@ def rank_positions(step_start: int, micro_batch_size: int, dp_rank: int) -> rang
     return range(first, first + micro_batch_size)
 
 
-class _MicroBatches:
-    """Map-style view for torch's DataLoader: key (first, stop) -> the collated micro batch."""
+class _MicroBatchSamples:
+    """Map-style view for torch's DataLoader: key (first, stop) -> the samples of that micro batch."""
 
-    def __init__(self, fetch: Callable[[int], Sample], collate: Callable[[list[Sample]], Batch]) -> None:
-        self.fetch, self.collate = fetch, collate
+    def __init__(self, fetch: Callable[[int], Sample]) -> None:
+        self.fetch = fetch
 
-    def __getitem__(self, span: tuple[int, int]) -> Batch:
-        return self.collate([self.fetch(p) for p in range(*span)])
+    def __getitem__(self, span: tuple[int, int]) -> list[Sample]:
+        return [self.fetch(p) for p in range(*span)]
 
 
-def _ignore_stop_signals(_worker_id: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+def _ignore_slurm_warning(_worker_id: int) -> None:
+    """Worker init: SIGUSR1 ignored (until here the trainer's inherited handler only sets a flag)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _as_is(batch):
@@ -144,7 +147,7 @@ class ResumableLoader(Generic[Sample, Batch]):
 
     def __init__(self, fetch: Callable[[int], Sample], collate: Callable[[list[Sample]], Batch],
                  micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int = 0,
-                 total_samples: int | None = None, workers: int = 0, pin_memory: bool = False) -> None:
+                 total_samples: int | None = None, workers: int = 0) -> None:
         global_batch = micro_batch_size * dp_size
         if workers < 0:
             raise ValueError(f"workers={workers}: use 0 (batches built in this process) or more")
@@ -160,7 +163,7 @@ class ResumableLoader(Generic[Sample, Batch]):
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.consumed_samples = consumed_samples
         self.total_samples = total_samples
-        self.workers, self.pin_memory = workers, pin_memory
+        self.workers = workers
 
     def _spans(self) -> Iterator[tuple[int, int]]:
         """(first, stop) positions of this rank's micro batches, from consumed_samples on."""
@@ -174,13 +177,12 @@ class ResumableLoader(Generic[Sample, Batch]):
     def __iter__(self) -> Iterator[Batch]:
         global_batch = self.micro_batch_size * self.dp_size
         if self.workers == 0:
-            batches: Iterator[Batch] = (self.collate([self.fetch(p) for p in range(*span)])
-                                        for span in self._spans())
+            samples: Iterator[list[Sample]] = ([self.fetch(p) for p in range(*span)] for span in self._spans())
         else:
-            batches = iter(self._background())
-        for batch in batches:
+            samples = iter(self._background())
+        for micro_batch in samples:
             self.consumed_samples += global_batch
-            yield batch
+            yield self.collate(micro_batch)
 
     def _background(self):
         import torch.utils.data
@@ -188,9 +190,9 @@ class ResumableLoader(Generic[Sample, Batch]):
         # fork: workers inherit the memory-mapped data and sample maps instead of pickling them
         context = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
         return torch.utils.data.DataLoader(
-            _MicroBatches(self.fetch, self.collate), batch_size=None, sampler=self._spans(),
-            collate_fn=_as_is, num_workers=self.workers, pin_memory=self.pin_memory,
-            worker_init_fn=_ignore_stop_signals, multiprocessing_context=context,
+            _MicroBatchSamples(self.fetch), batch_size=None, sampler=self._spans(),
+            collate_fn=_as_is, num_workers=self.workers,
+            worker_init_fn=_ignore_slurm_warning, multiprocessing_context=context,
             # its own generator: the workers' base seed is drawn from it, not from torch's global
             # RNG, whose stream (dropout) must not depend on when a loader starts
             generator=torch.Generator().manual_seed(0))

@@ -115,9 +115,10 @@ class DataConfig:
     them; the other ranks read them when there, else build them in memory (on every start)."""
     vocab_dir: str = ""
     """Data directory holding vocab/ (BERT samples need the WordPiece vocab); default REPRO_DATA_DIR or ./data."""
-    num_workers: int = 2
-    """Processes per rank that build micro batches ahead of the step (Megatron-LM's default, 2); 0:
-    in the training process. BERT's masking costs ~0.6 ms a 512-token sample on one CPU core."""
+    num_workers: Optional[int] = None
+    """Processes per rank that build samples ahead of the step; 0: in the training process. Default:
+    2 for BERT (its masking costs ~0.6 ms a 512-token sample), 0 for GPT (a sample is a slice of the
+    memory-mapped tokens, cheaper to build than to receive from a worker): results/bench/data_loader.md."""
 
 
 @dataclass
@@ -303,7 +304,7 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
                              "--set train.device=cuda (each rank takes the GPU of its local rank; no index)")
     if cfg.family not in ("gpt", "bert"):
         raise RunConfigError(f"family={cfg.family!r}: use gpt or bert")
-    if cfg.data.num_workers < 0:
+    if cfg.data.num_workers is not None and cfg.data.num_workers < 0:
         raise RunConfigError(f"data.num_workers={cfg.data.num_workers}: use 0 (batches built in the training "
                              "process) or more, e.g. --set data.num_workers=2")
     if t.compile and t.zero_stage:

@@ -262,12 +262,12 @@ def eval_micro_batches(cfg: RunConfig, dp: int, samples: int) -> int:
     return whole or min(t.eval_iters * per_global, samples // (t.micro_batch_size * dp))
 
 
-def _valid_loader(cfg: RunConfig, pg: ProcessGroups, device: torch.device):
+def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
     if not cfg.data.valid_prefix:
         return None
     data = build_dataset(cfg, cfg.data.valid_prefix, write_cache=pg.rank == 0)  # once; each evaluation restarts it
     count = eval_micro_batches(cfg, pg.dp_size, len(data))
-    return lambda: _micro_batches(iter(data_loader(cfg, pg, data, device=device)), count)
+    return lambda: _micro_batches(iter(data_loader(cfg, pg, data)), count)
 
 
 def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
@@ -337,8 +337,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         if latest is not None:
             state, meta = load(eng, latest)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
-        loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device))
-        valid = _valid_loader(cfg, pg, eng.device)
+        loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples))
+        valid = _valid_loader(cfg, pg)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
         logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data)) if pg.rank == 0 else None

@@ -70,11 +70,10 @@ def build_objective(cfg: RunConfig, model: nn.Module) -> nn.Module:
 
 
 def to_device(batch, device: torch.device):
-    """Move a micro batch (tuple of tensors or dict of tensors) to the device (asynchronously from
-    the loader's pinned memory)."""
+    """Move a micro batch (tuple of tensors or dict of tensors) to the device."""
     if isinstance(batch, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return tuple(t.to(device, non_blocking=True) for t in batch)
+        return {k: v.to(device) for k, v in batch.items()}
+    return tuple(t.to(device) for t in batch)
 
 
 def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
@@ -94,14 +93,19 @@ def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
     return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache, write_cache)
 
 
-def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0,
-                device: torch.device | None = None):
+def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0):
     """A resumable micro-batch loader over `dataset` for this DP rank: `data.num_workers` processes
-    build its batches ahead, pinned for a CUDA `device`."""
+    build its samples ahead."""
     if cfg.family == "bert":
         from repro.data.bert_dataset import bert_loader as loader
     else:
         from repro.data.gpt_dataset import gpt_loader as loader
-    pin = device is not None and device.type == "cuda"
     return loader(dataset, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, consumed_samples,
-                  workers=cfg.data.num_workers, pin_memory=pin)
+                  workers=loader_workers(cfg))
+
+
+def loader_workers(cfg: RunConfig) -> int:
+    """`data.num_workers`, or the family's default: 2 for BERT, 0 for GPT (see DataConfig)."""
+    if cfg.data.num_workers is not None:
+        return cfg.data.num_workers
+    return 2 if cfg.family == "bert" else 0

@@ -101,6 +101,15 @@ def test_a_sweep_that_submits_everything_lists_every_job(sbatch, capsys):
     assert "table2: jobs 7001 7002 7003; follow with `repro slurm status 7001 7002 7003`" in out
 
 
+def test_a_sweep_refuses_a_per_job_variable_that_every_job_would_share(sbatch, capsys, monkeypatch):
+    monkeypatch.setenv("REPRO_RUN_NAME", "mine")
+    assert main(["slurm", "sweep", "table2"]) == 2
+    err = capsys.readouterr().err
+    assert "REPRO_RUN_NAME is set, and each of the 3 jobs of table2 would take it (one run dir for all)" in err
+    assert _calls(sbatch) == []
+    assert main(["slurm", "submit", SCRIPT]) == 0  # one job may have it
+
+
 def test_check_prints_the_planned_memory(capsys):
     """`repro slurm check` (which every job runs before srun) states the plan's peak memory per rank."""
     from repro.perf.plan import memory_plan

@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
-from repro.launch.scripts import TABLES, ClusterEnvError, check_required, cluster_settings, table_scripts
+from repro.launch.scripts import PER_JOB, TABLES, ClusterEnvError, check_required, cluster_settings, table_scripts
 
 
 def _user_error(msg: str):
@@ -131,6 +132,11 @@ def _sweep(args) -> int:
         scripts = table_scripts(args.table)
     except KeyError as err:
         raise _user_error(str(err.args[0])) from None
+    shared = [name for name in PER_JOB if os.environ.get(name)]
+    if shared and len(scripts) > 1:
+        raise _user_error(f"{', '.join(shared)} is set, and each of the {len(scripts)} jobs of {args.table} would "
+                          f"take it (one {' and one '.join(PER_JOB[n] for n in shared)} for all). Fix: unset it for "
+                          "the sweep, or submit the scripts one by one with `repro slurm submit`")
     submitted: list[tuple[str, Path]] = []
     for number, script in enumerate(scripts):
         try:

@@ -138,6 +138,19 @@ def test_a_stop_signal_saves_and_resumes(uninterrupted, corpus, tmp_path, signam
 
 
 
+def test_resuming_under_other_code_says_so(corpus, tmp_path, capfd):
+    over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 2})
+    run_ranks(train_rank, 1, TINY, over)
+    meta_path = ck.latest_checkpoint(tmp_path / "checkpoints") / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["git_sha"] = "0" * 40
+    meta_path.write_text(json.dumps(meta))
+    capfd.readouterr()
+    run_ranks(train_rank, 1, TINY, tiny_overrides(corpus, tmp_path, **{"train.train_iters": 3}))
+    out = capfd.readouterr().out
+    assert f"(written at git {'0' * 40}) with code at git" in out, out
+
+
 def _signalled_during_setup(config: str, overrides: list[str]) -> dict:
     """A rank that gets SIGUSR1 while its engine is being built (Slurm's warning can come that early)."""
     from repro.train import loop

@@ -336,6 +336,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         state, meta = TrainState(), {}
         if latest is not None:
             state, meta = load(eng, latest)
+            _say_if_the_code_changed(meta, latest, pg.rank)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples))
         valid = _valid_loader(cfg, pg)
@@ -372,6 +373,15 @@ def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: 
     if eng.pg.rank == 0:
         write_atomic(Path(eng.cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
     return {**final, "stopped_by_signal": True, "iteration": state.iteration}
+
+
+def _say_if_the_code_changed(meta: dict, path: Path, rank: int) -> None:
+    """A resume under other code than wrote the checkpoint (a `git pull` between the pieces of a
+    requeued job) goes on, but says so: the MLflow run keeps the first piece's git_sha."""
+    saved, now = meta.get("git_sha", ""), git_sha()
+    if rank == 0 and saved and saved != now:
+        print(f"WARNING: resuming {path} (written at git {saved}) with code at git {now}: the run's "
+              "iterations before and after this point come from different code", flush=True)
 
 
 def _nothing_to_train(cfg: RunConfig, saved: dict, rank: int) -> dict:

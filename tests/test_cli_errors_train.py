@@ -189,10 +189,11 @@ def test_negative_loader_workers_are_refused_and_the_default_follows_the_family(
 
     rc, out = _train(capfd, corpus, tmp_path / "fresh", **{"data.num_workers": -1})
     assert rc == 2 and "data.num_workers=-1: use 0" in out and not (tmp_path / "fresh").exists(), out
-    assert loader_workers(RunConfig(family="bert")) == 2 and loader_workers(RunConfig(family="gpt")) == 0
+    assert loader_workers(RunConfig(family="bert"), "cuda") == 2
+    assert loader_workers(RunConfig(family="bert"), "cpu") == loader_workers(RunConfig(family="gpt"), "cuda") == 0
     explicit = RunConfig(family="gpt")
     explicit.data.num_workers = 3
-    assert loader_workers(explicit) == 3
+    assert loader_workers(explicit, "cpu") == 3
 
 
 # ---- 5, 6: counts are validated before anything is written ---------------------------------------

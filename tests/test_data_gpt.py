@@ -98,19 +98,21 @@ def test_worker_processes_give_the_same_batches_in_the_same_order(prefix):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
 
 
-def test_loader_workers_ignore_slurms_warning_and_stop_with_the_loader(prefix):
-    # srun delivers Slurm's USR1 warning to every process of a step: the workers must outlive it so
-    # the trainer can reach its checkpoint; they stop with the loader. TERM keeps its default, which
-    # torch and multiprocessing use to end a worker. The parent holds a handler, as the trainer does
-    # (StopSignal), so a worker that is still starting inherits it instead of the default action.
+def test_loader_workers_outlive_stop_signals_to_every_process_and_stop_with_the_loader(prefix):
+    # srun delivers Slurm's USR1 warning to every process of a step, a batch step or a process-group
+    # kill a TERM: the workers must outlive them so the trainer can reach its checkpoint; they stop
+    # with the loader, and on their parent's TERM (torch's and multiprocessing's way to end one).
+    # The parent holds handlers, as the trainer does (StopSignal), so a worker that is still
+    # starting inherits them instead of the default action.
     import multiprocessing as mp
     import os
     import signal
+    import subprocess
     import time
 
     expected = list(itertools.islice(gpt_loader(GPTDataset(prefix, SEQ, seed=5), 3), 30))
     before = {p.pid for p in mp.active_children()}
-    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
         it = iter(gpt_loader(GPTDataset(prefix, SEQ, seed=5), 3, workers=2))
         got = [next(it)]
@@ -118,15 +120,26 @@ def test_loader_workers_ignore_slurms_warning_and_stop_with_the_loader(prefix):
         assert len(workers) == 2
         for pid in workers:
             os.kill(pid, signal.SIGUSR1)
+            subprocess.run(["kill", "-TERM", str(pid)], check=True)  # another process's TERM
+        time.sleep(0.5)
         got += list(itertools.islice(it, 29))
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     assert len(got) == 30 and all(torch.equal(a.tokens, b.tokens) for a, b in zip(got, expected))
     it.close()  # the generator's DataLoader iterator goes, and with it its workers
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(p.pid in workers for p in mp.active_children()):
         time.sleep(0.05)
     assert not [p.pid for p in mp.active_children() if p.pid in workers]
+    it = iter(gpt_loader(GPTDataset(prefix, SEQ, seed=5), 3, workers=2))
+    next(it)
+    started = [p for p in mp.active_children() if p.pid not in before]
+    for p in started:
+        os.kill(p.pid, signal.SIGTERM)  # from the parent: the worker ends
+        p.join(timeout=10)
+    assert started and all(p.exitcode == 0 for p in started), [p.exitcode for p in started]
+    del it
 
 
 def test_shuffle_index_is_cached_and_rebuilt_when_corrupt(prefix, tmp_path):

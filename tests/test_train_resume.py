@@ -114,10 +114,11 @@ def test_replicated_load_sends_views_whole_and_keeps_state_dict_metadata(tmp_pat
         assert type(got) is OrderedDict and got._metadata == state._metadata
 
 
-@pytest.mark.parametrize("signame, workers", [("SIGTERM", 0), ("SIGUSR1", 2)])
+@pytest.mark.parametrize("signame, workers", [("SIGTERM", 0), ("SIGTERM", 2), ("SIGUSR1", 2)])
 def test_a_stop_signal_saves_and_resumes(uninterrupted, corpus, tmp_path, signame, workers):
-    """SIGTERM, or Slurm's USR1 warning (which srun delivers to every process of the step, loader
-    workers too), mid-run: checkpoint, clean exit (0); the next launch finishes identically. With
+    """SIGTERM, or Slurm's USR1 warning, to every process (srun delivers USR1 to every process of the
+    step, loader workers too; a batch step's TERM reaches them all): checkpoint, clean exit (0); the
+    next launch finishes identically. With
     workers, this run's samples come from 2 loader processes per rank, the uninterrupted run's from
     none: the same losses."""
     over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40,

@@ -14,10 +14,10 @@ With `workers` > 0 the samples are built in that many forked worker processes (t
 in order) while the model trains, and stacked here: the same batches, in the same order, with the
 costly part (BERT's masking) off the critical path. Workers send numpy samples through their pipe,
 which costs less than tensors in shared memory (results/bench/data_loader.md). A batch is a pure
-function of its positions, so workers change nothing else. Workers ignore SIGUSR1: srun delivers
-Slurm's warning to every process of a step, and the trainer, not its workers, decides when to stop
-(they exit with it). SIGTERM keeps its default: torch and multiprocessing end a worker with it
-(under srun a TERM from Slurm is a SIGKILL of every task anyway).
+function of its positions, so workers change nothing else. Workers ignore SIGUSR1, and SIGTERM
+from any process but their parent: Slurm (srun's USR1 warning; a batch step's TERM) and a process-group
+kill signal every process, and the trainer, not its workers, decides when to stop. Their parent's
+TERM, which torch and multiprocessing use to end a worker, still ends it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import signal
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -133,9 +134,18 @@ class _MicroBatchSamples:
         return [self.fetch(p) for p in range(*span)]
 
 
-def _ignore_slurm_warning(_worker_id: int) -> None:
-    """Worker init: SIGUSR1 ignored (until here the trainer's inherited handler only sets a flag)."""
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Worker init: SIGUSR1 ignored; SIGTERM blocked and waited for by a thread that exits the worker
+    only when the parent sent it (until here the trainer's inherited handlers only set a flag)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by every later thread
+    threading.Thread(target=_exit_on_parents_term, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_on_parents_term(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
 
 
 def _as_is(batch):
@@ -192,7 +202,7 @@ class ResumableLoader(Generic[Sample, Batch]):
         return torch.utils.data.DataLoader(
             _MicroBatchSamples(self.fetch), batch_size=None, sampler=self._spans(),
             collate_fn=_as_is, num_workers=self.workers,
-            worker_init_fn=_ignore_slurm_warning, multiprocessing_context=context,
+            worker_init_fn=_ignore_stop_signals, multiprocessing_context=context,
             # its own generator: the workers' base seed is drawn from it, not from torch's global
             # RNG, whose stream (dropout) must not depend on when a loader starts
             generator=torch.Generator().manual_seed(0))

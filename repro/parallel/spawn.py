@@ -88,4 +88,5 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
     return [collected[r] for r in range(world_size)]

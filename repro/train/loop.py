@@ -29,6 +29,7 @@ from repro.train.signals import STOP_SIGNALS, PendingStop
 from repro.train.step import evaluate, train_step
 
 FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
+BERT_HEADS_FLOPS = " + BERT's heads, 3 (2Bsh^2 + 2Bh^2 + 4Bh), never recomputed"
 HW_FLOP_FORMULA = ("Narayanan et al. 2021: 96 B s l h^2 (1 + s/6h + V/16lh) with activation checkpointing "
                    "(the forward recomputed), else the 72 form")
 
@@ -78,14 +79,15 @@ def device_name(device: torch.device) -> str:
 
 def run_params(cfg: RunConfig, eng: Engine) -> dict[str, str]:
     """MLflow params: the resolved config plus the layout and provenance."""
+    heads = BERT_HEADS_FLOPS if cfg.family == "bert" else ""
     return {**flat_params(cfg), "tp": str(eng.pg.tp_size), "dp": str(eng.pg.dp_size),
             "world_size": str(eng.pg.dims.world_size), "device_type": eng.device.type,
             "device_name": device_name(eng.device), "precision": cfg.precision.precision,
             "zero_stage": str(cfg.train.zero_stage), "git_sha": git_sha(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
             "grad_accum_steps": str(eng.derived.grad_accum_steps),
-            "padded_vocab_size": str(eng.derived.padded_vocab_size), "flop_formula": FLOP_FORMULA,
-            "hw_flop_formula": HW_FLOP_FORMULA,
+            "padded_vocab_size": str(eng.derived.padded_vocab_size), "flop_formula": FLOP_FORMULA + heads,
+            "hw_flop_formula": HW_FLOP_FORMULA + heads,
             "torch_version": torch.__version__}
 
 
@@ -262,12 +264,12 @@ def eval_micro_batches(cfg: RunConfig, dp: int, samples: int) -> int:
     return whole or min(t.eval_iters * per_global, samples // (t.micro_batch_size * dp))
 
 
-def _valid_loader(cfg: RunConfig, pg: ProcessGroups):
+def _valid_loader(cfg: RunConfig, pg: ProcessGroups, device_type: str):
     if not cfg.data.valid_prefix:
         return None
     data = build_dataset(cfg, cfg.data.valid_prefix, write_cache=pg.rank == 0)  # once; each evaluation restarts it
     count = eval_micro_batches(cfg, pg.dp_size, len(data))
-    return lambda: _micro_batches(iter(data_loader(cfg, pg, data)), count)
+    return lambda: _micro_batches(iter(data_loader(cfg, pg, data, device_type=device_type)), count)
 
 
 def _log_line(state: TrainState, cfg: RunConfig, m: dict) -> str:
@@ -338,8 +340,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             state, meta = load(eng, latest)
             _say_if_the_code_changed(meta, latest, pg.rank)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
-        loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples))
-        valid = _valid_loader(cfg, pg)
+        loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))
+        valid = _valid_loader(cfg, pg, eng.device.type)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
         logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data)) if pg.rank == 0 else None
@@ -378,8 +380,10 @@ def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: 
 def _say_if_the_code_changed(meta: dict, path: Path, rank: int) -> None:
     """A resume under other code than wrote the checkpoint (a `git pull` between the pieces of a
     requeued job) goes on, but says so: the MLflow run keeps the first piece's git_sha."""
+    if rank != 0:
+        return
     saved, now = meta.get("git_sha", ""), git_sha()
-    if rank == 0 and saved and saved != now:
+    if saved and saved != now:
         print(f"WARNING: resuming {path} (written at git {saved}) with code at git {now}: the run's "
               "iterations before and after this point come from different code", flush=True)
 

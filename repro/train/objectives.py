@@ -93,19 +93,19 @@ def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
     return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache, write_cache)
 
 
-def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0):
-    """A resumable micro-batch loader over `dataset` for this DP rank: `data.num_workers` processes
+def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0, device_type: str = "cpu"):
+    """A resumable micro-batch loader over `dataset` for this DP rank: `loader_workers` processes
     build its samples ahead."""
     if cfg.family == "bert":
         from repro.data.bert_dataset import bert_loader as loader
     else:
         from repro.data.gpt_dataset import gpt_loader as loader
     return loader(dataset, cfg.train.micro_batch_size, pg.dp_rank, pg.dp_size, consumed_samples,
-                  workers=loader_workers(cfg))
+                  workers=loader_workers(cfg, device_type))
 
 
-def loader_workers(cfg: RunConfig) -> int:
-    """`data.num_workers`, or the family's default: 2 for BERT, 0 for GPT (see DataConfig)."""
+def loader_workers(cfg: RunConfig, device_type: str) -> int:
+    """`data.num_workers`, or by default 2 for BERT on a GPU, else 0 (see DataConfig)."""
     if cfg.data.num_workers is not None:
         return cfg.data.num_workers
-    return 2 if cfg.family == "bert" else 0
+    return 2 if cfg.family == "bert" and device_type == "cuda" else 0

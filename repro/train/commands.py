@@ -11,9 +11,18 @@ USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError"
 
 def train_rank(config_path: str | None, overrides: list[str]) -> dict:
     """Body of one rank: set up groups from the launch environment, then train."""
-    from repro.train.signals import record_stop_signals
+    from repro.train.signals import recording_stop_signals
 
-    record_stop_signals()  # before the imports and the process group: a stop signal now is kept
+    with recording_stop_signals():  # from before the imports and the process group on
+        return _train_rank(config_path, overrides)
+
+
+def _train_rank(config_path: str | None, overrides: list[str]) -> dict:
+    from repro.provenance import git_sha
+
+    # the code this process runs is the code it started with: checkpoints, MLflow params and the
+    # resume check name it, even if the checkout moves on during the run (git_sha honours the variable)
+    os.environ["REPRO_GIT_SHA"] = git_sha()
     import torch
     import torch.distributed as dist
 
@@ -66,12 +75,18 @@ def _preflight(args, launched: bool) -> None:
 
 
 def _train(args) -> int:
-    from repro.parallel.groups import discover_launch_env
-    from repro.train.signals import record_stop_signals
+    from contextlib import nullcontext
 
-    record_stop_signals()  # a stop signal during the checks below is honoured after the first step
+    from repro.parallel.groups import discover_launch_env
+    from repro.train.signals import recording_stop_signals
 
     launched = discover_launch_env().launched  # torchrun / srun
+    # this process trains when launched: a stop signal from here on is honoured after the first step
+    with recording_stop_signals() if launched else nullcontext():
+        return _launch(args, launched)
+
+
+def _launch(args, launched: bool) -> int:
     _preflight(args, launched)
     if args.nproc and not launched:
         from repro.parallel.spawn import run_ranks

@@ -2,12 +2,15 @@
 
 Slurm's warning (SIGUSR1) or a TERM can reach a rank while it is still importing torch or joining
 its process group; their default action would kill it, failing the job instead of checkpointing.
-`repro train` installs `PendingStop` first thing; `loop.StopSignal` adopts what it recorded.
+`repro train` records them from its first step on (`recording_stop_signals`); `loop.StopSignal`
+adopts what was recorded.
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -22,10 +25,15 @@ class PendingStop:
         self.received = signum
 
 
-def record_stop_signals() -> PendingStop:
-    """Install one PendingStop for SIGTERM and SIGUSR1 (the installed one, if there is one already)."""
+@contextmanager
+def recording_stop_signals() -> Iterator[PendingStop]:
+    """SIGTERM and SIGUSR1 recorded by one PendingStop (the installed one, if there is one already)
+    inside the block; the previous handlers are back afterwards."""
     current = signal.getsignal(signal.SIGUSR1)
     pending = current if isinstance(current, PendingStop) else PendingStop()
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, pending)
-    return pending
+    previous = {sig: signal.signal(sig, pending) for sig in STOP_SIGNALS}
+    try:
+        yield pending
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -147,6 +147,7 @@ def _init_worker(processor: DocumentProcessor) -> None:
     # The only module-level state: set once in each pool worker process, never in the parent.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool stops its workers with SIGTERM
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # srun delivers Slurm's warning to every process: the parent stops
     _process_chunk.processor = processor
 
 

@@ -5,7 +5,7 @@
 #   launch_train experiments/scaling/scale_8b.yaml "$@"      # or: launch_step eval lambada ...
 #
 # Sourcing loads the cluster settings (the environment, then slurm/cluster.env, copied from
-# slurm/cluster.env.example, for what the environment lacks: a variable given at sbatch time wins),
+# slurm/cluster.env.example: a REPRO_* variable given at sbatch time wins over the file),
 # checks them and prepares the job: run directory, per-job log, the rank-0 host and a free port, CPUs
 # per task, NCCL settings, the Python environment. Nothing runs on the compute tasks before every
 # check passed. Steps run one task per GPU (`srun slurm/task.sh repro ...`).
@@ -54,9 +54,10 @@ load_cluster_env() {
   need SLURM_JOB_ID "this runs inside a Slurm job: submit the script with sbatch"
 }
 
-source_cluster_env() {  # source_cluster_env FILE: its variables, exported, except those the environment has
-  # The environment wins: a value given at submit time (REPRO_RUN_NAME=x sbatch ...) is not replaced
-  # by the shared file, which every job and every requeued piece reads again.
+source_cluster_env() {  # source_cluster_env FILE: its variables, exported; for REPRO_* the environment's win
+  # A REPRO_* value given at submit time (REPRO_RUN_NAME=x sbatch ...) is not replaced by the shared
+  # file, which every job and every requeued piece reads again; other lines apply as written
+  # (PATH=/site/bin:$PATH, LD_LIBRARY_PATH, NCCL_*).
   local file="$1" item name saved=()
   while IFS= read -r -d '' item; do saved+=("$item"); done < <(env -0)
   set -a
@@ -65,7 +66,7 @@ source_cluster_env() {  # source_cluster_env FILE: its variables, exported, exce
   set +a
   for item in ${saved[@]+"${saved[@]}"}; do
     name="${item%%=*}"
-    [[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "${!name-}" != "${item#*=}" ]] || continue
+    [[ "$name" =~ ^REPRO_[A-Za-z0-9_]*$ && "${!name-}" != "${item#*=}" ]] || continue
     export "${item?}" 2>/dev/null || true  # (a read-only one, which the file could not change either)
   done
   for name in REPRO_RUN_NAME REPRO_MASTER_PORT; do  # one job's, never the shared file's

@@ -248,13 +248,30 @@ def test_forwards_a_term_to_the_step_as_usr1_and_requeues(tmp_path):
 
 
 def test_the_environment_wins_over_cluster_env(tmp_path):
-    """C2/C3: a value given at submit time (REPRO_RUNS_DIR, REPRO_RUN_NAME) is not replaced by the file."""
+    """C2/C3: a REPRO_* value given at submit time (REPRO_RUNS_DIR, REPRO_RUN_NAME) is not replaced by
+    the file."""
     env = _job_env(tmp_path, cluster_env=f"REPRO_RUNS_DIR={tmp_path}/file-runs\nREPRO_DATA_DIR={tmp_path}/data\n",
                    REPRO_RUNS_DIR=str(tmp_path / "runs"), REPRO_RUN_NAME="mine", REPRO_MASTER_PORT="23456")
     out, log, calls = _run_job(tmp_path, env, "--smoke", "--dry-run", run_dir=tmp_path / "runs" / "mine")
     assert out.returncode == 0, log
     assert f"run dir {tmp_path}/runs/mine" in log and not (tmp_path / "file-runs").exists(), log
     assert "rank-0 rendezvous node001:23456" in log, log
+
+
+def test_cluster_env_lines_other_than_repro_ones_apply_as_written(tmp_path):
+    """A site's PATH=/site/bin:$PATH or NCCL_* line composes with (or replaces) the environment's: only
+    REPRO_* values given at submit time win over the file. An empty per-job line is refused too."""
+    (tmp_path / "cluster.env").write_text("PATH=/site/bin:$PATH\nNCCL_SOCKET_IFNAME=ib\nREPRO_DATA_DIR=/file/data\n")
+    script = ('eval "$(sed -n \'/^source_cluster_env()/,/^}/p\' slurm/launch.sh)"; die() { echo "die: $*"; exit 2; }; '
+              'source_cluster_env "$1"; echo "$PATH|$NCCL_SOCKET_IFNAME|$REPRO_DATA_DIR"')
+    env = {"PATH": "/usr/bin:/bin", "NCCL_SOCKET_IFNAME": "eth0", "REPRO_DATA_DIR": "/mine"}
+    out = subprocess.run(["bash", "-c", script, "_", str(tmp_path / "cluster.env")], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.stdout.strip() == "/site/bin:/usr/bin:/bin|ib|/mine", out
+    (tmp_path / "cluster.env").write_text("REPRO_RUN_NAME=\n")
+    out = subprocess.run(["bash", "-c", script, "_", str(tmp_path / "cluster.env")], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "die: REPRO_RUN_NAME is set in" in out.stdout, out
 
 
 @pytest.mark.parametrize("line", ["REPRO_RUN_NAME=shared", "REPRO_MASTER_PORT=23456"])
@@ -281,6 +298,12 @@ def test_cluster_settings_let_the_environment_win_and_refuse_per_job_values(tmp_
         cluster_settings(env_file)
     monkeypatch.setenv("REPRO_RUN_NAME", "mine")
     assert cluster_settings(env_file)["REPRO_RUN_NAME"] == "mine"
+    monkeypatch.delenv("REPRO_RUN_NAME")
+    env_file.write_text("REPRO_RUN_NAME=\n")  # empty: launch.sh refuses it as well
+    with pytest.raises(ClusterEnvError, match="sets REPRO_RUN_NAME"):
+        cluster_settings(env_file)
+    env_file.write_text("PATH=/site/bin:$PATH\n")  # not REPRO_*: the file's line applies
+    assert cluster_settings(env_file)["PATH"].startswith("/site/bin:")
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])

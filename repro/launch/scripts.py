@@ -78,7 +78,8 @@ PER_JOB = {"REPRO_RUN_NAME": "run dir", "REPRO_MASTER_PORT": "rendezvous port"}
 
 def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
     """The environment as launch.sh sees it: os.environ plus slurm/cluster.env, sourced by bash with
-    launch.sh's `set -eu`, the environment winning (a variable it has keeps its value). A file named
+    launch.sh's `set -eu`; for REPRO_* variables the environment wins (one given at submit time keeps
+    its value), other lines apply as written (`PATH=/site/bin:$PATH`, NCCL_*). A file named
     by REPRO_CLUSTER_ENV (or env_file) must exist; the default slurm/cluster.env may be absent
     (everything then comes from the environment). A per-job variable (PER_JOB) set by the file is a
     ClusterEnvError, as in launch.sh: every job would share it."""
@@ -97,12 +98,12 @@ def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
                               "slurm/cluster.env.example shows the format")
     sourced = dict(item.split("=", 1) for item in out.stdout.split("\0") if "=" in item)
     for name, what in PER_JOB.items():
-        if sourced.get(name) and name not in os.environ:
+        if name in sourced and name not in os.environ:  # (even empty: launch.sh refuses it too)
             raise ClusterEnvError(f"{path} sets {name}, and every job (and every requeued piece) reads that "
                                   f"file: all of them would share one {what}. Fix: remove the line and give it "
                                   f"to one job at submit time, e.g. `{name}={sourced[name]} repro slurm submit "
                                   "slurm/SCRIPT.sh`")
-    return {**sourced, **os.environ}
+    return {**sourced, **{k: v for k, v in os.environ.items() if k.startswith("REPRO_")}}
 
 
 REQUIRED = {"REPRO_RUNS_DIR": "the shared directory for run directories",

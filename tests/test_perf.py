@@ -76,6 +76,17 @@ def test_bert_recompute_formula_counts_layers_again_but_not_the_heads():
     assert got["total"] == pytest.approx(want - 8 * 2 * s * l * h * h, rel=1e-12)  # as GPT's test above
 
 
+def test_scaling_model_splits_bert_layers_over_tp_but_not_its_replicated_heads():
+    from repro.models.sizes import get_size
+
+    cfg = get_size("bert-1.3b").model_config()
+    cl = scaling_model.DGX2H
+    got = scaling_model.iteration_time(cfg, 8, 2, 1, cl, 0.5, bert=True)["gemm"]
+    heads = 3 * flops.bert_head_flops(cfg, 8)
+    layers = flops.flops_per_iteration(cfg, 8, recompute=True, bert=True) - heads
+    assert got == pytest.approx((layers / 2 + heads) / (cl.peak_tflops * 1e12 * 0.5), rel=1e-12)
+
+
 def test_elementwise_work_the_formula_ignores_is_small_at_paper_sizes():
     from repro.models.sizes import get_size
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from repro.models.config import ModelConfig
 from repro.models.sizes import get_size
-from repro.perf.flops import flops_per_iteration
+from repro.perf.flops import bert_head_flops, flops_per_iteration
 from repro.perf.memory import bert_params_per_rank, params_per_rank
 
 
@@ -92,7 +92,9 @@ def iteration_time(cfg: ModelConfig, batch: int, tp: int, dp: int, cl: Cluster, 
     """Seconds per iteration by component, for one replica of `batch` sequences; without
     `recompute` the 72-formula's GEMMs, 3 element-wise passes and 4 TP all-reduces per layer;
     `bert` adds BERT's head GEMMs and parameters (its layers are GPT's)."""
-    gemm = flops_per_iteration(cfg, batch, recompute=recompute, bert=bert) / (cl.peak_tflops * 1e12 * gemm_eff) / tp
+    heads = 3 * bert_head_flops(cfg, batch) if bert else 0.0  # replicated on every TP rank
+    gemm = ((flops_per_iteration(cfg, batch, recompute=recompute, bert=bert) - heads) / tp + heads) \
+        / (cl.peak_tflops * 1e12 * gemm_eff)
     repl, shard = _elementwise_bytes(cfg, batch, recompute)
     bsh_bytes = batch * cfg.seq_length * cfg.hidden_size * 2
     tp_comm = (6 if recompute else 4) * cfg.num_layers * ring_allreduce_s(bsh_bytes, tp, cl.intra_gbps,

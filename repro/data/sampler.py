@@ -138,6 +138,8 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     """Worker init: SIGUSR1 ignored; SIGTERM blocked and waited for by a thread that exits the worker
     only when the parent sent it (until here the trainer's inherited handlers only set a flag)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # (not Linux: TERM keeps its default)
+        return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by every later thread
     threading.Thread(target=_exit_on_parents_term, args=(os.getppid(),), daemon=True).start()
 

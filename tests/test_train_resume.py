@@ -152,45 +152,35 @@ def test_resuming_under_other_code_says_so(corpus, tmp_path, capfd):
     assert f"(written at git {'0' * 40}) with code at git" in out, out
 
 
-def _signalled_during_setup(config: str, overrides: list[str]) -> dict:
-    """A rank that gets SIGUSR1 while its engine is being built (Slurm's warning can come that early)."""
-    from repro.train import loop
+def _signalled_when_called(target: str, config: str, overrides: list[str]) -> dict:
+    """A rank that gets SIGUSR1 as `target` ("module:function") is called: before the trainer exists
+    (repro.train.config:load_config) or while its engine is built (repro.train.loop:build_engine).
+    Slurm's warning can come that early."""
+    import importlib
 
-    build = loop.build_engine
+    module_name, name = target.split(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
 
-    def build_then_signal(*args, **kwargs):
+    def signal_then_call(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGUSR1)  # the default action would kill the process
-        return build(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    loop.build_engine = build_then_signal
+    setattr(module, name, signal_then_call)
     return train_rank(config, overrides)
 
 
 def test_a_signal_during_setup_checkpoints_after_the_first_step(corpus, tmp_path):
     over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 10})
-    final = run_ranks(_signalled_during_setup, 1, TINY, over)[0]
+    final = run_ranks(_signalled_when_called, 1, "repro.train.loop:build_engine", TINY, over)[0]
     assert final["stopped_by_signal"] and final["iteration"] == 1
     assert (tmp_path / "stopped_by_signal").read_text() == "1"
     assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000001"
 
 
-def _signalled_before_training(config: str, overrides: list[str]) -> dict:
-    """A rank that gets SIGUSR1 before the trainer exists (loading its config, joining its group)."""
-    from repro.train import config as config_module
-
-    load = config_module.load_config
-
-    def signal_then_load(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGUSR1)  # the default action would kill the process
-        return load(*args, **kwargs)
-
-    config_module.load_config = signal_then_load
-    return train_rank(config, overrides)
-
-
 def test_a_signal_before_the_trainer_starts_is_kept_until_it_can_checkpoint(corpus, tmp_path):
     over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 10})
-    final = run_ranks(_signalled_before_training, 1, TINY, over, timeout=90)[0]
+    final = run_ranks(_signalled_when_called, 1, "repro.train.config:load_config", TINY, over, timeout=90)[0]
     assert final["stopped_by_signal"] and final["iteration"] == 1
     assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000001"
 

@@ -399,6 +399,24 @@ def test_a_stop_signal_mid_run_removes_the_temporary_files_and_keeps_the_old_dat
     assert {p.name: p.read_bytes() for p in tmp_path.glob("out_*")} == before
 
 
+def test_prepare_in_process_gives_the_callers_signal_handlers_back(data_dir, tmp_path):
+    """`repro data prepare` called in a process that goes on (a notebook, a test session): its
+    SystemExit-on-TERM handler is gone afterwards. It used to stay, and hung the test session: a
+    later test's multiprocessing pool (lm-eval's bootstrap) waited forever in terminate() for a
+    worker that still had the handler installed (most likely it got the pool's TERM while being forked,
+    and a signal meant for a Python handler is dropped then; with the default action the kernel ends
+    the worker). A stand-alone loop of 100 pool starts and terminate()s hung in 5 of 6 tries with a
+    Python TERM handler installed, never without."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    small = _write_jsonl(tmp_path / "small.jsonl", ["a few words"] * 3)
+    assert main(["data", "prepare", "--input", str(small), "--output-prefix", str(tmp_path / "out"),
+                 "--data-dir", str(data_dir), "--workers", "1", "--no-progress", "--no-dedup",
+                 "--no-eval-filter", "--min-tokens", "0", "--split", "1,0,0"]) == 0
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 def test_file_order_train_split_is_the_unsplit_file_cut_not_a_copy(data_dir, gpt2_tokenizer, tmp_path, monkeypatch):
     """In file order train is the first documents: the unsplit .bin is cut and renamed into train (its
     inode survives; no second copy on disk), with the same datasets a copy gives (random order)."""

@@ -23,9 +23,12 @@ TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
 def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
     """Three injected inf gradients: every step skipped (weights untouched); the scale halves at the
     second (hysteresis 2) and again at the third (Megatron-LM's rule: the used-up hysteresis comes back
-    only when the scale grows), and training then continues with finite losses."""
-    eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16", "precision.initial_loss_scale": 1024})
-    start_scale = eng.scaler.scale
+    only when the scale grows), and training then continues with finite losses. The skipped steps leave
+    the learning-rate schedule where it was (Megatron-LM's rule, and DeepSpeed's): the first real update
+    runs at the first step's learning rate."""
+    eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16", "precision.initial_loss_scale": 1024,
+                                                    "optim.lr_warmup_iters": 10})
+    start_scale, start_lr = eng.scaler.scale, eng.optimizer.param_groups[0]["lr"]
     weight = eng.model.transformer.wpe.weight
     hook = weight.register_hook(lambda g: g * float("inf"))
     before = weight.detach().clone()
@@ -35,7 +38,9 @@ def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
     hook.remove()
     assert third.skipped and torch.equal(weight, before)
     assert eng.scaler.scale == start_scale / 4 and eng.scaler.skipped == 3
+    assert eng.scheduler.last_epoch == 0 and eng.optimizer.param_groups[0]["lr"] == start_lr
     after = [train_step(eng, batches()) for _ in range(3)]
+    assert [r.lr for r in after] == pytest.approx([start_lr, 2 * start_lr, 3 * start_lr], rel=1e-12) and start_lr > 0
     assert not any(r.skipped for r in after) and all(math.isfinite(r.loss) for r in after)
     assert not torch.equal(weight, before)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -78,15 +76,13 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
     norm = float("nan") if overflow else (
         clip_grad_norm(params, clip, eng.pg.tp_group) if clip > 0 else global_grad_norm(params, eng.pg.tp_group)).item()
     lr = eng.optimizer.param_groups[0]["lr"]
-    if not overflow:
+    if not overflow:  # a skipped (overflow) step leaves the schedule where it is, as Megatron's and DeepSpeed's
         eng.optimizer.step()
         if eng.masters is not None:
             eng.masters.masters_to_model()
+        eng.scheduler.step()
     if eng.scaler:
         eng.scaler.update(overflow)
-    with warnings.catch_warnings():  # a skipped (overflow) step still advances the schedule, as Megatron's
-        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-        eng.scheduler.step()
     return _result(sums, eng, norm, lr, scale, overflow)
 
 

@@ -122,3 +122,6 @@ def test_strict_nonstrict_and_megatron_split_examples():
     differ = [i for i, (m, o) in enumerate(zip(megatron, ours)) if m != o]
     assert len(differ) == 7  # the passages whose continuation holds a newline
     assert all("\n" in passages[i][1] for i in differ)
+    # non-strict scores the passage as written, split or not (a re-split joined "of\n\nPower")
+    assert build_examples([passages[i] for i in differ], tok, strict=False, megatron_split=True) == \
+        [Example(ids[:-1], ids[-1:]) for ids in tok.encode_batch([f"{c} {w}" for c, w in (passages[i] for i in differ)])]

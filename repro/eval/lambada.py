@@ -59,12 +59,14 @@ def megatron_resplit(context: str, continuation: str) -> tuple[str, str]:
 
 def build_examples(passages: list[tuple[str, str]], tokenizer, strict: bool = True,
                    megatron_split: bool = False) -> list[Example]:
-    """Token ids of every passage: strict targets the whole last word, non-strict its last token."""
-    if megatron_split:
-        passages = [megatron_resplit(c, w) for c, w in passages]
+    """Token ids of every passage: strict targets the whole last word, non-strict its last token.
+    `megatron_split` picks the last word as Megatron-LM's strict mode does; non-strict always scores
+    the passage as written (so does Megatron's: a re-split would join a word across a line break)."""
     if not strict:
         whole = tokenizer.encode_batch([f"{c} {w}" for c, w in passages])
         return [Example(ids[:-1], ids[-1:]) for ids in whole]
+    if megatron_split:
+        passages = [megatron_resplit(c, w) for c, w in passages]
     contexts = tokenizer.encode_batch([c.strip() for c, _ in passages])
     targets = tokenizer.encode_batch([f" {w}" for _, w in passages])
     return [Example(c, t) for c, t in zip(contexts, targets)]

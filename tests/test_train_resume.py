@@ -139,6 +139,37 @@ def test_a_stop_signal_saves_and_resumes(uninterrupted, corpus, tmp_path, signam
 
 
 
+def test_the_exit_duration_checkpoints_and_the_next_launch_finishes_identically(uninterrupted, corpus, tmp_path,
+                                                                                capfd):
+    """train.exit_duration_minutes (Megatron's --exit-duration-in-mins) stops like Slurm's warning:
+    a checkpoint after the step in which the time ran out, the requeue marker, exit 0; the next
+    launch, without the limit (safe to change on resume), finishes as if never stopped."""
+    over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40})
+    finals = run_ranks(train_rank, 2, TINY, over + ["train.exit_duration_minutes=1e-9"])
+    assert [(f["stopped_by_signal"], f["iteration"]) for f in finals] == [(True, 1), (True, 1)]
+    assert "stopping at iteration 1 (train.exit_duration_minutes=1e-09 passed)" in capfd.readouterr().out
+    assert (tmp_path / "stopped_by_signal").read_text() == "1"
+    run_ranks(train_rank, 2, TINY, over)
+    assert _losses(tmp_path) == _losses(uninterrupted)
+
+
+def _stop_views(exit_after_s: list[float]) -> tuple[bool, bool]:
+    """(this rank's own view, the agreed one) of a StopSignal whose exit duration is this rank's entry."""
+    import torch.distributed as dist
+
+    from repro.train.loop import StopSignal
+
+    with StopSignal(dist.group.WORLD, exit_after_s[dist.get_rank()]) as stop:
+        time.sleep(0.01)
+        return stop.due(), stop.agreed(torch.device("cpu"))
+
+
+def test_one_ranks_exit_duration_stops_every_rank():
+    """The ranks' clocks and start times differ: the first rank past its duration stops them all."""
+    assert run_ranks(_stop_views, 2, [1e-6, 3600.0]) == [(True, True), (False, True)]
+    assert run_ranks(_stop_views, 2, [0.0, 3600.0]) == [(False, False), (False, False)]
+
+
 def test_resuming_under_other_code_says_so(corpus, tmp_path, capfd):
     over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 2})
     run_ranks(train_rank, 1, TINY, over)

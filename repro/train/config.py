@@ -89,6 +89,12 @@ class TrainConfig:
     """Save a checkpoint every N iterations (0: only at the end)."""
     eval_interval: int = 0
     """Held-out loss every N iterations (0: only at the end)."""
+    exit_duration_minutes: float = 0.0
+    """Stop with a checkpoint once this many minutes have passed since the trainer started (0: no
+    limit; Megatron-LM's --exit-duration-in-mins). The run ends as for Slurm's USR1 warning: checkpoint,
+    MLflow run KILLED, RUN_DIR/stopped_by_signal, exit 0, so slurm/launch.sh requeues the job. Set it a
+    save's time (the logged save_seconds) plus a step below the job's time limit where the signal's lead
+    is too short."""
     eval_iters: int = 10
     """Global batches of held-out loss per evaluation, as in Megatron-LM: eval_iters x global_batch_size
     samples, split over the DP ranks, so every layout evaluates the same samples."""
@@ -274,7 +280,8 @@ def _check_counts(cfg: RunConfig, world_size: int) -> None:
             raise RunConfigError(f"{key}={value} must be a positive integer: set {key} >= 1 "
                                  f"(e.g. --set {key}=1)")
     for key, value in {"train.save_interval": t.save_interval, "train.eval_interval": t.eval_interval,
-                       "optim.lr_warmup_iters": o.lr_warmup_iters}.items():
+                       "optim.lr_warmup_iters": o.lr_warmup_iters,
+                       "train.exit_duration_minutes": t.exit_duration_minutes}.items():
         if value < 0:
             raise RunConfigError(f"{key}={value} must be >= 0: set {key}=0 or more")
 
@@ -329,7 +336,8 @@ def to_yaml(cfg: RunConfig) -> str:
 # run also stretches the schedule; set optim.lr_decay_iters to keep it. data.* are locations: the
 # files must hold the same data (the position in it is the checkpoint's consumed_samples).
 RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
-               "train.eval_interval", "train.eval_iters", "train.compile", "train.zero_overlap_comm",
+               "train.eval_interval", "train.eval_iters", "train.exit_duration_minutes", "train.compile",
+               "train.zero_overlap_comm",
                "model.activation_checkpointing",
                "tracking.", "data.")
 

@@ -44,12 +44,14 @@ class TrainState:
 
 class StopSignal:
     """SIGTERM / SIGUSR1 (Slurm preemption, time limit) ask for a checkpoint and a clean exit, while
-    inside `with StopSignal(group)`; the caller's handlers are back afterwards."""
+    inside `with StopSignal(group)`; the caller's handlers are back afterwards. So does passing
+    `exit_after_s` seconds of this object's life (train.exit_duration_minutes)."""
 
     SIGNALS = STOP_SIGNALS
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, exit_after_s: float = 0.0) -> None:
         self.group, self.received, self._saved = group, None, {}
+        self.deadline = time.monotonic() + exit_after_s if exit_after_s > 0 else None
 
     def __enter__(self) -> "StopSignal":
         self._saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
@@ -65,9 +67,14 @@ class StopSignal:
     def _handle(self, signum, _frame) -> None:
         self.received = signum
 
+    def due(self) -> bool:
+        """This rank's own view: a signal received, or the exit duration passed."""
+        return bool(self.received) or (self.deadline is not None and time.monotonic() >= self.deadline)
+
     def agreed(self, device: torch.device) -> bool:
-        """True on every rank of `group` once any has received a signal (one tiny all-reduce)."""
-        flag = torch.tensor(1.0 if self.received else 0.0, device=device)
+        """True on every rank of `group` once any is `due` (one tiny all-reduce; the ranks' clocks
+        need not agree)."""
+        flag = torch.tensor(1.0 if self.due() else 0.0, device=device)
         if self.group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
@@ -333,7 +340,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         _say_finishing(cfg, saved, pg.rank)  # trained, but stopped before its final evaluation
     # SIGTERM/SIGUSR1 from here on (Slurm warns before a time limit; setup may be under way): a signal
     # during setup or loading is honoured after the first step
-    with StopSignal(pg.world_group) as stop:
+    with StopSignal(pg.world_group, 60 * cfg.train.exit_duration_minutes) as stop:
         eng = build_engine(cfg, derived, pg, local_rank)
         state, meta = TrainState(), {}
         if latest is not None:
@@ -357,7 +364,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
                 interval.steps += 1
                 final = _after_step(eng, state, result, interval, peak, logger, valid, stop)
                 if stop.agreed(eng.device) and state.iteration < cfg.train.train_iters:  # the last step finishes
-                    return _stop_for_signal(eng, state, final, logger, meta)
+                    return _stop_for_signal(eng, state, final, logger, meta, stop)
             return _finish(eng, state, final, logger, valid, meta)
         except BaseException:
             if logger:
@@ -365,9 +372,14 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             raise
 
 
-def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: dict) -> dict:
+def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: dict, stop: StopSignal) -> dict:
     """Checkpoint (unless this iteration's periodic save just did), mark the MLflow run KILLED, and leave
     the marker that has slurm/launch.sh requeue the job (the resumed launch reopens the same MLflow run)."""
+    if logger:
+        why = (f"signal {signal.Signals(stop.received).name}" if stop.received else
+               f"train.exit_duration_minutes={eng.cfg.train.exit_duration_minutes:g} passed" if stop.due()
+               else "another rank's stop")
+        print(f"stopping at iteration {state.iteration} ({why}): checkpointing", flush=True)
     _save_unless_saved(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
     _log(logger, {"preempted": 1.0}, state.iteration)
     if logger:  # sends queued metrics

@@ -22,3 +22,21 @@ def require(condition: bool, what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is required in CI but missing", pytrace=False)
     pytest.skip(f"{what} is not available on this machine")
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_are_given_back():
+    """Code run in the test process leaves its signal handlers as it found them: a stop handler that
+    stayed behind (once `repro data prepare`'s) hung a later test's multiprocessing pool."""
+    import signal
+
+    before = {name: signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS}
+    yield
+    after = {name: signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS}
+    changed = {name: (before[name], after[name]) for name in STOP_SIGNALS if after[name] is not before[name]}
+    for name in changed:
+        signal.signal(getattr(signal, name), before[name])
+    assert not changed, f"signal handlers left changed (before, after): {changed}"

@@ -196,6 +196,17 @@ def test_negative_loader_workers_are_refused_and_the_default_follows_the_family(
     assert loader_workers(explicit, "cpu") == 3
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    ({"optim.lr_decay_iters": 2, "optim.lr_warmup_iters": 2}, "optim.lr_decay_iters=2 is not above optim.lr_warmup_iters=2"),
+    ({"train.exit_duration_minutes": -1}, "train.exit_duration_minutes=-1.0 must be >= 0"),
+])
+def test_a_schedule_or_time_limit_that_cannot_work_is_refused(corpus, tmp_path, capfd, overrides, needle):
+    """A decay that ends before warm-up does (the lr would fall to min_lr at once), a negative exit
+    duration: refused before anything is written."""
+    rc, out = _train(capfd, corpus, tmp_path / "fresh", **overrides)
+    assert rc == 2 and needle in out and not (tmp_path / "fresh").exists(), out
+
+
 # ---- 5, 6: counts are validated before anything is written ---------------------------------------
 
 @pytest.mark.parametrize("key, value, args", [

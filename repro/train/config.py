@@ -306,6 +306,11 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
         raise RunConfigError("precision.params=half needs precision=bf16 or fp16: set one, or params=fp32")
     if cfg.precision.main_grads not in ("fp32", "param"):
         raise RunConfigError(f"precision.main_grads={cfg.precision.main_grads!r}: use fp32 or param")
+    if cfg.optim.lr_decay_iters is not None and cfg.optim.lr_decay_iters <= cfg.optim.lr_warmup_iters:
+        raise RunConfigError(
+            f"optim.lr_decay_iters={cfg.optim.lr_decay_iters} is not above optim.lr_warmup_iters="
+            f"{cfg.optim.lr_warmup_iters}: the decay ends at lr_decay_iters, counted from iteration 0, so the lr "
+            "would fall to min_lr right after warm-up; set lr_decay_iters > lr_warmup_iters")
     if cfg.optim.lr_decay_style not in ("cosine", "linear", "constant"):
         raise RunConfigError(f"lr_decay_style={cfg.optim.lr_decay_style!r}: use cosine, linear or constant")
     if t.device not in ("auto", "cpu", "cuda"):

@@ -201,6 +201,9 @@ def register(sub) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236, 1237, 1238],
                    help="one run per seed; reported: the seed with the median dev accuracy (paper: 5 seeds)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
+    p.add_argument("--eval-train", action="store_true",
+                   help="also score the training split after each seed (an overfitting check: 88k questions, "
+                        "9x dev and test together)")
     p.add_argument("--no-mlflow", action="store_true", help="only the JSONL metrics file")
     p.add_argument("--run-dir", default="runs/race", help="metrics.jsonl and results.json go here")
     p.set_defaults(func=_finetune_race)

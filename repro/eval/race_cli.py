@@ -174,11 +174,11 @@ def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log):
         if log:
             log.log_metrics(metrics, step)
 
-    results = []
+    results, scored = [], ("train", "dev", "test") if args.eval_train else ("dev", "test")
     for seed in args.seeds:
         opts = options_for(size, args.batch_size, args.lr, args.epochs, seed)
         res = run_seed(cfg, state, splits, opts, pg,
-                       lambda m, i, s=seed: record({f"seed{s}/{k}": v for k, v in m.items()}, i), device)
+                       lambda m, i, s=seed: record({f"seed{s}/{k}": v for k, v in m.items()}, i), device, scored)
         record({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
         results.append(res)
     if pg.rank != 0:

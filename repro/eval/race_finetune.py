@@ -161,9 +161,10 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
 
 
 def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: FinetuneOptions,
-             pg: ProcessGroups, log=None, device: torch.device | None = None) -> FinetuneResult:
-    """Build the model (from a full checkpoint state if given) on `device` (default CPU), fine-tune,
-    evaluate every split."""
+             pg: ProcessGroups, log=None, device: torch.device | None = None,
+             scored: tuple[str, ...] = ("dev", "test")) -> FinetuneResult:
+    """Build the model (from a full checkpoint state if given) on `device` (default CPU), fine-tune on
+    splits["train"], score the `scored` splits."""
     from repro.models.bert_checkpoint import load_full_state_dict
 
     device = device or torch.device("cpu")
@@ -175,8 +176,8 @@ def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: Finet
     model.to(device)
     result = FinetuneResult(opts.seed)
     result.losses = finetune(model, splits["train"], opts, pg, log)
-    for name, data in splits.items():
-        result.accuracy[name] = evaluate(model, data)
+    for name in scored:
+        result.accuracy[name] = evaluate(model, splits[name])
     return result
 
 

@@ -24,7 +24,7 @@ def require(condition: bool, what: str) -> None:
     pytest.skip(f"{what} is not available on this machine")
 
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGINT is left to the libraries (Jupyter kernels, torch) and pytest
 
 
 @pytest.fixture(autouse=True)

@@ -45,6 +45,29 @@ def _simple_evaluate(lm, tasks_dir, task: str, limit: int) -> dict:
     return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit, log_samples=True)
 
 
+def test_context_and_continuation_are_split_as_lm_evals_hugging_face_model(setup):
+    """The continuation's tokens are those of the whole text after the context's: where no space
+    separates them GPT-2's BPE merges across the boundary ("foo" + "bar"), and published HF-backend
+    numbers come from that split."""
+    from repro.eval.lm_eval_adapter import MegatronReproLM
+
+    tok, _, oracle, _ = setup
+    lm = MegatronReproLM(model=oracle, tokenizer=tok)
+
+    def hf(context, continuation):  # lm_eval.models.huggingface.HFLM._encode_pair, for a causal model
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, ctx = tok.encode(context + continuation), tok.encode(context)
+        return ctx, whole[len(ctx):]
+
+    for context, continuation in [("foo", "bar"), ("The answer is ", "forty-two"), ("x=", "12345"), ("Hi", " there")]:
+        example = lm._encode_pair(context, continuation)
+        assert (example.context, example.target) == hf(context, continuation)
+    assert lm._encode_pair("foo", "bar").target != tok.encode("bar")  # the case the split is for
+    assert lm._encode_pair("", "Hello").context == [tok.eod]
+
+
 def test_lm_eval_lambada_accuracy_equals_repro_eval(setup):
     from repro.eval.lambada import evaluate_lambada, score_examples
     from repro.eval.lm_eval_adapter import MegatronReproLM

@@ -9,9 +9,10 @@ harness through this module (same arguments as `lm_eval`):
 Offline, use the local task YAMLs in repro/eval/tasks (`--include_path repro/eval/tasks --tasks
 lambada_openai_local`). A checkpoint of any TP degree is merged to TP=1 on load.
 
-Loglikelihood encodes context and continuation separately and scores them exactly as
-`repro eval lambada` does (same batching code), so lm-eval's lambada `acc` equals the strict
-accuracy. Rolling loglikelihood uses lm-eval's own windows (`get_rolling_token_windows` with the
+Loglikelihood splits the tokens of context + continuation after the context's own tokens, as
+lm-eval's Hugging Face model does, and scores them exactly as `repro eval lambada` does (same
+batching code), so lm-eval's lambada `acc` equals the strict accuracy (on LAMBADA the split gives
+the last word's own tokens in all 5,153 passages). Rolling loglikelihood uses lm-eval's own windows (`get_rolling_token_windows` with the
 end-of-text prefix, then `make_disjoint_window`), as lm-eval's Hugging Face model does: each window
 of the model's seq_length predicts the next seq_length tokens, and the last one takes a full
 window of context. `rolling_stride=S` predicts S tokens a window instead (context_len = L - S + 1).
@@ -55,12 +56,18 @@ class MegatronReproLM(LM):
         self.max_gen_toks = _as_int(max_gen_toks, 64)
 
     def _encode_pair(self, context: str, continuation: str) -> Example:
-        """Trailing spaces of the context move to the continuation (lm-eval's convention)."""
+        """As lm-eval's Hugging Face model: trailing spaces of the context move to the continuation,
+        whose tokens are those of context + continuation after the context's own tokens (they differ
+        from the continuation's alone where no space separates the two, e.g. "foo" + "bar"); an empty
+        context is the end-of-text token."""
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces:
             context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-        ctx = self.tokenizer.encode(context) if context else [self.tokenizer.eod]
-        return Example(ctx or [self.tokenizer.eod], self.tokenizer.encode(continuation))
+        ctx = self.tokenizer.encode(context) if context else []
+        if not ctx:
+            return Example([self.tokenizer.eod], self.tokenizer.encode(continuation))
+        target = self.tokenizer.encode(context + continuation)[len(ctx):]
+        return Example(ctx, target or self.tokenizer.encode(continuation))  # never an empty target
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         """(sum log p(continuation | context), continuation is the greedy output) per request."""

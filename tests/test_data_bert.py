@@ -146,26 +146,28 @@ def _random_corpus(seed: int, docs: int, max_sentences: int = 60, max_length: in
 
 
 def _reference_map(data, opts: BertOptions) -> np.ndarray:
-    """The semantics as a plain loop over sentences (as the pre-vectorized builder)."""
+    """Megatron-LM's sample ends as a plain loop over sentences."""
     max_tokens, lengths, bounds = opts.max_seq_length - 3, data.sequence_lengths, data.document_indices
     hashed = sample_target(opts.seed, np.arange(len(lengths) + 1), max_tokens, opts.short_seq_prob)
     rows = []
-    for d in range(data.num_documents):
+    for d in range(data.num_documents):  # Megatron-LM's build_mapping loop (helpers.cpp), hashed targets
         lo, hi = int(bounds[d]), int(bounds[d + 1])
-        start, size, target = lo, 0, max_tokens
+        start, size, target = lo, 0, int(hashed[lo])
         for j in range(lo, hi):
             size += int(lengths[j])
-            if j > start and (size >= target or j == hi - 1):
+            remaining = hi - j - 1
+            if (size >= target and remaining > 1 and j > start) or (remaining == 0 and j > start):
                 rows.append((start, j + 1, target))
                 start, size, target = j + 1, 0, int(hashed[j + 1])
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
 def test_sample_map_by_hand():
-    """max_tokens 5: greedy runs of >= 2 sentences; a last lone sentence and a 1-sentence doc dropped."""
+    """max_tokens 5: greedy runs of >= 2 sentences; a sentence that would be left alone joins the
+    sample before it (Megatron-LM's rule); a 1-sentence doc is dropped."""
     data = _corpus([3, 1, 0, 5, 2], [3, 3, 3,  9,  1, 1, 1, 2, 4,  0, 0])
     got = build_sample_map(data, BertOptions(max_seq_length=8, short_seq_prob=0.0))
-    assert got.tolist() == [[0, 2, 5], [4, 8, 5], [9, 11, 5]]  # sentence 8 is a lone remainder
+    assert got.tolist() == [[0, 3, 5], [4, 9, 5], [9, 11, 5]]  # sentences 2 and 8 would be left alone
     assert got.dtype == np.int64
 
 
@@ -212,9 +214,8 @@ def test_short_targets_share_and_range():
     data = _random_corpus(6, 3000, max_length=200)
     rows = build_sample_map(data, BertOptions(max_seq_length=512, short_seq_prob=p))
     first = np.isin(rows[:, 0], data.document_indices)
-    assert (rows[first, 2] == max_tokens).all()  # each document's first sample is full length
-    later = rows[~first, 2] != max_tokens
-    assert len(later) > 2000 and abs(later.mean() - p) <= 4 * np.sqrt(p * (1 - p) / len(later))
+    for group in (rows[first, 2] != max_tokens, rows[~first, 2] != max_tokens):  # first samples too (Megatron)
+        assert len(group) > 2000 and abs(group.mean() - p) <= 4 * np.sqrt(p * (1 - p) / len(group))
 
 
 @pytest.mark.parametrize("chunk", [1, 50, 400])
@@ -231,13 +232,13 @@ def test_document_chunks_cover_documents_within_the_bound(chunk, monkeypatch):
 
 
 def test_truncation_lengths_and_sides_match_the_token_by_token_rule():
-    """The closed form gives the lengths of trimming one token at a time from the longer segment (A on
-    a tie); the tokens removed from the front are Binomial(n, 1/2), as 1/2 per token is."""
+    """The closed form gives the lengths of trimming one token at a time from the longer segment (B on
+    a tie, as Megatron-LM and Google BERT); the tokens removed from the front are Binomial(n, 1/2), as 1/2 per token is."""
     from repro.data.bert_dataset import _truncate, truncated_lengths
 
     def one_at_a_time(la: int, lb: int, limit: int) -> tuple[int, int]:
         while la + lb > limit:
-            la, lb = (la - 1, lb) if la >= lb else (la, lb - 1)
+            la, lb = (la - 1, lb) if la > lb else (la, lb - 1)  # Megatron's truncate_segments
         return la, lb
 
     for la in range(0, 30):

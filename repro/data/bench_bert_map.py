@@ -32,7 +32,8 @@ from repro.provenance import git_sha, write_atomic
 
 
 def baseline_build_sample_map(data, opts: BertOptions) -> np.ndarray:
-    """BASELINE: the pre-vectorized builder, kept verbatim (a Python loop over every sentence)."""
+    """BASELINE: the pre-vectorized builder (a Python loop over every sentence), verbatim but for
+    today's sample end: never one sentence left behind (Megatron-LM's rule)."""
     rng = np.random.default_rng([opts.seed, 7])
     max_tokens, lengths = opts.max_seq_length - 3, data.sequence_lengths
     rows: list[tuple[int, int, int]] = []
@@ -41,7 +42,7 @@ def baseline_build_sample_map(data, opts: BertOptions) -> np.ndarray:
         start, size, target = lo, 0, max_tokens
         for j in range(lo, hi):
             size += int(lengths[j])
-            if (size >= target and j > start) or (j == hi - 1 and j > start):
+            if (size >= target and j > start and hi - j - 1 > 1) or (j == hi - 1 and j > start):
                 rows.append((start, j + 1, target))
                 start, size = j + 1, 0
                 target = (int(rng.integers(2, max_tokens + 1))

@@ -1,10 +1,11 @@
 """BERT samples: sentence pairs with sentence-order prediction and whole-word n-gram masking.
 
 A sample is a run of >= 2 consecutive sentences of one document, packed greedily from the
-document's first sentence and grown until it reaches its target length: max_seq_length - 3, or for
-a document's later samples w.p. short_seq_prob a uniform length in [2, max_seq_length - 3], drawn
-from a hash of (seed, first sentence) so the map is a pure function of data and options. A last
-single sentence of a document is dropped. The sample map (numpy, vectorized over documents) is
+document's first sentence and grown until it reaches its target length: max_seq_length - 3, or
+w.p. short_seq_prob (for every sample, a document's first too) a uniform length in
+[2, max_seq_length - 3], drawn from a hash of (seed, first sentence) so the map is a pure function
+of data and options. A sample that would leave one sentence of its document behind takes it too
+(Megatron-LM's rule: no sentence is dropped). The sample map (numpy, vectorized over documents) is
 built once and cached beside the data. Drawing sample i at epoch e (its own seeded RNG, so the
 masks change each epoch): split the run at a random sentence into A and B, swap them w.p. 0.5
 (sop_label 1 = swapped), trim the longer segment until both fit, and lay out
@@ -108,32 +109,33 @@ def _chunk_samples(data: IndexedDataset, first_doc: int, end_doc: int, seed: int
     lengths = data.sequence_lengths[offset:int(bounds[-1])]
     cum = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # cum[i]: tokens before i
     start, stop = bounds[:-1] - offset, bounds[1:] - offset  # local sentence indices
-    target = np.full(len(start), max_tokens, dtype=np.int64)
     rounds = []
     while True:
         left = stop - start >= 2
-        start, stop, target = start[left], stop[left], target[left]
+        start, stop = start[left], stop[left]
         if not len(start):
             break
+        target = sample_target(seed, start + offset, max_tokens, short_seq_prob)  # a document's first too
         end = np.searchsorted(cum, cum[start] + target)  # first end with enough tokens
         end = np.minimum(np.maximum(end, start + 2), stop)
+        end = np.where(stop - end == 1, stop, end)  # a lone last sentence joins this sample
         rounds.append(np.stack([start + offset, end + offset, target], axis=1))
         start = end
-        target = sample_target(seed, start + offset, max_tokens, short_seq_prob)
     rows = np.concatenate(rounds) if rounds else np.empty((0, 3), dtype=np.int64)
     return rows[np.argsort(rows[:, 0], kind="stable")]
 
 
 def truncated_lengths(len_a: int, len_b: int, limit: int) -> tuple[int, int]:
-    """Lengths after trimming one token at a time from the longer segment (A on a tie) until
+    """Lengths after trimming one token at a time from the longer segment (B on a tie, as
+    Megatron-LM's truncate_segments and Google BERT's truncate_seq_pair) until
     len_a + len_b <= limit, in closed form."""
     excess = len_a + len_b - limit
     if excess <= 0:
         return len_a, len_b
     gap = min(abs(len_a - len_b), excess)  # first the longer one, down to the other's length
-    len_a, len_b = (len_a - gap, len_b) if len_a >= len_b else (len_a, len_b - gap)
-    rest = excess - gap  # then alternately, A first
-    return len_a - (rest + 1) // 2, len_b - rest // 2
+    len_a, len_b = (len_a - gap, len_b) if len_a > len_b else (len_a, len_b - gap)
+    rest = excess - gap  # then alternately, B first
+    return len_a - rest // 2, len_b - (rest + 1) // 2
 
 
 def _truncate(a: np.ndarray, b: np.ndarray, limit: int, rng: np.random.Generator):
@@ -171,7 +173,7 @@ class BertDataset:
         self.random_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), special)
         cache = _cache_prefix(str(prefix), cache_dir)
         key = (f"L{opts.max_seq_length}_p{opts.short_seq_prob}_seed{opts.seed}"
-               f"_t{self.data.num_tokens}_v2")  # v2: hashed targets (older caches differ)
+               f"_t{self.data.num_tokens}_v3")  # v3: Megatron's sample ends (older caches differ)
         path = Path(f"{cache}_bert_map_{key}.npy")
         self.samples = cached_array(path, lambda: build_sample_map(self.data, opts),
                                     lambda a: a.ndim == 2 and a.shape[1] == 3, write_cache)

@@ -173,7 +173,7 @@ class BertDataset:
         self.random_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), special)
         cache = _cache_prefix(str(prefix), cache_dir)
         key = (f"L{opts.max_seq_length}_p{opts.short_seq_prob}_seed{opts.seed}"
-               f"_t{self.data.num_tokens}_v3")  # v3: Megatron's sample ends (older caches differ)
+               f"_t{self.data.num_tokens}_n{len(self.data)}_v3")  # v3: Megatron's sample ends
         path = Path(f"{cache}_bert_map_{key}.npy")
         self.samples = cached_array(path, lambda: build_sample_map(self.data, opts),
                                     lambda a: a.ndim == 2 and a.shape[1] == 3, write_cache)

@@ -123,7 +123,7 @@ class DataConfig:
     """Data directory holding vocab/ (BERT samples need the WordPiece vocab); default REPRO_DATA_DIR or ./data."""
     num_workers: Optional[int] = None
     """Processes per rank that build samples ahead of the step; 0: in the training process. Default:
-    2 for BERT on GPUs (its masking costs ~0.6 ms a 512-token sample), else 0: a GPT sample is a slice
+    2 for BERT on GPUs (its masking costs ~0.4-0.6 ms a 512-token sample), else 0: a GPT sample is a slice
     of the memory-mapped tokens, cheaper to build than to receive from a worker
     (results/bench/data_loader.md), and on a CPU the workers, forked after the model, would keep its
     pages while training rewrites them (twice the memory)."""

@@ -127,7 +127,7 @@ def test_bad_layernorm_order_is_a_clear_error():
 
 @pytest.mark.parametrize("name", [n for n, s in SIZES.items() if s.family == "bert"])
 def test_bert_sizes_round_to_the_papers(name):
-    """Counted on the meta device (vocab 30,522 padded to 30,592, 512 positions, 2 token types,
+    """Counted on the meta device (vocab 30,522 padded to 30,720, 512 positions, 2 token types,
     pooler, MLM head; the SOP head's 2h+2): 336.3M, 1.28B, 3.87B."""
     size = SIZES[name]
     n, paper = count_parameters(size), size.paper_params

@@ -42,7 +42,7 @@ def _gpt(name, source, params, layers, hidden, heads) -> NamedSize:
 
 
 def _bert(name, params, layers, hidden, heads) -> NamedSize:
-    return NamedSize(name, "bert", "Table 4", params, layers, hidden, heads, 512, BERT_VOCAB, 128)
+    return NamedSize(name, "bert", "Table 4", params, layers, hidden, heads, 512, BERT_VOCAB, 1024)
 
 
 SIZES: dict[str, NamedSize] = {s.name: s for s in (

@@ -208,27 +208,33 @@ def test_lambada_protocol_label_names_a_subset():
     assert _protocol(subset) == "lambada: strict, first 64 passages only"
 
 
-def _zero_shot_store(tmp_path) -> tuple[str, dict[str, str]]:
-    """Two 'GPU' gpt2-355m training runs (one at the paper's shape, one with --set model.num_layers=2
-    model.hidden_size=64, as flat_params logs them) in a fresh store; returns the URI and their ids."""
+REDUCED = ["model.num_layers=2", "model.hidden_size=64"]
+
+
+def _gpt2_run(uri: str, sets=(), status: str = "FINISHED") -> str:
+    """A 'GPU' gpt2-355m training run as the trainer logs it (run name `gpt2-355m`, the config's name;
+    params from flat_params with `--set` overrides `sets`); returns its id."""
     from mlflow import MlflowClient
 
     from repro.train.config import flat_params, load_config
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    exp = client.create_experiment("gpt2")
-    config = ROOT / "experiments/gpt2/gpt2_355m.yaml"
-    ids = {}
-    for name, sets in (("paper", []), ("reduced", ["model.num_layers=2", "model.hidden_size=64"])):
-        run_id = client.create_run(exp, run_name=f"gpt2-355m-{name}").info.run_id
-        params = {**flat_params(load_config(config, sets)), "device_type": "cuda", "device_name": "Synthetic GPU",
-                  "precision": "fp16", "git_sha": "abc123"}
-        for key, value in params.items():
-            client.log_param(run_id, key, value)
-        client.set_terminated(run_id)
-        ids[name] = run_id
-    return uri, ids
+    exp = client.get_experiment_by_name("gpt2")
+    run_id = client.create_run(exp.experiment_id if exp else client.create_experiment("gpt2"),
+                               run_name="gpt2-355m").info.run_id
+    params = {**flat_params(load_config(ROOT / "experiments/gpt2/gpt2_355m.yaml", list(sets))),
+              "device_type": "cuda", "device_name": "Synthetic GPU", "precision": "fp16", "git_sha": "abc123"}
+    for key, value in params.items():
+        client.log_param(run_id, key, value)
+    client.set_terminated(run_id, status)
+    return run_id
+
+
+def _zero_shot_store(tmp_path) -> tuple[str, dict[str, str]]:
+    """Two gpt2-355m training runs (one at the paper's shape, one with --set model.num_layers=2
+    model.hidden_size=64) in a fresh store; returns the URI and their ids."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return uri, {"paper": _gpt2_run(uri), "reduced": _gpt2_run(uri, REDUCED)}
 
 
 def _log_eval(uri: str, run_id: str, task: str, age: float, metrics: dict, **params) -> None:
@@ -260,13 +266,13 @@ def test_zero_shot_table_prefers_the_paper_protocol_on_the_papers_file(tmp_path)
     row = table.loc["gpt2-355m"]
     assert (row["wikitext_word_ppl"], row["lambada_acc"]) == (19.5, 45.0) and row["training_run_id"] == paper
     assert row["protocol"] == "wikitext: paper protocol; lambada: strict (paper)"
-    other = table.loc["gpt2-355m-reduced"]  # a paper name on a 2-layer model: its run name, not the paper row
+    other = table.loc["custom L2-h64-a16-s1024"]  # a paper name on a 2-layer model: not the paper row
     assert other["wikitext_word_ppl"] == 800.0 and not other["paper_size"]
     assert other["protocol"] == ("wikitext: reduced: window=1024, stride=32, max_lines=all, "
                                  "file=WikiText-2 tokens file (not like-for-like)")
     shown = zeroshot.display(zeroshot.build(uri)).set_index("model")
     assert shown.loc["gpt2-355m", "measured on"] == "Synthetic GPU, paper size"
-    assert shown.loc["gpt2-355m-reduced", "measured on"] == "Synthetic GPU, reduced size (not a paper config)"
+    assert shown.loc["custom L2-h64-a16-s1024", "measured on"] == "Synthetic GPU, reduced size (not a paper config)"
     # WikiText-2's zip holds a wiki.test.tokens too: its BPE count tells it from the paper's
     ev = pd.Series({"tags.task": "wikitext", "params.window": "1024", "params.stride": "32", "params.max_lines": "all",
                     "params.file": "wiki.test.tokens", "metrics.wikitext/num_bpe_tokens": 278365.0})
@@ -333,3 +339,143 @@ def test_fig7_curves_come_from_the_trainers_runs(tmp_path):
     for (label, curve), order in zip(curves.items(), ("pre", "post")):
         assert ids[order][:8] in label and bert.ORDER_NAMES[order] in label and "4 layers, h=128" in label
         assert curve["value"].tolist() == [10.0, {"pre": 7.0, "post": 7.5}[order]]
+
+
+def test_zero_shot_paper_row_needs_the_paper_shape_not_the_run_name(tmp_path):
+    """`repro train gpt2_355m.yaml --set model.num_layers=2` makes a run named gpt2-355m: its eval is a
+    custom model's row, and the paper's gpt2-355m row stays 'not run'."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    reduced = _gpt2_run(uri, REDUCED)
+    _log_eval(uri, reduced, "wikitext", 100, {"word_ppl": 900.0, "num_bpe_tokens": 270329})
+    shown = zeroshot.display(zeroshot.build(uri))
+    assert shown.loc[0, "model"] == "gpt2-355m" and shown.loc[0, "measured word ppl"] == NOT_RUN
+    custom = shown[shown["model"] == "custom L2-h64-a16-s1024"]
+    assert list(custom["measured word ppl"]) == ["900.00"]
+    assert list(custom["paper WikiText-103 ppl"]) == ["— (not a paper model)"]
+
+
+def test_zero_shot_paper_row_prefers_the_run_evaluated_by_the_papers_protocol(tmp_path):
+    """Two gpt2-355m runs: the older one's full paper-protocol evals fill the paper row, not the newer
+    run's quick check, which is labelled another run of the paper size."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    full, quick = _gpt2_run(uri), _gpt2_run(uri)
+    _log_eval(uri, full, "wikitext", 300, {"word_ppl": 19.4, "num_bpe_tokens": 270329})
+    _log_eval(uri, full, "lambada", 300, {"accuracy": 0.45})
+    _log_eval(uri, quick, "wikitext", 100, {"word_ppl": 60.0, "num_bpe_tokens": 3000}, max_lines=40)
+    table = zeroshot.build(uri)
+    assert table.loc[0, "training_run_id"] == full and table.loc[0, "wikitext_word_ppl"] == 19.4
+    shown = zeroshot.display(table)
+    assert shown.loc[0, "paper WikiText-103 ppl"] == "19.31" and shown.loc[0, "measured word ppl"] == "19.40"
+    extra = shown[shown["measured word ppl"] == "60.00"]
+    assert list(extra["model"]) == ["gpt2-355m"]
+    assert list(extra["paper WikiText-103 ppl"]) == ["— (paper size, another run)"]
+
+
+def test_zero_shot_untracked_checkpoints_are_kept_apart(tmp_path):
+    """Evals without a training run are keyed by their checkpoint: model A's WikiText and model B's
+    LAMBADA are two rows, not one 'unknown' row."""
+    import time
+
+    from repro.eval.report import EvalRecord, log_to_mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for task, metrics, ckpt in (("wikitext", {"word_ppl": 25.0}, "/runs/modelA"),
+                                ("lambada", {"accuracy": 0.6}, "/runs/modelB")):
+        log_to_mlflow(EvalRecord(task, metrics, {"checkpoint": ckpt}, time=time.time()), uri)
+    table = zeroshot.build(uri).set_index("model")
+    assert table.loc["checkpoint:/runs/modelA", "wikitext_word_ppl"] == 25.0
+    assert table.loc["checkpoint:/runs/modelB", "lambada_acc"] == pytest.approx(60.0)
+    assert pd.isna(table.loc["checkpoint:/runs/modelA", "lambada_acc"])
+    assert "/runs/modelB" in table.loc["checkpoint:/runs/modelB", "provenance"]
+
+
+@pytest.mark.parametrize("status", ["KILLED", "FAILED", "deleted"])
+def test_zero_shot_label_names_an_unfinished_training_run(tmp_path, status):
+    """An eval of a preempted, failed or deleted training run's checkpoint says so in its label."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    train = _gpt2_run(uri, status="FINISHED" if status == "deleted" else status)
+    if status == "deleted":
+        MlflowClient(uri).delete_run(train)
+    _log_eval(uri, train, "wikitext", 100, {"word_ppl": 35.0, "num_bpe_tokens": 270329})
+    shown = zeroshot.display(zeroshot.build(uri))
+    assert shown.loc[0, "measured word ppl"] == "35.00"
+    assert shown.loc[0, "measured on"] == f"Synthetic GPU, paper size, training run {status}"
+
+
+def _points(*rows) -> pd.DataFrame:
+    """Scaling points (config, gpus, TFLOP/s per device, start time) on one synthetic GPU in bf16."""
+    return pd.DataFrame([{"config": c, "gpus": g, "tp": g, "dp": 1, "device": "G", "precision": "bf16",
+                          "baseline_model": "scaling-1.2b", "tflops_per_device": t, "flops_counted": "hardware",
+                          "label": "G, paper size", "provenance": f"run={c}-{g}-{t}", "run_id": f"{c}-{g}-{t}",
+                          "start_time": start} for c, g, t, start in rows])
+
+
+def test_weak_scaling_baseline_is_config_1_only():
+    """No scaling-1.2b one-device run: a one-device 2.5B run is not the baseline of the paper's series."""
+    nan = float("nan")
+    out = scaling.add_efficiency(_points(("scaling-2.5b", 1, 300.0, 1), ("scaling-2.5b", 2, 285.0, 2),
+                                         ("scaling-8.3b", 8, 240.0, 3)))
+    assert out["efficiency"].isna().all() and (out["baseline_run_id"] == "").all()
+    shown = scaling.display(scaling.combine(scaling.paper_points(paper_values()), out, None))
+    assert set(shown.loc[shown["measured on"] != "", "measured eff."]) == {"no 1-device baseline"}
+    ok = scaling.add_efficiency(_points(("scaling-2.5b", 1, 300.0, 3), ("scaling-1.2b", 1, 100.0, 1),
+                                        ("scaling-2.5b", 2, 95.0, 2), ("scaling-1.2b", 1, nan, 4)))
+    assert ok["efficiency"].tolist()[:3] == pytest.approx([3.0, 1.0, 0.95])  # against the 1.2B run at 100
+
+
+def test_scaling_shows_the_newest_run_with_a_throughput():
+    """A newer run that logged no throughput (shorter than log_interval) does not hide an older one;
+    shown alone it says 'no throughput logged', not 'no 1-device baseline'."""
+    nan = float("nan")
+    paper = scaling.paper_points(paper_values())
+    both = scaling.add_efficiency(_points(("scaling-1.2b", 1, 100.0, 1), ("scaling-1.2b", 1, nan, 2)))
+    shown = scaling.display(scaling.combine(paper, both, None))
+    assert shown.loc[0, "measured TFLOP/s/device"] == "100.0000" and shown.loc[0, "measured eff."] == "100.0%"
+    alone = scaling.add_efficiency(_points(("scaling-1.2b", 1, nan, 2)))
+    assert scaling.display(scaling.combine(paper, alone, None)).loc[0, "measured eff."] == "no throughput logged"
+    appendix = scaling.appendix_display(scaling.appendix_d(paper_values(), alone)).set_index("setting")
+    assert appendix.loc["1.2B, batch 8, 1-way TP", "measured"] == "no throughput logged"
+
+
+def test_one_device_baseline_counts_hardware_flops_like_the_papers_39(tmp_path):
+    """The bench JSONs' hardware TFLOP/s and HFU (recomputation counted, as the paper's 39 TFLOP/s and
+    30%) fill the compared columns; model TFLOP/s and MFU are extra columns."""
+    result = {"spec": {"dtype": "bf16", "checkpointing": True, "compile": False, "batch": 8}, "status": "ok",
+              "model_tflops": 251.0, "hardware_tflops": 330.0, "mfu": 0.254, "hfu": 0.334}
+    (tmp_path / "eager.json").write_text(json.dumps({"model": "scaling-1.2b", "provenance": {}, "results": [result]}))
+    shown = scaling.baseline_display(scaling.bench_baseline(tmp_path), paper_values())
+    assert shown.loc[0, "TFLOP/s per device"] == "39" and shown.loc[0, "fraction of peak"] == "30%"
+    assert shown.loc[1, "TFLOP/s per device"] == "330" and shown.loc[1, "fraction of peak"] == "33.4%"
+    assert shown.loc[1, "model TFLOP/s"] == "251" and shown.loc[1, "MFU"] == "25.4%"
+
+
+def test_report_prints_the_appendix_d_table():
+    from repro.analysis import notebook
+
+    assert "scaling_appendix_d.md" in notebook.TABLES["scaling"]
+
+
+def test_bert_mlm_perplexity_is_not_taken_from_a_fig7_ablation_run(tmp_path):
+    """bert-336m's MLM perplexity comes from its pre-LN pretraining run, not from the newer Fig. 7 runs
+    (experiments/bert/fig7_336m_{pre,post}.yaml: same shape, 5% of training); its run id is in the row."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("bert")
+    ids = {}
+    for name, order, ref, ppl in (("bert-336m", "pre", "BERT results", 1.60), ("fig7-pre", "pre", "Fig. 7", 2.20),
+                                  ("fig7-post", "post", "Fig. 7", 2.40)):
+        run_id = client.create_run(exp, run_name=name, tags={"paper_ref": ref}).info.run_id
+        for key, value in {**_shape("bert-336m"), "model_size": "bert-336m", "model.layernorm_order": order,
+                           "device_type": "cuda", "device_name": "Synthetic GPU"}.items():
+            client.log_param(run_id, key, value)
+        client.log_metric(run_id, "valid_mlm_ppl", ppl)
+        client.set_terminated(run_id)
+        ids[name] = run_id
+    table = bert.build(uri).set_index("model")
+    assert table.loc["bert-336m", "mlm_valid_ppl"] == 1.60
+    assert ids["bert-336m"][:8] in table.loc["bert-336m", "provenance"]
+    assert bert.display(bert.build(uri)).loc[0, "measured MLM val ppl"] == "1.60"

@@ -56,15 +56,30 @@ def race_runs(runs: pd.DataFrame) -> list[dict]:
     return list(out.values())
 
 
-def mlm_runs(runs: pd.DataFrame) -> dict[str, float]:
-    """Newest MLM validation perplexity per model size, where a pretraining run logged one."""
-    out: dict[str, float] = {}
+def _ablation(run) -> bool:
+    """A Fig. 7 layer-norm-order run (post-LN, or paper_ref naming Fig. 7): not the paper's pretraining."""
+    order = _param(run, FIG7_PARAMS["order"]) or "pre"
+    return order != "pre" or "Fig. 7" in str(R.get(run, "tags.paper_ref", ""))
+
+
+def mlm_runs(runs: pd.DataFrame) -> dict[str, tuple[float, str]]:
+    """Per model size, the MLM validation perplexity and run id of its newest pre-LN pretraining run
+    (Fig. 7 ablation runs left out) that logged one."""
+    out: dict[str, tuple[float, str]] = {}
     for _, run in runs.iterrows():
         size = R.size_name(run)
         ppl = _mlm_ppl(run)
-        if size and ppl is not None:
-            out.setdefault(size, ppl)
+        if size and ppl is not None and not _ablation(run):
+            out.setdefault(size, (ppl, run["run_id"]))
     return out
+
+
+def _with_mlm(row: dict, mlm: tuple[float, str] | None) -> dict:
+    """The row with its MLM perplexity, and the MLM run's id in its provenance."""
+    if mlm is None:
+        return {**row, "mlm_valid_ppl": None}
+    prov = "; ".join(p for p in (row.get("provenance", ""), f"MLM val ppl: run {mlm[1][:8]}") if p)
+    return {**row, "mlm_valid_ppl": mlm[0], "mlm_run_id": mlm[1], "provenance": prov}
 
 
 def build(tracking_uri: str, experiment: str = "bert") -> pd.DataFrame:
@@ -74,11 +89,10 @@ def build(tracking_uri: str, experiment: str = "bert") -> pd.DataFrame:
     rows = []
     for item in paper_items(paper, "bert"):
         row = {"model": item, **{f"paper_race_{lv}": paper_value(paper, "bert", item, f"race_{lv}") for lv in LEVELS},
-               "paper_mlm_valid_ppl": paper_value(paper, "bert", item, "mlm_valid_ppl"), "mlm_valid_ppl": mlm.get(item)}
-        row.update(race.pop(item, {}))
-        rows.append(row)
+               "paper_mlm_valid_ppl": paper_value(paper, "bert", item, "mlm_valid_ppl"), **race.pop(item, {})}
+        rows.append(_with_mlm(row, mlm.get(item)))
     for model, r in race.items():
-        rows.append({**r, "mlm_valid_ppl": mlm.get(model)})
+        rows.append(_with_mlm(r, mlm.get(model)))
     return pd.DataFrame(rows)
 
 

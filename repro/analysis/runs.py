@@ -115,14 +115,15 @@ def load_runs(uri: str, experiment: str, finished_only: bool = True) -> pd.DataF
 
 
 def get_run_row(uri: str, run_id: str) -> dict | None:
-    """One run by id, from any experiment of the store; None when it is not there."""
+    """One run by id, from any experiment of the store (`deleted` true for a deleted run); None when
+    it is not there."""
     mc = client(uri)
     try:
         run = mc.get_run(run_id)
     except Exception:  # another store's run id, or a deleted run
         return None
     exp = mc.get_experiment(run.info.experiment_id)
-    return _row(run, exp.name if exp else "")
+    return {**_row(run, exp.name if exp else ""), "deleted": run.info.lifecycle_stage == "deleted"}
 
 
 def metric_history(uri: str, run_id: str, key: str) -> pd.DataFrame:

@@ -3,9 +3,10 @@
 Efficiency is the paper's: sustained FLOP/s per device relative to the 1-device baseline of the
 same series (paper: config 1 on one V100 at 39 TFLOP/s). Two devices at 1.9x the one-device
 throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model): a run's
-baseline is the newest 1-device run on the same device type and precision, of config 1 for the
-paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared to itself), with
-FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that predate that metric).
+baseline is the newest 1-device run with a logged throughput on the same device type and precision,
+of config 1 (only) for the paper's scaling configs, else of the same model shape (so a tiny CPU GPT
+is compared to itself), with FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that
+predate that metric).
 """
 
 from __future__ import annotations
@@ -85,13 +86,13 @@ def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
     out["efficiency"] = float("nan")
     out["baseline_run_id"] = ""
     series = ["device", "precision", "baseline_model"] + (["flops_counted"] if "flops_counted" in out else [])
-    for _, group in out.groupby(series, dropna=False):
-        base = group[group["gpus"] == 1]
-        if "config" in base and (base["config"] == "scaling-1.2b").any():
+    for key, group in out.groupby(series, dropna=False):
+        base = group[(group["gpus"] == 1) & group["tflops_per_device"].notna()]
+        if key[2] == "scaling-1.2b":  # the paper's series: config 1 only, never another config's 1-device run
             base = base[base["config"] == "scaling-1.2b"]
         if base.empty:
             continue
-        newest = base.sort_values("start_time", ascending=False).iloc[0] if "start_time" in base else base.iloc[0]
+        newest = _newest_first(base).iloc[0]
         out.loc[group.index, "efficiency"] = [efficiency(t, newest["tflops_per_device"]) for t in group["tflops_per_device"]]
         out.loc[group.index, "baseline_run_id"] = newest.get("run_id", "")
     return out
@@ -127,15 +128,23 @@ def predictions() -> dict[tuple[str, int], dict[str, float]] | None:
     return out
 
 
+def _newest_first(runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs with a logged throughput first, each part newest first."""
+    logged = runs["tflops_per_device"].notna().rename("_logged")
+    order = pd.concat([logged, runs["start_time"]], axis=1) if "start_time" in runs else logged.to_frame()
+    return runs.loc[order.sort_values(list(order.columns), ascending=False, kind="stable").index]
+
+
 def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.DataFrame:
-    """Paper rows (each with its newest matching measured run, or none) then unmatched measured rows."""
+    """Paper rows (each with its newest matching measured run with a throughput, or none) then unmatched
+    measured rows."""
     rows, used = [], set()
     for _, p in paper_pts.iterrows():
         row = {**p.to_dict(), **(predicted or {}).get((p["config"], p["gpus"]), {})}
         hit = measured[(measured["config"] == p["config"]) & (measured["gpus"] == p["gpus"])
                        & (measured["tp"] == p["tp"])] if len(measured) else measured
         if len(hit):
-            best = hit.sort_values("start_time", ascending=False).iloc[0]
+            best = _newest_first(hit).iloc[0]
             used.add(best.name)
             row.update({k: best[k] for k in best.index if k not in ("config", "gpus", "tp", "dp")})
         rows.append(row)
@@ -145,11 +154,17 @@ def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.Da
     return pd.DataFrame(rows)
 
 
+def _missing_efficiency(tflops) -> str:
+    """Why a measured run has no efficiency."""
+    return "no throughput logged" if tflops is None or tflops != tflops else "no 1-device baseline"
+
+
 def _measured_cells(row) -> list[str]:
     if R.get(row, "run_id") is None:
         return [NOT_RUN, "", NOT_RUN, NOT_RUN, "", ""]
+    eff = R.get(row, "efficiency")
     return [fmt(row["tflops_per_device"], 4), R.get(row, "flops_counted", "model"), fmt(row["aggregate_pflops"], 6),
-            fmt(row["efficiency"], 1, pct=True) if R.get(row, "efficiency") is not None else "no 1-device baseline",
+            fmt(eff, 1, pct=True) if eff is not None else _missing_efficiency(R.get(row, "tflops_per_device")),
             row["label"], row["provenance"]]
 
 
@@ -170,11 +185,11 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _newest(measured: pd.DataFrame, **match):
-    """The newest measured run with these column values, or None."""
+    """The newest measured run with these column values (one with a throughput first), or None."""
     hit = measured
     for key, value in match.items():
         hit = hit[hit[key] == value] if len(hit) else hit
-    return hit.sort_values("start_time", ascending=False).iloc[0] if len(hit) else None
+    return _newest_first(hit).iloc[0] if len(hit) else None
 
 
 def appendix_d(paper: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
@@ -195,6 +210,7 @@ def appendix_d(paper: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     for row in rows:
         run = row.pop("run")
         row.update(run_id=R.get(run, "run_id", "") if run is not None else "",
+                   tflops_per_device=R.get(run, "tflops_per_device") if run is not None else None,
                    label=R.get(run, "label", "") if run is not None else "",
                    provenance=R.get(run, "provenance", "") if run is not None else "")
     return pd.DataFrame(rows)
@@ -202,15 +218,15 @@ def appendix_d(paper: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
 
 def appendix_display(table: pd.DataFrame) -> pd.DataFrame:
     """The Markdown view of appendix_d(): paper beside measured, 'not run' where no run matches."""
-    def cell(value, metric, run_id):
+    def cell(value, metric, run_id, tflops=0.0):
         if not run_id:
             return NOT_RUN
         if value is None or value != value:
-            return "no 1-device baseline"
+            return _missing_efficiency(tflops)
         return fmt(value, 1, pct=True) if metric == "efficiency" else f"{value:.2f}x"
 
-    rows = [[r["table"], r["setting"], int(r["gpus"]), r["metric"],
-             cell(r["paper"], r["metric"], "paper"), cell(r["measured"], r["metric"], r["run_id"]),
+    rows = [[r["table"], r["setting"], int(r["gpus"]), r["metric"], cell(r["paper"], r["metric"], "paper"),
+             cell(r["measured"], r["metric"], r["run_id"], R.get(r, "tflops_per_device")),
              r["label"], r["provenance"]] for _, r in table.iterrows()]
     return pd.DataFrame(rows, columns=["table", "setting", "GPUs", "metric", "paper", "measured", "measured on",
                                        "provenance"])
@@ -229,6 +245,7 @@ def bench_baseline(bench_dir: Path) -> pd.DataFrame:
             rows.append({"source": f"{path.parent.name}/{path.name}", "model": data.get("model", "?"),
                          "device": prov.get("device", "?"), "dtype": spec["dtype"],
                          "checkpointing": spec["checkpointing"], "compile": spec["compile"], "batch": spec["batch"],
+                         "hardware_tflops": res["hardware_tflops"], "hfu": res["hfu"],
                          "model_tflops": res["model_tflops"], "mfu": res["mfu"], "torch": prov.get("torch", "?"),
                          "date_utc": prov.get("date_utc", "?"), "git_sha": prov.get("git_sha", "?"),
                          "flops_formula": data.get("flops_formula", "?")})
@@ -236,17 +253,19 @@ def bench_baseline(bench_dir: Path) -> pd.DataFrame:
 
 
 def baseline_display(bench: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """The paper's one-V100 baseline beside the measured one-device numbers."""
+    """The paper's one-V100 baseline beside the measured one-device numbers, both counted in hardware FLOPs
+    (recomputation included, as the paper's 39 TFLOP/s); model FLOP/s and MFU beside them."""
     base = paper_value(paper, "scaling", "baseline", "tflops_per_gpu")
     frac = paper_value(paper, "scaling", "baseline", "fraction_of_peak")
     rows = [["paper (Section 5.1)", "scaling-1.2b", "V100 SXM3", "fp16", "on", "no", 8, fmt(base, 0),
-             fmt(frac, 0, pct=True), "paper value"]]
+             fmt(frac, 0, pct=True), "—", "—", "paper value"]]
     for _, b in bench.iterrows():
         rows.append([f"measured: {b['source']}", b["model"], b["device"], b["dtype"], "on" if b["checkpointing"] else "off",
-                     "yes" if b["compile"] else "no", b["batch"], fmt(b["model_tflops"], 0), fmt(b["mfu"], 1, pct=True),
-                     f"torch {b['torch']}, {b['date_utc']}, git {b['git_sha']}"])
+                     "yes" if b["compile"] else "no", b["batch"], fmt(b["hardware_tflops"], 0), fmt(b["hfu"], 1, pct=True),
+                     fmt(b["model_tflops"], 0), fmt(b["mfu"], 1, pct=True), f"torch {b['torch']}, {b['date_utc']}, git {b['git_sha']}"])
     return pd.DataFrame(rows, columns=["source", "config", "device", "dtype", "act. ckpt", "compile", "batch",
-                                       "TFLOP/s per device", "fraction of peak", "provenance"])
+                                       "TFLOP/s per device", "fraction of peak", "model TFLOP/s", "MFU",
+                                       "provenance"])
 
 
 def measured_runs(tracking_uri: str, experiment: str = "scaling") -> pd.DataFrame:
@@ -304,6 +323,9 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
         text += "\n" + write_table(baseline_display(bench, paper), bench, out_dir, "scaling_baseline",
                                    "One-device baseline of Table 1 config 1: paper V100 vs measured",
                                    [f"Measured rows from {bench_dir} (a benchmark, not an MLflow run; see its README). "
-                                    "TFLOP/s there count 72 B s l h^2 (1 + s/6h + V/12lh), no recomputation."],
+                                    "TFLOP/s per device and fraction of peak count hardware FLOPs, as the paper's "
+                                    "39 TFLOP/s (30%) does: 96 B s l h^2 (1 + s/6h + V/16lh) with activation "
+                                    "recomputation (act. ckpt on), the 72 form without. Model TFLOP/s and MFU: "
+                                    "72 B s l h^2 (1 + s/6h + V/12lh), no recomputation."],
                                    tracking_uri)
     return text

@@ -79,9 +79,25 @@ def _chosen_by_model(evals: pd.DataFrame, task: str) -> dict[str, pd.Series]:
 
 
 def _model_key(ev) -> str:
-    """The evaluated model: its training run id, `imported:SOURCE` for `checkpoint import-hf` weights."""
+    """The evaluated model: its training run id, `imported:SOURCE` for `checkpoint import-hf` weights,
+    `checkpoint:PATH` for a checkpoint whose training was not tracked."""
     imported = R.get(ev, "params.imported_from")
-    return f"imported:{imported}" if imported else R.get(ev, "tags.training_run_id") or "unknown"
+    if imported:
+        return f"imported:{imported}"
+    return R.get(ev, "tags.training_run_id") or f"checkpoint:{R.get(ev, 'params.checkpoint', 'unknown')}"
+
+
+def _model_name(train, size: str | None) -> str:
+    """The paper size; else the run name, or `custom L2-h64-a16-s1024` when that name is a paper size's
+    (the trainer names a `--set model.num_layers=2` run of gpt2_355m.yaml `gpt2-355m`)."""
+    name = R.get(train, "run_name")
+    return size or (name if name and not R.is_paper_size(name) else f"custom {R.shape_text(train)}")
+
+
+def _train_label(train) -> str:
+    """run_label, with the training run's status when it did not finish (KILLED, FAILED, deleted)."""
+    status = "deleted" if R.get(train, "deleted") else R.get(train, "status", "FINISHED")
+    return R.run_label(train) + ("" if status == "FINISHED" else f", training run {status}")
 
 
 def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.DataFrame:
@@ -94,19 +110,30 @@ def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.Data
         if train_id.startswith("imported:"):
             rows.append(_imported_row(train_id.removeprefix("imported:"), w, l))
             continue
-        train = R.get_run_row(tracking_uri, train_id) if train_id != "unknown" else None
-        size = R.paper_size(train) if train else None
-        acc = R.get(l, "metrics.lambada/accuracy") if l is not None else None
-        rows.append({"model": size or (R.get(train, "run_name") if train else "unknown"),
-                     "paper_size": size is not None,
-                     "wikitext_word_ppl": R.get(w, "metrics.wikitext/word_ppl") if w is not None else None,
-                     "lambada_acc": 100 * acc if acc is not None else None,
-                     "label": R.run_label(train) if train else "training run not in this store",
-                     "protocol": "; ".join(p for p in (_protocol(w), _protocol(l)) if p),
-                     "provenance": (R.provenance(train) if train else f"training run {train_id[:8]}")
-                     + "; eval runs " + ", ".join(str(e["run_id"])[:8] for e in (w, l) if e is not None),
-                     "training_run_id": train_id})
+        rows.append(_trained_row(tracking_uri, train_id, w, l))
     return pd.DataFrame(rows)
+
+
+def _trained_row(tracking_uri: str, train_id: str, w, l) -> dict:
+    """A row for a model trained here: its training run (or untracked checkpoint) and chosen evals."""
+    untracked = train_id.startswith("checkpoint:")
+    train = None if untracked else R.get_run_row(tracking_uri, train_id)
+    size = R.paper_size(train) if train else None
+    acc = R.get(l, "metrics.lambada/accuracy") if l is not None else None
+    evals = [e for e in (w, l) if e is not None]
+    return {"model": _model_name(train, size) if train else train_id,
+            "paper_size": size is not None,
+            "wikitext_word_ppl": R.get(w, "metrics.wikitext/word_ppl") if w is not None else None,
+            "lambada_acc": 100 * acc if acc is not None else None,
+            "label": _train_label(train) if train else
+            "training not tracked" if untracked else "training run not in this store",
+            "protocol": "; ".join(p for p in (_protocol(w), _protocol(l)) if p),
+            "provenance": (R.provenance(train) if train else train_id if untracked else
+                           f"training run {train_id[:8]}")
+            + "; eval runs " + ", ".join(str(e["run_id"])[:8] for e in evals),
+            "paper_protocol": sum(follows_paper(e) for e in evals),
+            "eval_time": max(R.get(e, "start_time", 0) for e in evals),
+            "training_run_id": train_id}
 
 
 def _imported_row(source: str, w, l) -> dict:
@@ -123,16 +150,18 @@ def _imported_row(source: str, w, l) -> dict:
 
 
 def build(tracking_uri: str, experiment: str = "zero-shot") -> pd.DataFrame:
-    """Paper rows (Table 3 models, with their measured run or 'not run') then the other measured models."""
+    """Paper rows (Table 3 models, each with its paper-size run whose evals follow the paper's protocol,
+    then the newest, or 'not run') then the other measured models."""
     paper, measured = paper_values(), measured_models(tracking_uri, experiment)
     rows, used = [], set()
     for item in paper_items(paper, "zero_shot"):
         row = {"model": item, "paper_wikitext_ppl": paper_value(paper, "zero_shot", item, "wikitext103_ppl"),
                "paper_lambada_acc": paper_value(paper, "zero_shot", item, "lambada_acc")}
-        hit = measured[measured["model"] == item] if len(measured) else measured
+        hit = measured[measured["paper_size"] & (measured["model"] == item)] if len(measured) else measured
         if len(hit):
-            used.add(hit.index[0])
-            row.update(hit.iloc[0].drop("model").to_dict())
+            best = hit.sort_values(["paper_protocol", "eval_time"], ascending=False).iloc[0]
+            used.add(best.name)
+            row.update(best.drop("model").to_dict())
         rows.append(row)
     for idx, m in measured.iterrows():
         if idx not in used:
@@ -147,7 +176,8 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
         has_run = R.get(r, "training_run_id") is not None
         is_paper = R.get(r, "paper_wikitext_ppl") is not None
         missing = NOT_RUN if r["model"] != "previous-best" else "—"
-        rows.append([r["model"], fmt(R.get(r, "paper_wikitext_ppl")) if is_paper else "— (not a paper model)",
+        other = "— (paper size, another run)" if R.get(r, "paper_size") else "— (not a paper model)"
+        rows.append([r["model"], fmt(R.get(r, "paper_wikitext_ppl")) if is_paper else other,
                      fmt(R.get(r, "wikitext_word_ppl")) if has_run else missing,
                      fmt(R.get(r, "paper_lambada_acc")) if is_paper else "—",
                      fmt(R.get(r, "lambada_acc")) if has_run else missing,

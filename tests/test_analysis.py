@@ -425,6 +425,19 @@ def test_weak_scaling_baseline_is_config_1_only():
     assert ok["efficiency"].tolist()[:3] == pytest.approx([3.0, 1.0, 0.95])  # against the 1.2B run at 100
 
 
+def test_efficiency_series_keep_checkpointing_and_parameter_precision_apart():
+    """A one-device run without activation checkpointing is not the baseline of checkpointed TP runs:
+    hardware FLOPs count the recomputed forward only with checkpointing, so the ratio would not be a
+    throughput ratio (Table 8's speed-up 1.64x for a wall-clock 1.25x, in the review's example)."""
+    base, tp2 = _points(("scaling-1.2b", 1, 100.0, 1)), _points(("scaling-1.2b", 2, 95.0, 2))
+    base["recipe"], tp2["recipe"] = "checkpointing False, params fp32", "checkpointing True, params fp32"
+    out = scaling.add_efficiency(pd.concat([base, tp2], ignore_index=True))
+    assert out.loc[0, "efficiency"] == pytest.approx(1.0) and math.isnan(out.loc[1, "efficiency"])
+    tp2["recipe"] = base["recipe"].iloc[0]
+    out = scaling.add_efficiency(pd.concat([base, tp2], ignore_index=True))
+    assert out["efficiency"].tolist() == pytest.approx([1.0, 0.95])
+
+
 def test_scaling_shows_the_newest_run_with_a_throughput():
     """A newer run that logged no throughput (shorter than log_interval) does not hide an older one;
     shown alone it says 'no throughput logged', not 'no 1-device baseline'."""

@@ -2,7 +2,8 @@
 
 Efficiency is the paper's: sustained FLOP/s per device relative to the 1-device baseline of the
 same series (paper: config 1 on one V100 at 39 TFLOP/s). Two devices at 1.9x the one-device
-throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model): a run's
+throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model, activation
+checkpointing and parameter precision): a run's
 baseline is the newest 1-device run with a logged throughput on the same device type and precision,
 of config 1 (only) for the paper's scaling configs, else of the same model shape (so a tiny CPU GPT
 is compared to itself), with FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that
@@ -73,10 +74,18 @@ def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
                      "device": R.get(run, "params.device_name", "n/a"),
                      "precision": R.get(run, "params.precision", "n/a"),
                      "baseline_model": "scaling-1.2b" if config.startswith("scaling-") else _shape(run),
+                     "recipe": _recipe(run),
                      "tflops_per_device": tflops, "flops_counted": counted, "label": R.run_label(run),
                      "provenance": R.provenance(run), "run_id": run["run_id"],
                      "start_time": run.get("start_time", 0)})
     return pd.DataFrame(rows)
+
+
+def _recipe(run) -> str:
+    """What else changes a run's FLOP count or speed per FLOP: activation checkpointing (hardware FLOPs
+    count the recomputed forward) and the parameters' precision."""
+    return (f"checkpointing {R.get(run, 'params.model.activation_checkpointing', 'n/a')}, "
+            f"params {R.get(run, 'params.precision.params', 'n/a')}")
 
 
 def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
@@ -85,7 +94,7 @@ def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
     out["aggregate_pflops"] = out["tflops_per_device"] * out["gpus"] / 1000.0
     out["efficiency"] = float("nan")
     out["baseline_run_id"] = ""
-    series = ["device", "precision", "baseline_model"] + (["flops_counted"] if "flops_counted" in out else [])
+    series = ["device", "precision", "baseline_model"] + [c for c in ("flops_counted", "recipe") if c in out]
     for key, group in out.groupby(series, dropna=False):
         base = group[(group["gpus"] == 1) & group["tflops_per_device"].notna()]
         if key[2] == "scaling-1.2b":  # the paper's series: config 1 only, never another config's 1-device run

@@ -438,6 +438,20 @@ def test_efficiency_series_keep_checkpointing_and_parameter_precision_apart():
     assert out["efficiency"].tolist() == pytest.approx([1.0, 0.95])
 
 
+def test_paper_points_take_only_runs_at_the_papers_batch():
+    """Table 8 is the 1.2B model at batch 8: a TP=2 run at batch 16 is not its 2-GPU point (it is
+    listed as an extra run); a run that logged no batch still matches."""
+    paper = paper_values()
+    runs = _points(("scaling-1.2b", 1, 100.0, 1), ("scaling-1.2b", 2, 95.0, 2))
+    runs["batch"] = [8.0, 16.0]
+    table = scaling.appendix_display(scaling.appendix_d(paper, scaling.add_efficiency(runs))).set_index("setting")
+    assert table.loc["1.2B, batch 8, 1-way TP", "measured"] == "1.00x"
+    assert table.loc["1.2B, batch 8, 2-way TP", "measured"] == "not run"
+    runs["batch"] = [8.0, float("nan")]
+    table = scaling.appendix_display(scaling.appendix_d(paper, scaling.add_efficiency(runs))).set_index("setting")
+    assert table.loc["1.2B, batch 8, 2-way TP", "measured"] == "1.90x"
+
+
 def test_scaling_shows_the_newest_run_with_a_throughput():
     """A newer run that logged no throughput (shorter than log_interval) does not hide an older one;
     shown alone it says 'no throughput logged', not 'no 1-device baseline'."""

@@ -74,11 +74,23 @@ def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
                      "device": R.get(run, "params.device_name", "n/a"),
                      "precision": R.get(run, "params.precision", "n/a"),
                      "baseline_model": "scaling-1.2b" if config.startswith("scaling-") else _shape(run),
-                     "recipe": _recipe(run),
+                     "recipe": _recipe(run), "batch": _float(R.get(run, "params.train.global_batch_size")),
                      "tflops_per_device": tflops, "flops_counted": counted, "label": R.run_label(run),
                      "provenance": R.provenance(run), "run_id": run["run_id"],
                      "start_time": run.get("start_time", 0)})
     return pd.DataFrame(rows)
+
+
+def _float(value) -> float:
+    return float(value) if value is not None else float("nan")
+
+
+def at_paper_batch(runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs at the paper's global batch for their layout: 8 per model replica (Tables 1, 7 and 8:
+    8 at TP only, 512 over 64 replicas); a run that logged no batch is kept."""
+    if "batch" not in runs or not len(runs):
+        return runs
+    return runs[runs["batch"].isna() | (runs["batch"] == 8 * runs["dp"])]
 
 
 def _recipe(run) -> str:
@@ -150,8 +162,8 @@ def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.Da
     rows, used = [], set()
     for _, p in paper_pts.iterrows():
         row = {**p.to_dict(), **(predicted or {}).get((p["config"], p["gpus"]), {})}
-        hit = measured[(measured["config"] == p["config"]) & (measured["gpus"] == p["gpus"])
-                       & (measured["tp"] == p["tp"])] if len(measured) else measured
+        hit = at_paper_batch(measured[(measured["config"] == p["config"]) & (measured["gpus"] == p["gpus"])
+                                      & (measured["tp"] == p["tp"])] if len(measured) else measured)
         if len(hit):
             best = _newest_first(hit).iloc[0]
             used.add(best.name)
@@ -194,8 +206,9 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _newest(measured: pd.DataFrame, **match):
-    """The newest measured run with these column values (one with a throughput first), or None."""
-    hit = measured
+    """The newest measured run at the paper's batch with these column values (one with a throughput
+    first), or None."""
+    hit = at_paper_batch(measured)
     for key, value in match.items():
         hit = hit[hit[key] == value] if len(hit) else hit
     return _newest_first(hit).iloc[0] if len(hit) else None

@@ -307,6 +307,18 @@ def test_paper_size_only_for_the_named_sizes_shape():
                                                         ("bert-336m", "CPU, paper size")]
 
 
+def test_race_row_prefers_the_run_with_the_most_seeds():
+    """A newer one-seed check does not replace the five-seed run (the paper's median of 5) in its row."""
+    shape = {"params.task": "race", "params.device_type": "cuda", "params.device_name": "G",
+             "params.size": "bert-336m", "params.num_layers": "24", "params.hidden_size": "1024",
+             "params.num_attention_heads": "16", "params.seq_length": "512"}
+    newer = dict(shape, run_id="one", **{"params.seeds": "1", "metrics.test/acc_total": 50.0})
+    older = dict(shape, run_id="five", **{"params.seeds": "1 2 3 4 5", "metrics.test/acc_total": 83.0})
+    rows = bert.race_runs(pd.DataFrame([newer, older]))  # newest first, as load_runs orders them
+    assert [(r["model"], r["run_id"], r["race_total"]) for r in rows] == [("bert-336m", "five", 83.0)]
+    assert bert.race_runs(pd.DataFrame([newer]))[0]["run_id"] == "one"
+
+
 def test_fig7_curves_come_from_the_trainers_runs(tmp_path):
     """Fig. 7 reads trainer runs (params model.layernorm_order / num_layers / hidden_size, per-step
     metric mlm_loss): the newest of each order among runs whose paper_ref names Fig. 7, so a newer

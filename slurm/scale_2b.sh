@@ -5,6 +5,8 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks=2
 #SBATCH --gres=gpu:2
+#SBATCH --exclusive
+#SBATCH --mem=0
 #SBATCH --time=04:00:00
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue

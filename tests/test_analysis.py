@@ -344,13 +344,23 @@ def test_fig7_curves_come_from_the_trainers_runs(tmp_path):
         ids = {o: log(f"fig7-{o}-cpu", {"model.layernorm_order": o, **size}, fig7, "mlm_loss", [10.0, v])
                for o, v in (("pre", 7.0), ("post", 7.5))}
         log("bert-tiny-cpu", {"model.layernorm_order": "pre", **size}, "CPU test config", "mlm_loss", [1.0])
+        curves = bert.layernorm_curves(uri)
+        assert len(curves) == 2 and old[:8] not in "".join(curves)
+        for (label, curve), order in zip(curves.items(), ("pre", "post")):
+            assert ids[order][:8] in label and bert.ORDER_NAMES[order] in label and "4 layers, h=128" in label
+            assert curve["value"].tolist() == [10.0, {"pre": 7.0, "post": 7.5}[order]]
+        # a larger size (the paper's instability beyond 336M) is drawn beside the smaller one, not instead
+        # of it, whichever was logged last
+        big = log("fig7-post-big", {"model.layernorm_order": "post", "model.num_layers": 12,
+                                    "model.hidden_size": 256}, fig7, "mlm_loss", [10.0, 11.0])
+        log("fig7-pre-cpu-again", {"model.layernorm_order": "pre", **size}, fig7, "mlm_loss", [10.0, 6.5])
     finally:
         mlflow.set_tracking_uri(None)
     curves = bert.layernorm_curves(uri)
-    assert len(curves) == 2 and old[:8] not in "".join(curves)
-    for (label, curve), order in zip(curves.items(), ("pre", "post")):
-        assert ids[order][:8] in label and bert.ORDER_NAMES[order] in label and "4 layers, h=128" in label
-        assert curve["value"].tolist() == [10.0, {"pre": 7.0, "post": 7.5}[order]]
+    labels = list(curves)
+    assert len(labels) == 3 and ids["post"][:8] in labels[1] and big[:8] in labels[2], labels
+    assert "4 layers, h=128" in labels[0] and "12 layers, h=256" in labels[2]
+    assert [c["value"].tolist()[-1] for c in curves.values()] == [6.5, 7.5, 11.0]
 
 
 def test_zero_shot_paper_row_needs_the_paper_shape_not_the_run_name(tmp_path):

@@ -13,7 +13,8 @@ from repro.models.bert import BERT, as_bert_config
 from repro.models.bert_checks import random_bert_batch
 from repro.train.config import derive, load_config
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments" / "bert"
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments" / "bert"
 # (layers, hidden, heads, GPUs, iterations trained): every size decays over 2M; 3.9B stopped at 1.5M
 PAPER = {"bert_336m": (24, 1024, 16, 128, 2_000_000), "bert_1.3b": (24, 2048, 32, 256, 2_000_000),
          "bert_3.9b": (48, 2560, 40, 512, 1_500_000)}
@@ -52,20 +53,25 @@ def _documented_sets(path: Path) -> list[str]:
         if not line.endswith("\\"):
             break
     words = shlex.split(command)
-    assert words[:3] == ["sbatch", f"--job-name={path.stem}", "slurm/bert_336m.sh"], words
-    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    assert words[:2] == ["sbatch", f"--job-name={path.stem}"], words
+    return words[2], [words[i + 1] for i, w in enumerate(words) if w == "--set"]
 
 
+@pytest.mark.parametrize("size", ["336m", "1.3b"])
 @pytest.mark.parametrize("order", ["pre", "post"])
-def test_fig7_configs_are_bert_336m_with_one_order(order):
-    """Fig. 7 at the paper's scale: bert_336m.yaml with the order, a name, a paper_ref naming Fig. 7 (how
-    `repro report` finds the runs) and 100k iterations (our choice) under the full 2M-iteration schedule;
-    its documented launch (bert_336m.sh with --set) gives exactly this config."""
-    path = EXPERIMENTS / f"fig7_336m_{order}.yaml"
-    cfg, base = load_config(path), load_config(EXPERIMENTS / "bert_336m.yaml")
+def test_fig7_configs_are_a_paper_bert_with_one_order(size, order):
+    """Fig. 7 at the paper's scale, at 336M and beyond it (1.3B, where the paper reports the original order
+    unstable): bert_SIZE.yaml with the order, a name, a paper_ref naming Fig. 7 (how `repro report` finds
+    the runs) and 100k iterations (our choice) under the full 2M-iteration schedule; its documented
+    launch (bert_SIZE.sh with --set) gives exactly this config."""
+    path = EXPERIMENTS / f"fig7_{size}_{order}.yaml"
+    cfg, base = load_config(path), load_config(EXPERIMENTS / f"bert_{size}.yaml")
     assert (cfg.model.layernorm_order, cfg.train.train_iters, cfg.optim.lr_decay_iters) == (order, 100_000, 2_000_000)
-    assert "Fig. 7" in cfg.tracking.paper_ref and cfg.name == f"bert-336m-fig7-{order}"
+    assert "Fig. 7" in cfg.tracking.paper_ref and cfg.name == f"bert-{size}-fig7-{order}"
     assert asdict(cfg.optim) == asdict(base.optim) and asdict(cfg.precision) == asdict(base.precision)
+    assert asdict(cfg.parallel) == asdict(base.parallel)
     assert {k: v for k, v in asdict(cfg.model).items() if k != "layernorm_order"} == \
         {k: v for k, v in asdict(base.model).items() if k != "layernorm_order"}
-    assert asdict(load_config(EXPERIMENTS / "bert_336m.yaml", _documented_sets(path))) == asdict(cfg)
+    script, sets = _documented_sets(path)
+    assert script == f"slurm/bert_{size}.sh" and (ROOT / script).is_file()
+    assert asdict(load_config(EXPERIMENTS / f"bert_{size}.yaml", sets)) == asdict(cfg)

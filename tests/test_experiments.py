@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "experiments").rglob("*.yaml") if p.name != "base.yaml")
 PAPER_GPUS = {"gpt2_355m": 64, "gpt2_2.5b": 128, "gpt2_8.3b": 512,
               "bert_336m": 128, "bert_1.3b": 256, "bert_3.9b": 512,
-              "fig7_336m_pre": 128, "fig7_336m_post": 128}  # Fig. 7: BERT 336M, both layer-norm orders
+              "fig7_336m_pre": 128, "fig7_336m_post": 128,  # Fig. 7: both layer-norm orders at 336M
+              "fig7_1.3b_pre": 256, "fig7_1.3b_post": 256}  # and beyond it, where the paper sees instability
 
 
 def _world_size(path: Path, tp: int) -> int:

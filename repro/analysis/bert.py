@@ -142,21 +142,27 @@ def _curve_label(run) -> str:
     return f"{ORDER_NAMES[run['order']]} [{size}; {R.run_label(run)}; run {run['run_id'][:8]}]"
 
 
+def _size_key(run) -> tuple[int, int, int]:
+    """(~ transformer parameters l h^2, layers, hidden): sorts sizes smallest first."""
+    layers, hidden = int(run["layers"] or 0), int(run["hidden"] or 0)
+    return layers * hidden ** 2, layers, hidden
+
+
 def layernorm_curves(tracking_uri: str, experiment: str = "bert") -> dict[str, pd.DataFrame]:
-    """Fig. 7: per order, the newest run of the newest Fig. 7 run's size; its MLM training loss against iteration."""
+    """Fig. 7: for every model size among the layer-norm-order runs (smallest first, e.g. 336M, where
+    both orders train, then 1.3B, where the paper reports the original order unstable), the newest run
+    of each order; its MLM training loss against iteration."""
     runs = R.load_runs(tracking_uri, experiment)
     runs = _order_runs(runs) if len(runs) else runs
-    if runs.empty:
-        return {}
-    newest = runs.iloc[0]
-    runs = runs[(runs["layers"] == newest["layers"]) & (runs["hidden"] == newest["hidden"])]
     curves = {}
-    for order in ("pre", "post"):
-        part = runs[runs["order"] == order]
-        if len(part):
-            run = part.iloc[0]
-            metric = "mlm_loss" if R.get(run, "params.model.layernorm_order") else "loss/mlm"  # trainer / old loop
-            curves[_curve_label(run)] = R.metric_history(tracking_uri, run["run_id"], metric)
+    for size in sorted({_size_key(run) for _, run in runs.iterrows()}):
+        of_size = runs[[_size_key(run) == size for _, run in runs.iterrows()]]
+        for order in ("pre", "post"):
+            part = of_size[of_size["order"] == order]
+            if len(part):
+                run = part.iloc[0]
+                metric = "mlm_loss" if R.get(run, "params.model.layernorm_order") else "loss/mlm"  # trainer / old loop
+                curves[_curve_label(run)] = R.metric_history(tracking_uri, run["run_id"], metric)
     return curves
 
 
@@ -175,5 +181,5 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "bert") -> 
     plot_curves(layernorm_curves(tracking_uri, experiment), out_dir / "fig7_layernorm_order.png",
                 "MLM training loss", "Fig. 7: layer-norm order (measured; the paper's curves are for BERT of 336M and larger)",
                 empty_note="no layer-norm-order runs (python -m repro.models.bert_ablation, or the configs "
-                           "experiments/bert/fig7_336m_{pre,post}.yaml)")
+                           "experiments/bert/fig7_{336m,1.3b}_{pre,post}.yaml)")
     return text

@@ -7,7 +7,8 @@
 # come from REPRO_DATA_DIR. The prefixes below are the ones the experiment configs read:
 #   sbatch slurm/prepare_data.sh --input wiki.jsonl realnews.jsonl.gz owt_pages/ --layout file \
 #     --split-order random --output-prefix "$REPRO_DATA_DIR/gpt2_corpus"
-#   sbatch slurm/prepare_data.sh --tokenizer bert --input ... --output-prefix "$REPRO_DATA_DIR/bert_corpus"
+#   sbatch slurm/prepare_data.sh --tokenizer bert --input ... --split 969,30,1 \
+#     --output-prefix "$REPRO_DATA_DIR/bert_corpus"     # the paper's 3% held-out set for BERT
 #   sbatch -p debug -N1 -n1 -c1 --gres=none slurm/prepare_data.sh --smoke    # WikiText-2 valid, into the run dir
 # Memory: the near-duplicate index holds ~2 KB per kept document (~80 GB for the paper's ~40M), so the
 # script asks for the node's memory (--mem=0; `sbatch --mem=120G` or `-p PARTITION` to change). Not

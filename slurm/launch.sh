@@ -17,7 +17,8 @@
 # which answers it by SIGKILLing every task ("forcing job termination"): no checkpoint.
 #
 # Arguments after the config (the job script's "$@"):
-#   --smoke     tiny GPT on CPU (gloo), TP = the allocation's task count, a small WikiText-2 corpus
+#   --smoke     a tiny model of the config's family (GPT, or BERT for experiments/bert/) on CPU (gloo),
+#               TP = the allocation's task count, a small WikiText-2 corpus in that family's tokenizer
 #   --dry-run   check and print the step without running it
 #   --set K=V   config overrides passed to `repro train`
 set -euo pipefail
@@ -184,10 +185,16 @@ parse_flags() {  # sets SMOKE, DRY_RUN and EXTRA (everything else) from the job 
   done
 }
 
-smoke_corpus() {  # sets SMOKE_DATA, the prefix of a small WikiText-2 corpus, preparing it once (under a lock)
+smoke_corpus() {  # smoke_corpus gpt2|bert: sets SMOKE_DATA, the prefix of a small WikiText-2 corpus in
+  # that model's tokenizer, preparing it once (under a lock).
   # Call it as is, never in $(...): there a failed prepare (or die) would end only the command
   # substitution (which also drops set -e), and the job would train on a corpus that is not there.
-  SMOKE_DATA="${REPRO_SMOKE_DATA:-$REPRO_RUNS_DIR/smoke-data/wiki}"
+  local tokenizer="$1"
+  if [[ "$tokenizer" == bert ]]; then
+    SMOKE_DATA="${REPRO_SMOKE_BERT_DATA:-$REPRO_RUNS_DIR/smoke-data/wiki_bert}"
+  else
+    SMOKE_DATA="${REPRO_SMOKE_DATA:-$REPRO_RUNS_DIR/smoke-data/wiki}"
+  fi
   local text="$REPRO_DATA_DIR/wikitext/wikitext-2.valid.tokens"
   local lock
   lock="$(dirname "$SMOKE_DATA")/.lock"
@@ -199,15 +206,18 @@ smoke_corpus() {  # sets SMOKE_DATA, the prefix of a small WikiText-2 corpus, pr
     [[ -f "$text" ]] || die "smoke mode needs $text: run \`repro data fetch --data-dir $REPRO_DATA_DIR\`"
     note "preparing the smoke corpus $SMOKE_DATA from $text"
     repro data prepare --input "$text" --output-prefix "$SMOKE_DATA" --data-dir "$REPRO_DATA_DIR" --workers 1 \
-      --layout wikitext --split 90,10,0 --min-tokens 0 --no-dedup --no-eval-filter --no-progress
+      --tokenizer "$tokenizer" --layout wikitext --split 90,10,0 --min-tokens 0 --no-dedup --no-eval-filter --no-progress
   ) 9>"$lock" || die "no smoke corpus at $SMOKE_DATA (the error is above): nothing launched"
 }
 
-smoke_args() {  # the train arguments of smoke mode for the script's CONFIG
-  local config="$1"
-  smoke_corpus
+smoke_args() {  # the train arguments of smoke mode for the script's CONFIG: a tiny model of its family
+  local config="$1" tokenizer=gpt2 tiny="$REPRO_ROOT/experiments/tiny/gpt_tiny.yaml"
+  if [[ "$config" == */bert/* ]]; then
+    tokenizer=bert tiny="$REPRO_ROOT/experiments/bert/tiny_cpu.yaml"
+  fi
+  smoke_corpus "$tokenizer"
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
-  TRAIN_ARGS=("$REPRO_ROOT/experiments/tiny/gpt_tiny.yaml" --set "name=smoke-${SLURM_JOB_NAME:-job}"
+  TRAIN_ARGS=("$tiny" --set "name=smoke-${SLURM_JOB_NAME:-job}"
     --set "parallel.tp=$SLURM_NTASKS" --set train.device=cpu --set "data.train_prefix=${SMOKE_DATA}_train"
     --set "data.valid_prefix=${SMOKE_DATA}_valid" --set "data.cache_dir=$REPRO_RUN_DIR/cache"
     --set tracking.experiment=slurm-smoke --set "tracking.paper_ref=smoke test of $config")

@@ -187,6 +187,23 @@ def test_run_dir_override_is_refused_naming_the_variable(slurm_cluster, site, tm
     assert "run_dir is set by launch.sh" in out and "REPRO_RUN_NAME" in out and "step:" not in out, out
 
 
+def test_bert_script_smoke_trains_a_tiny_bert(slurm_cluster, site):  # noqa: F811
+    """`sbatch ... slurm/bert_336m.sh --smoke` (a 16-node script, shrunk to 2 tasks): a tiny BERT at TP=2 on
+    a WordPiece smoke corpus, so the MLM/SOP data and masking path runs; before, every --smoke trained GPT."""
+    job = _submit(slurm_cluster, site, "--ntasks-per-node=2", "slurm/bert_336m.sh", "--smoke", "--set",
+                  "train.train_iters=3")
+    record = slurm_cluster.wait_job(job, timeout=240)
+    out = _job_output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    run_dir = site["runs"] / f"bert_336m-{job}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "mlm_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(math.isfinite(r["sop_loss"]) for r in steps), out
+    params = json.loads((run_dir / "params.json").read_text())
+    assert (params["family"], params["parallel.tp"], params["model.vocab_size"]) == ("bert", "2", "30522"), params
+    assert (site["runs"] / "smoke-data" / "wiki_bert_train.idx").is_file()
+
+
 def _eval_job(cluster: SlurmCluster, site: dict, script: str, **env: str) -> Path:
     """`sbatch ... SCRIPT --smoke` with extra variables, run to exit 0; the job's run dir."""
     job = _submit(cluster, site, script, "--smoke", env={**site["env"], **env})

@@ -188,6 +188,7 @@ def test_smoke_mode_prepares_the_corpus_once_then_checks_and_prints_the_step(tmp
     out, log, calls = _fake_job(tmp_path, wikitext=True, prepare="ok")
     assert out.returncode == 0, log
     assert calls[0].startswith(f"data prepare --input {tmp_path}/data/wikitext/wikitext-2.valid.tokens")
+    assert " --tokenizer gpt2 " in calls[0] and "experiments/tiny/gpt_tiny.yaml" in calls[1]
     assert calls[1].startswith("slurm check --ntasks 2")
     assert f"data.train_prefix={tmp_path}/runs/smoke-data/wiki_train" in calls[1]
     assert "launch.sh: step: srun" in log and not any(c.startswith("srun") for c in calls)  # a dry run

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Table 5: RACE fine-tuning of a pretrained BERT (a run of experiments/bert/bert_336m.yaml by default) on
-# one 8-GPU node with the paper's batch/lr for the checkpoint's size (or REPRO_RACE_SIZE), TP x DP from
-# REPRO_RACE_TP (default 1); 5 seeds, the median by dev accuracy reported. No resume and no USR1 warning signal
-# (fine-tuning has no checkpoint to write): a preempted run restarts.
+# one 8-GPU node with the paper's batch/lr for the checkpoint's size (or REPRO_RACE_SIZE); 5 seeds, the
+# median by dev accuracy reported. TP: REPRO_RACE_TP, else the smallest that fits the GPU (3.9B on
+# 32 GB V100s: 4), the rest DP. Precision: REPRO_RACE_PRECISION [fp16] (autocast over fp32 weights,
+# dynamic loss scaling; bf16 on A100/H100/H200, fp32 for the old behaviour).
+# Resume by seed: each finished seed is saved in the run dir; Slurm's USR1 warning 5 min before the
+# time limit stops the current seed, and the job requeues itself and goes on from the first unfinished
+# seed (that seed starts again). One seed must therefore fit in the time limit.
 # REPRO_BERT_CHECKPOINT: the BERT training run directory (or a file written by save_bert).
 #   REPRO_BERT_CHECKPOINT=RUNS/bert_336m-1234 REPRO_RACE_DIR=... sbatch slurm/race_finetune.sh [--epochs 3]
 #   REPRO_BERT_CHECKPOINT=... sbatch -p debug -N1 -n2 --gres=none slurm/race_finetune.sh --smoke
@@ -15,13 +19,16 @@
 #SBATCH --exclusive
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
 # shellcheck source=slurm/launch.sh
 source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
 need REPRO_BERT_CHECKPOINT "the pretrained BERT checkpoint to fine-tune (its training run directory)"
 [[ -e "$REPRO_BERT_CHECKPOINT" && "${REPRO_BERT_CHECKPOINT##*/}" != latest ]] \
   || die "REPRO_BERT_CHECKPOINT=$REPRO_BERT_CHECKPOINT: give the BERT training run directory (or a save_bert file)"
 parse_flags "$@"
-ARGS=(${REPRO_RACE_SIZE:+--size "$REPRO_RACE_SIZE"} --tp "${REPRO_RACE_TP:-1}" --seeds 1234 1235 1236 1237 1238)
+ARGS=(${REPRO_RACE_SIZE:+--size "$REPRO_RACE_SIZE"} ${REPRO_RACE_TP:+--tp "$REPRO_RACE_TP"}
+  --precision "${REPRO_RACE_PRECISION:-fp16}" --seeds 1234 1235 1236 1237 1238)
 if [[ "$SMOKE" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
   REPRO_RACE_DIR="${REPRO_RACE_DIR:-$REPRO_ROOT/tests/fixtures/race}"

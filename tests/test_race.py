@@ -289,3 +289,109 @@ def test_real_bert_vocab_builds_the_inputs():
     tok = build_tokenizer("bert", data_dir)
     data = encode_race(load_race(FIXTURE, "test"), tok, 128)
     assert data.tokens[:, :, 0].eq(101).all() and (data.tokens == 102).sum(-1).eq(2).all()
+
+
+def _race_cmd(ckpt: Path, vocab_file: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "repro.cli", "finetune", "race", "--race-dir", str(FIXTURE), "--vocab",
+            str(vocab_file), "--checkpoint", str(ckpt), "--batch-size", "5", "--lr", "1e-3", "--seq-length", "96",
+            "--size", "tiny", "--run-dir", str(run_dir), *extra]
+
+
+def test_a_stopped_job_goes_on_from_the_next_unfinished_seed(tmp_path, tok, vocab_file):
+    """USR1 (Slurm's warning before the time limit) during seed 2: exit 0, the marker slurm/launch.sh
+    requeues on, seed 1 saved; the same command again skips seed 1 (its saved numbers are reported),
+    redoes seed 2 and finishes one MLflow run; other settings in that run dir are refused (exit 2)."""
+    import signal
+    import time
+
+    import mlflow
+
+    from repro.models.bert_checkpoint import save_bert
+
+    ckpt, run_dir = tmp_path / "tiny.pt", tmp_path / "run"
+    save_bert(BERT(BertConfig(vocab_size=tok.vocab_size, **TINY), seed=3), ckpt)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    cmd = _race_cmd(ckpt, vocab_file, run_dir, "--epochs", "60", "--seeds", "1", "2")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "seeds" / "seed_1.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0 and "stopping: seed 2 stopped at step" in out, out
+    assert (run_dir / "stopped_by_signal").read_text() == "race seed 2"
+    assert sorted(p.name for p in (run_dir / "seeds").iterdir()) == ["seed_1.json"] and not (run_dir / "results.json").exists()
+    first = json.loads((run_dir / "seeds" / "seed_1.json").read_text())
+    run_id = (run_dir / "mlflow_run_id").read_text()
+    assert mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "KILLED"
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "seed 1: finished by an earlier run" in again.stdout and "the median by dev total of 2 seeds" in again.stdout
+    results = json.loads((run_dir / "results.json").read_text())
+    assert [s["seed"] for s in results["seeds"]] == [1, 2]
+    assert results["seeds"][0]["accuracy"] == first["accuracy"] and results["seeds"][0]["final_loss"] == first["losses"][-1]
+    assert len(json.loads((run_dir / "seeds" / "seed_2.json").read_text())["losses"]) == 60 * 2
+    run = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    assert run.info.status == "FINISHED" and (run_dir / "mlflow_run_id").read_text() == run_id
+    assert {"seed1/dev/acc_total", "seed2/dev/acc_total", "test/acc_total"} <= set(run.data.metrics)
+
+    other = subprocess.run(_race_cmd(ckpt, vocab_file, run_dir, "--epochs", "60", "--seeds", "1", "2", "--lr", "2e-3"),
+                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert other.returncode == 2 and "other settings (lr differ)" in other.stderr and "--run-dir" in other.stderr, other.stderr
+
+
+def _precision_rank(vocab: str, tp: int, precision: str) -> tuple[list[float], float, dict]:
+    """One seed of 40 steps (40 epochs of 10 questions, batch 10) at TP=tp x DP=world/tp: losses, last loss scale, accuracies."""
+    import torch.distributed as dist
+
+    from repro.eval.race_finetune import FinetuneOptions, run_seed
+    from repro.parallel.groups import ParallelDims, ProcessGroups, build_process_groups
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pg = build_process_groups(ParallelDims.from_world(tp, world)) if world > 1 else ProcessGroups.single()
+    tok = bert_tokenizer(Path(vocab))
+    splits = {s: encode_race(load_race(FIXTURE, s), tok, TINY["seq_length"]) for s in ("train", "dev", "test")}
+    scales = []
+    opts = FinetuneOptions(epochs=40, batch_size=10, lr=1e-3, seed=5, precision=precision, log_every=1)
+    result = run_seed(BertConfig(vocab_size=tok.vocab_size, **TINY), None, splits, opts, pg,
+                      lambda m, i: scales.append(m.get("train/loss_scale", 0.0)))
+    return result.losses, scales[-1], result.accuracy
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_fine_tuning_learns_and_agrees_over_ranks(vocab_file, precision):
+    """bf16/fp16 autocast over fp32 weights. bf16: the first 5 steps' losses within 0.02 nats of fp32's
+    (bf16 rounding; later the memorising trajectories part), and the loss halves. fp16 starts at
+    Megatron's 2^32 loss scale and skips its first overflowing steps (many of these 40, a negligible
+    share of RACE's ~8k), so it ends higher but still learns; at DP=2 every rank skips the same steps and gets the
+    same scale and accuracies (the serial run's overflow steps may differ: rounding differs by layout)."""
+    fp32, _, _ = _precision_rank(str(vocab_file), 1, "fp32")
+    half, scale, _ = _precision_rank(str(vocab_file), 1, precision)
+    assert len(half) == len(fp32) == 40
+    if precision == "bf16":
+        assert half[-1] < 0.5 * half[0] and max(abs(a - b) for a, b in zip(half[:5], fp32[:5])) < 0.02, (half, fp32)
+    else:
+        assert 2.0**8 < scale < 2.0**32 and half[-1] < 0.75 * half[0], (scale, half)
+        ranks = run_ranks(_precision_rank, 2, str(vocab_file), 1, precision, timeout=300)
+        assert ranks[0] == ranks[1]  # the same steps skipped, the same scale, the same accuracies
+        losses, dp_scale, _ = ranks[0]
+        assert 2.0**8 < dp_scale < 2.0**32 and losses[-1] < 0.75 * losses[0], (dp_scale, losses)
+
+
+def test_tp_defaults_to_the_smallest_degree_that_fits_the_gpu():
+    """Without --tp: 1 on CPU; on GPUs the smallest TP dividing heads and world whose fp32 weights,
+    gradients and Adam state (16 B a parameter, x1.25) fit: the paper's BERTs on 8 V100s of 31.7 GiB
+    (as torch reports a 32 GB card) take 1 / 1 / 4 (3.9B needs ~72 GiB at TP=1); on H200s all fit at 1."""
+    from repro.cli import UserError
+    from repro.eval.race_cli import choose_tp
+    from repro.models.sizes import get_size
+
+    bert = {n: BertConfig(**get_size(n).model_config().__dict__) for n in ("bert-336m", "bert-1.3b", "bert-3.9b")}
+    v100, h200 = 31.7 * 2**30, 139.8 * 2**30
+    assert [choose_tp(cfg, 8, v100) for cfg in bert.values()] == [1, 1, 4]
+    assert [choose_tp(cfg, 8, h200) for cfg in bert.values()] == [1, 1, 1]
+    assert choose_tp(bert["bert-3.9b"], 8, None) == 1 and choose_tp(bert["bert-3.9b"], 8, 16 * 2**30) == 8
+    with pytest.raises(UserError, match="Fix: launch more ranks, or give --tp"):
+        choose_tp(bert["bert-3.9b"], 2, 16 * 2**30)

@@ -175,9 +175,12 @@ def format_accuracy(split: str, acc: dict[str, float]) -> str:
 
 
 def _finetune_race(args) -> int:
-    from repro.eval.race_cli import run
+    from repro.train.signals import recording_stop_signals
 
-    return run(args)
+    with recording_stop_signals():  # a stop signal before the loop's handler exists is honoured after a step
+        from repro.eval.race_cli import run
+
+        return run(args)
 
 
 def register(sub) -> None:
@@ -200,10 +203,16 @@ def register(sub) -> None:
     p.add_argument("--max-qa-tokens", type=int, default=128)
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236, 1237, 1238],
                    help="one run per seed; reported: the seed with the median dev accuracy (paper: 5 seeds)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (launch with torchrun; the rest is DP). "
+                   "Default: 1 on CPU; on GPUs the smallest that fits weights, gradients and Adam state "
+                   "(16 bytes a parameter / TP, x1.25) in the device's memory")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="fp32, or autocast over fp32 weights in bf16 or fp16 (fp16 with dynamic loss scaling); "
+                        "on V100s fp16 is several times faster than fp32")
     p.add_argument("--eval-train", action="store_true",
                    help="also score the training split after each seed (an overfitting check: 88k questions, "
                         "9x dev and test together)")
     p.add_argument("--no-mlflow", action="store_true", help="only the JSONL metrics file")
-    p.add_argument("--run-dir", default="runs/race", help="metrics.jsonl and results.json go here")
+    p.add_argument("--run-dir", default="runs/race", help="metrics.jsonl, results.json and each finished seed "
+                   "(seeds/: the same command in the same run dir skips those) go here")
     p.set_defaults(func=_finetune_race)

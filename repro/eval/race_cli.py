@@ -7,6 +7,7 @@ from pathlib import Path
 
 from repro.cli import UserError
 from repro.eval.race import RaceFormatError, encode_race, load_race, race_dir_from_env
+from repro.eval.race_finetune import SeedStopped
 from repro.models.bert import BertConfig
 
 EXPERIMENT = "bert"
@@ -101,6 +102,55 @@ def shorten(cfg: BertConfig, state: dict | None, seq_length: int) -> tuple[BertC
     return cfg, state
 
 
+BYTES_PER_PARAM = 16  # fp32 weights, gradients and Adam's two moments (autocast keeps fp32 weights)
+MEMORY_MARGIN = 1.25  # activations (4 sequences per question), the CUDA context, fragmentation
+
+
+def finetune_bytes_per_rank(cfg: BertConfig, tp: int) -> float:
+    """Weights, gradients and Adam state of one rank at this TP degree (12 l h^2 + (V + s) h params)."""
+    params = 12 * cfg.num_layers * cfg.hidden_size ** 2 + (cfg.vocab_size + cfg.seq_length) * cfg.hidden_size
+    return BYTES_PER_PARAM * params / tp
+
+
+def choose_tp(cfg: BertConfig, world: int, device_bytes: float | None) -> int:
+    """--tp when not given: 1 on CPU; on a GPU the smallest degree that divides the heads and the world
+    and leaves `finetune_bytes_per_rank` x MEMORY_MARGIN within the device (3.9B on a 32 GB V100: 4)."""
+    if device_bytes is None:
+        return 1
+    fits = [tp for tp in range(1, world + 1) if world % tp == 0 and cfg.num_attention_heads % tp == 0
+            and finetune_bytes_per_rank(cfg, tp) * MEMORY_MARGIN <= device_bytes]
+    if not fits:
+        need = finetune_bytes_per_rank(cfg, 1) * MEMORY_MARGIN / 2**30
+        raise UserError(f"fine-tuning this BERT needs about {need:.0f} GiB at TP=1 ({BYTES_PER_PARAM} bytes a "
+                        f"parameter with a {MEMORY_MARGIN}x margin), more than {world} GPU(s) of "
+                        f"{device_bytes / 2**30:.0f} GiB hold at any TP degree dividing its "
+                        f"{cfg.num_attention_heads} heads. Fix: launch more ranks, or give --tp explicitly")
+    return fits[0]
+
+
+def _tp(args, cfg: BertConfig) -> int:
+    """--tp, else `choose_tp` for this launch's world size and device (printed on rank 0)."""
+    from repro.parallel.groups import discover_launch_env
+
+    if args.tp is not None:
+        return args.tp
+    env = discover_launch_env()
+    device = env.device()
+    memory = torch_device_bytes(device) if device.type == "cuda" else None
+    tp = choose_tp(cfg, env.world_size, memory)
+    if env.rank == 0 and memory is not None:
+        print(f"--tp not given: TP={tp}, the smallest that fits "
+              f"{finetune_bytes_per_rank(cfg, tp) * MEMORY_MARGIN / 2**30:.1f} GiB per GPU "
+              f"(weights, gradients, Adam, {MEMORY_MARGIN}x margin) in {memory / 2**30:.0f} GiB", flush=True)
+    return tp
+
+
+def torch_device_bytes(device) -> float:
+    import torch
+
+    return float(torch.cuda.get_device_properties(device).total_memory)
+
+
 def _groups(tp: int):
     from repro.parallel.groups import ProcessGroups, discover_launch_env, init_distributed
 
@@ -118,9 +168,25 @@ def _device():
     return discover_launch_env().device()
 
 
+def _settings(args, size: str, cfg: BertConfig, train_questions: int) -> dict:
+    """What a seed's numbers depend on besides the seed (a restart skips only seeds finished with these)."""
+    from repro.eval.race_finetune import options_for
+
+    opts = options_for(size, args.batch_size, args.lr, args.epochs, 0, args.precision)
+    return {"checkpoint": str(args.checkpoint or ""), "size": size, "epochs": opts.epochs,
+            "batch_size": opts.batch_size, "lr": opts.lr, "precision": opts.precision,
+            "seq_length": cfg.seq_length, "max_qa_tokens": args.max_qa_tokens,
+            "train_questions": train_questions, "eval_train": bool(args.eval_train)}
+
+
 def run(args) -> int:
-    """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; report the median seed."""
-    from repro.eval.race_finetune import write_results
+    """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; report the median seed.
+
+    Each finished seed is saved in RUN_DIR/seeds/, and a run in the same directory with the same
+    settings skips it (a requeued Slurm job). A stop signal (TERM, USR1: Slurm's warning before the time
+    limit), agreed by all ranks after a step, ends the current seed unfinished: RUN_DIR/stopped_by_signal,
+    exit 0, so slurm/launch.sh requeues the job; the restart redoes that seed from its start."""
+    from repro.eval.race_finetune import finished_seeds, write_results
     from repro.train.checkpoint import CheckpointError
 
     try:
@@ -136,25 +202,35 @@ def run(args) -> int:
         raise UserError(f"--checkpoint {args.checkpoint}: {err} (fine-tuning needs a BERT `repro train` "
                         "run)") from None
     splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
-    pg = _groups(args.tp)
+    settings = _settings(args, size, cfg, len(splits["train"]))
+    try:
+        done = finished_seeds(Path(args.run_dir), args.seeds, settings)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    pg = _groups(_tp(args, cfg))
     device = _device()
-    from repro.tracking.logger import RunLogger
+    from repro.tracking.logger import RunLogger, recorded_run_id
     from repro.provenance import git_sha
-    from repro.train.loop import device_name
+    from repro.train.loop import StopSignal, device_name
 
     params = {"task": "race", "size": size, "device": str(device), "device_type": device.type,
               "device_name": device_name(device),
-              "world_size": pg.tp_size * pg.dp_size, "precision": "fp32", "git_sha": git_sha(),
+              "world_size": pg.tp_size * pg.dp_size, "precision": args.precision, "git_sha": git_sha(),
               "checkpoint": args.checkpoint or "", "tp": pg.tp_size,
               "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
               "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
               "train_questions": len(splits["train"])}
     # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
+    continued = bool(done) or (Path(args.run_dir) / "stopped_by_signal").is_file()
     log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, {"task": "race"},
-                    use_mlflow=not args.no_mlflow) if pg.rank == 0 else None
+                    use_mlflow=not args.no_mlflow,
+                    resume_run_id=recorded_run_id(args.run_dir) if continued else None) if pg.rank == 0 else None
     try:
-        chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log)
+        with StopSignal(pg.world_group) as stop:
+            chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop)
+    except SeedStopped as stopped:
+        return _stopped(args, stopped, pg, log)
     except BaseException:
         if log:
             log.close("FAILED")
@@ -165,10 +241,23 @@ def run(args) -> int:
     return 0
 
 
-def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log):
-    """Every seed's fine-tuning (the paper's batch/lr of `size`) and accuracies; (results, median-dev
-    seed's result) on rank 0."""
-    from repro.eval.race_finetune import options_for, print_report, run_seed
+def _stopped(args, stopped, pg, log) -> int:
+    """The agreed stop: the marker slurm/launch.sh requeues on, the MLflow run KILLED (a restart reopens it)."""
+    if pg.rank == 0:
+        from repro.provenance import write_atomic
+
+        print(f"stopping: {stopped} (a stop signal); finished seeds are in {Path(args.run_dir) / 'seeds'}, and "
+              "the same command in the same --run-dir goes on from the next unfinished seed", flush=True)
+        write_atomic(Path(args.run_dir) / "stopped_by_signal", f"race seed {stopped.seed}".encode())
+        if log:
+            log.close("KILLED")
+    return 0
+
+
+def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop):
+    """Every seed's fine-tuning (the paper's batch/lr of `size`) and accuracies, but those in `done`
+    (finished by an earlier run in the run dir); (results, median-dev seed's result) on rank 0."""
+    from repro.eval.race_finetune import options_for, print_report, run_seed, save_seed
 
     def record(metrics: dict, step: int = 0) -> None:
         if log:
@@ -176,10 +265,18 @@ def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log):
 
     results, scored = [], ("train", "dev", "test") if args.eval_train else ("dev", "test")
     for seed in args.seeds:
-        opts = options_for(size, args.batch_size, args.lr, args.epochs, seed)
+        if seed in done:
+            if pg.rank == 0:
+                print(f"seed {seed}: finished by an earlier run in {args.run_dir}, not repeated", flush=True)
+            results.append(done[seed])
+            continue
+        opts = options_for(size, args.batch_size, args.lr, args.epochs, seed, args.precision)
         res = run_seed(cfg, state, splits, opts, pg,
-                       lambda m, i, s=seed: record({f"seed{s}/{k}": v for k, v in m.items()}, i), device, scored)
+                       lambda m, i, s=seed: record({f"seed{s}/{k}": v for k, v in m.items()}, i), device, scored,
+                       stop)
         record({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
+        if pg.rank == 0:
+            save_seed(Path(args.run_dir), res, settings)
         results.append(res)
     if pg.rank != 0:
         return None

@@ -60,6 +60,18 @@ class FinetuneOptions:
     clip_grad: float = 1.0
     seed: int = 1234
     log_every: int = 10
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast over fp32 weights (fp16 with dynamic loss scaling)
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class SeedStopped(Exception):
+    """A stop signal (Slurm's warning before the time limit) was agreed by every rank mid-seed."""
+
+    def __init__(self, seed: int, step: int) -> None:
+        super().__init__(f"seed {seed} stopped at step {step}")
+        self.seed, self.step = seed, step
 
 
 @dataclass
@@ -103,25 +115,34 @@ def evaluate(model: MultipleChoiceBert, data: RaceTensors, batch_size: int = 16)
     return accuracy_by_level(torch.cat(preds), data.labels, data.levels)
 
 
-def _train_step(model, opt, sched, share, pg: ProcessGroups, clip: float, batch_count: int) -> float:
+def _train_step(model, opt, sched, share, pg: ProcessGroups, clip: float, batch_count: int,
+                precision: str = "fp32", scaler=None) -> float:
     """One step on this rank's share of a batch of `batch_count` questions; returns the batch's mean loss.
 
     Each rank backpropagates its summed loss x dp / batch_count, so the DP average of the gradients is
     the gradient of the whole batch's mean loss however unevenly a short last batch splits (an empty
-    share adds zero gradients without running the model)."""
+    share adds zero gradients without running the model). bf16/fp16 run the forward under autocast
+    (fp32 weights and optimizer); fp16 scales the loss, and a step whose gradients overflow on any
+    rank is skipped on every rank, the lr schedule not advanced."""
     tokens, types, mask, labels = share
     opt.zero_grad(set_to_none=True)
     if len(labels):
-        loss_sum = F.cross_entropy(model(tokens, types, mask).float(), labels, reduction="sum")
-        (loss_sum * (pg.dp_size / batch_count)).backward()
+        with torch.autocast(tokens.device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):
+            scores = model(tokens, types, mask)
+        loss_sum = F.cross_entropy(scores.float(), labels, reduction="sum")
+        (loss_sum * (pg.dp_size / batch_count) * (scaler.scale if scaler else 1.0)).backward()
     else:  # no rows: no forward (its TP peers skip it too), zero gradients for the DP all-reduce
         loss_sum = torch.zeros((), device=labels.device)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
     all_reduce_gradients(model.parameters(), pg.dp_group)
-    clip_grad_norm(model.parameters(), clip, pg.tp_group)
-    opt.step()
-    sched.step()
+    overflow = scaler is not None and scaler.unscale_and_check(model.parameters(), labels.device, pg.world_group)
+    if not overflow:
+        clip_grad_norm(model.parameters(), clip, pg.tp_group)
+        opt.step()
+        sched.step()
+    if scaler is not None:
+        scaler.update(overflow)
     return _sum_over_dp(loss_sum.detach(), pg) / batch_count
 
 
@@ -136,9 +157,12 @@ def _sum_over_dp(value: torch.Tensor, pg: ProcessGroups) -> float:
 
 
 def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOptions,
-             pg: ProcessGroups | None = None, log=None) -> list[float]:
+             pg: ProcessGroups | None = None, log=None, stop=None) -> list[float]:
     """Train for opts.epochs; each DP rank takes its slice of every (seeded, shuffled) batch. The
-    last batch of an epoch may be short (as serially): a rank whose slice is empty adds zero."""
+    last batch of an epoch may be short (as serially): a rank whose slice is empty adds zero. After
+    every step a `stop` (loop.StopSignal) agreed by all ranks raises SeedStopped."""
+    from repro.train.optim import DynamicLossScaler
+
     pg = pg or ProcessGroups.single()
     if opts.batch_size % pg.dp_size:
         raise ValueError(f"batch_size={opts.batch_size} is not divisible by dp={pg.dp_size}: "
@@ -146,6 +170,7 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
     per_rank = opts.batch_size // pg.dp_size
     steps_per_epoch = -(-len(train) // opts.batch_size)
     opt, sched = _optimizer(model, opts, steps_per_epoch * opts.epochs)
+    scaler = DynamicLossScaler() if opts.precision == "fp16" else None  # Megatron's defaults
     losses: list[float] = []
     for epoch in range(opts.epochs):
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(opts.seed + epoch))
@@ -154,15 +179,19 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
             mine = batch[pg.dp_rank * per_rank:(pg.dp_rank + 1) * per_rank]  # may be empty
             model.train()
             share = _rows(train, mine, _device(model))
-            losses.append(_train_step(model, opt, sched, share, pg, opts.clip_grad, len(batch)))
+            losses.append(_train_step(model, opt, sched, share, pg, opts.clip_grad, len(batch),
+                                      opts.precision, scaler))
             if log is not None and len(losses) % opts.log_every == 0:
-                log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0]}, len(losses))
+                extra = {"train/loss_scale": scaler.scale} if scaler else {}
+                log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0], **extra}, len(losses))
+            if stop is not None and stop.agreed(_device(model)):
+                raise SeedStopped(opts.seed, len(losses))
     return losses
 
 
 def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: FinetuneOptions,
              pg: ProcessGroups, log=None, device: torch.device | None = None,
-             scored: tuple[str, ...] = ("dev", "test")) -> FinetuneResult:
+             scored: tuple[str, ...] = ("dev", "test"), stop=None) -> FinetuneResult:
     """Build the model (from a full checkpoint state if given) on `device` (default CPU), fine-tune on
     splits["train"], score the `scored` splits."""
     from repro.models.bert_checkpoint import load_full_state_dict
@@ -175,7 +204,7 @@ def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: Finet
                                           if not k.startswith(("lm_head.", "sop_head."))})
     model.to(device)
     result = FinetuneResult(opts.seed)
-    result.losses = finetune(model, splits["train"], opts, pg, log)
+    result.losses = finetune(model, splits["train"], opts, pg, log, stop)
     for name in scored:
         result.accuracy[name] = evaluate(model, splits[name])
     return result
@@ -201,10 +230,48 @@ def print_report(results: list[FinetuneResult]) -> FinetuneResult:
     return chosen
 
 
-def options_for(size: str, batch_size: int | None, lr: float | None, epochs: int, seed: int) -> FinetuneOptions:
+def options_for(size: str, batch_size: int | None, lr: float | None, epochs: int, seed: int,
+                precision: str = "fp32") -> FinetuneOptions:
     """The paper's batch/lr for a named size, overridden where given."""
     batch, rate = PAPER_BATCH_LR.get(size, (32, 2e-5))
-    return replace(FinetuneOptions(), batch_size=batch_size or batch, lr=lr or rate, epochs=epochs, seed=seed)
+    return replace(FinetuneOptions(), batch_size=batch_size or batch, lr=lr or rate, epochs=epochs, seed=seed,
+                   precision=precision)
+
+
+SEEDS_DIR = "seeds"  # RUN_DIR/seeds/seed_<n>.json: each finished seed, so a restarted job skips it
+
+
+def seed_path(run_dir: Path, seed: int) -> Path:
+    return Path(run_dir) / SEEDS_DIR / f"seed_{seed}.json"
+
+
+def save_seed(run_dir: Path, result: FinetuneResult, settings: dict) -> Path:
+    """A finished seed's accuracies and losses with the settings that produced them (atomically)."""
+    from repro.provenance import write_atomic
+
+    path = seed_path(run_dir, result.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"seed": result.seed, "accuracy": result.accuracy, "losses": result.losses, "settings": settings}
+    write_atomic(path, json.dumps(record).encode())
+    return path
+
+
+def finished_seeds(run_dir: Path, seeds: list[int], settings: dict) -> dict[int, FinetuneResult]:
+    """The seeds of `seeds` that an earlier run in `run_dir` finished with the same settings; a seed
+    finished with other settings is a ValueError (its numbers would be mixed into this run's median)."""
+    done = {}
+    for seed in seeds:
+        path = seed_path(run_dir, seed)
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        if record.get("settings") != settings:
+            changed = sorted(k for k in {**settings, **record.get("settings", {})}
+                             if settings.get(k) != record.get("settings", {}).get(k))
+            raise ValueError(f"{path} holds seed {seed} fine-tuned with other settings ({', '.join(changed)} "
+                             f"differ). Fix: give a new --run-dir, or delete {path.parent} to start over")
+        done[seed] = FinetuneResult(seed, record["accuracy"], record["losses"])
+    return done
 
 
 def write_results(run_dir: Path, results: list[FinetuneResult], chosen: FinetuneResult) -> Path:

@@ -75,6 +75,37 @@ def test_tp2_dp2_resume_is_bit_identical(corpus, tmp_path, params):
     assert all(torch.equal(want[n], got[n]) for n in want)
 
 
+def test_a_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(uninterrupted, corpus, tmp_path):
+    """`checkpoints/latest` gone (a kill between the first save's rename and its pointer, or only the
+    iter_* directories copied): the relaunch resumes from the newest complete iter_* with a warning,
+    == one launch of 40, every step logged once. Before, it trained again from iteration 0 and
+    overwrote the earlier checkpoints."""
+    over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT})
+    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=15"])
+    (tmp_path / "checkpoints" / "latest").unlink()
+    with pytest.warns(UserWarning, match="latest is missing but .*iter_0000015 is a complete checkpoint"):
+        assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000015"
+    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=40"])
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, 41)) and _losses(tmp_path) == _losses(uninterrupted)
+
+
+def test_an_extended_run_killed_before_its_new_final_metrics_finishes_on_relaunch(corpus, tmp_path):
+    """A finished run (final_metrics.json at iteration 2) extended to 4 and killed after its iteration-4
+    checkpoint but before final_metrics.json was rewritten: the relaunch runs the final evaluation at 4.
+    Before, the old file's presence meant "nothing to train" and the analysis kept iteration 2's numbers."""
+    over = tiny_overrides(corpus, tmp_path, **{"train.eval_iters": 1})
+    assert train_rank(TINY, over + ["train.train_iters=2"])["iteration"] == 2
+    at_two = (tmp_path / "final_metrics.json").read_text()
+    train_rank(TINY, over + ["train.train_iters=4"])
+    (tmp_path / "final_metrics.json").write_text(at_two)  # as a kill during the final evaluation leaves it
+    final = train_rank(TINY, over + ["train.train_iters=4"])
+    assert not final.get("nothing_to_train") and final["iteration"] == 4 and "valid_loss" in str(final), final
+    assert json.loads((tmp_path / "final_metrics.json").read_text())["iteration"] == 4
+    assert train_rank(TINY, over + ["train.train_iters=4"])["nothing_to_train"]  # now it is finished
+
+
 def _resume_error(config: str, overrides: list[str]) -> str:
     try:
         train_rank(config, overrides)

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -98,10 +99,25 @@ def restore_rng(state: dict[str, torch.Tensor], tracker) -> None:
         tracker.set_state(state["tracker"])
 
 
+def _complete_iterations(root: Path) -> list[Path]:
+    """The iter_XXXXXXX directories under `root` that finish_save renamed into place (oldest first)."""
+    found = [p for p in Path(root).glob("iter_*") if p.name[5:].isdigit() and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The newest complete checkpoint under `root`, or None. Without a `latest` pointer but with
+    complete iter_* directories (a kill between the first save's rename and its pointer, or a copy of
+    the iter_* directories only) it is the newest of them, with a warning: never a restart from 0 that
+    would overwrite them."""
     pointer = Path(root) / "latest"
     if not pointer.exists():
+        complete = _complete_iterations(root)
+        if complete:
+            warnings.warn(f"{pointer} is missing but {complete[-1]} is a complete checkpoint: resuming from it "
+                          f"(rewrite {pointer} to name another, or train in a new run_dir to start over)",
+                          stacklevel=2)
+            return complete[-1]
         return None
     path = Path(root) / pointer.read_text().strip()
     aside = path.with_name(f"{path.name}.old")

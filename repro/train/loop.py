@@ -335,7 +335,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it")
     latest, saved = resume_meta(cfg, pg.tp_size, pg.dims.world_size)
     if saved and saved["iteration"] >= cfg.train.train_iters:
-        if (Path(cfg.run_dir) / "final_metrics.json").exists():
+        if _finished_at(cfg.run_dir) == saved["iteration"]:
             return _nothing_to_train(cfg, saved, pg.rank)
         _say_finishing(cfg, saved, pg.rank)  # trained, but stopped before its final evaluation
     # SIGTERM/SIGUSR1 from here on (Slurm warns before a time limit; setup may be under way): a signal
@@ -411,11 +411,23 @@ def _nothing_to_train(cfg: RunConfig, saved: dict, rank: int) -> dict:
             "nothing_to_train": True}
 
 
+def _finished_at(run_dir: str) -> int | None:
+    """The iteration of the run dir's final_metrics.json (None without a readable one). A run extended
+    past it (a higher train.train_iters) and killed before its new final evaluation has an older one."""
+    path = Path(run_dir) / "final_metrics.json"
+    try:
+        return int(json.loads(path.read_text())["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _say_finishing(cfg: RunConfig, saved: dict, rank: int) -> None:
     if rank == 0:
+        done = _finished_at(cfg.run_dir)
+        what = f"its final_metrics.json is from iteration {done}" if done is not None else "it has no final_metrics.json"
         print(f"run {cfg.run_dir} is at iteration {saved['iteration']} (train.train_iters={cfg.train.train_iters}) "
-              "but has no final_metrics.json: it stopped before finishing; running only its held-out evaluation "
-              "and final metrics", flush=True)
+              f"but {what}: it stopped before finishing; running only its held-out evaluation and final metrics",
+              flush=True)
 
 
 def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str]) -> RunLogger:

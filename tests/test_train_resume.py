@@ -114,17 +114,29 @@ def _resume_error(config: str, overrides: list[str]) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("layout, damaged_file", [("parallel.tp=1", "optim_tp00.pt"), ("parallel.tp=2", "model_tp01.pt")])
-def test_a_damaged_shard_stops_every_rank_with_the_file_named(corpus, tmp_path, layout, damaged_file):
+ZERO1 = "train.zero_stage=1"
+DAMAGED_SHARDS = [("parallel.tp=1", "optim_tp00.pt", 100), ("parallel.tp=2", "model_tp01.pt", 100),
+                  ("parallel.tp=2", "rng_rank00001.pt", 0),
+                  (ZERO1, "deepspeed/zero/zero_pp_rank_1_mp_rank_00_optim_states.pt", 300),
+                  (ZERO1, "deepspeed/zero/zero_pp_rank_0_mp_rank_00_optim_states.pt", None)]
+
+
+@pytest.mark.parametrize("layout, damaged_file, keep", DAMAGED_SHARDS, ids=lambda v: str(v).split("/")[-1])
+def test_a_damaged_shard_stops_every_rank_with_the_file_named(corpus, tmp_path, layout, damaged_file, keep):
     """At DP=2 only the owner replica reads the optimizer file and broadcasts it; at TP=2 each TP rank
-    reads its own model file. When one file is damaged, every rank raises a CheckpointError (the
-    owner's peers and the other TP ranks too) instead of waiting in a collective."""
+    reads its own model file; each rank its RNG file; under ZeRO each DP rank its DeepSpeed optimizer
+    partition. When one file is cut short (to `keep` bytes) or missing (None), every rank raises a
+    CheckpointError naming it and the way back (the owner's peers and the other ranks too) instead of
+    waiting in a collective, or, for ZeRO, a raw DeepSpeed traceback on one rank."""
     over = tiny_overrides(corpus, tmp_path, **{"train.micro_batch_size": 2}) + [layout]
     run_ranks(train_rank, 2, TINY, over + ["train.train_iters=2"])
     damaged = ck.latest_checkpoint(tmp_path / "checkpoints") / damaged_file
-    damaged.write_bytes(damaged.read_bytes()[:100])
+    if keep is None:
+        damaged.unlink()
+    else:
+        damaged.write_bytes(damaged.read_bytes()[:keep])
     errors = run_ranks(_resume_error, 2, TINY, over + ["train.train_iters=4"], timeout=120)
-    assert all(str(damaged) in e and "damaged" in e for e in errors), errors
+    assert all(str(damaged) in e and "damaged" in e and "start again in a new run_dir" in e for e in errors), errors
 
 
 def _replicated(path: str) -> dict:

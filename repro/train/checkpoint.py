@@ -146,8 +146,9 @@ def resolve(path: str | Path) -> Path:
 
 
 def _damaged(path: Path, err: Exception) -> CheckpointError:
-    """The error for an unreadable file of checkpoint `path.parent`, naming the way back."""
-    ckpt, latest = path.parent, path.parent.parent / "latest"
+    """The error for an unreadable file of a checkpoint (the iter_* directory above it), naming the way back."""
+    ckpt = next((p for p in path.parents if p.name.startswith("iter_")), path.parent)
+    latest = ckpt.parent / "latest"
     earlier = sorted(p.name for p in ckpt.parent.glob("iter_*[0-9]")
                      if p.name < ckpt.name and (p / "meta.json").exists())
     fix = (f"use the previous checkpoint {earlier[-1]}: move {ckpt} aside and run "

@@ -190,15 +190,48 @@ def resume_meta(cfg: RunConfig, tp: int, world_size: int) -> tuple[Path | None, 
     return latest, meta
 
 
-def _read_shards(eng: Engine, path: Path) -> tuple[dict, dict | None]:
-    """This rank's model and (plain trainer) optimizer files, each read once per DP group."""
+def _zero_files(eng: Engine, path: Path) -> list[Path]:
+    """The DeepSpeed ZeRO files this rank's load_checkpoint reads (the optimizer partition's name has a
+    `bf16_` prefix under DeepSpeed's bf16 optimizer)."""
+    zero, pg = path / "deepspeed" / "zero", eng.pg
+    optim = f"zero_pp_rank_{pg.dp_rank}_mp_rank_{pg.tp_rank:02d}_optim_states.pt"
+    return [zero / f"mp_rank_{pg.tp_rank:02d}_model_states.pt", next(iter(zero.glob(f"*{optim}")), zero / optim)]
+
+
+def _probe_zip(path: Path) -> None:
+    """A CheckpointError unless `path` is a whole torch.save archive (its zip directory reads): a
+    missing or cut-short ZeRO file, found before DeepSpeed's own load fails on one rank only."""
+    import zipfile
+
+    if not path.is_file():
+        raise ck._damaged(path, FileNotFoundError("missing"))
+    try:
+        with zipfile.ZipFile(path):
+            pass
+    except (OSError, zipfile.BadZipFile) as err:
+        raise ck._damaged(path, err) from None
+
+
+def _rng_file(path: Path, pg: ProcessGroups) -> Path:
+    rng_file = path / f"rng_rank{pg.rank:05d}.pt"
+    if not rng_file.exists():  # a different DP size: take the same TP rank's state
+        rng_file = path / f"rng_rank{pg.tp_rank:05d}.pt"
+    return rng_file
+
+
+def _read_shards(eng: Engine, path: Path) -> tuple[dict, dict | None, dict]:
+    """This rank's model and (plain trainer) optimizer files, each read once per DP group, its RNG
+    states, and (ZeRO) a check that DeepSpeed's files for this rank are there and whole."""
     pg = eng.pg
     model_state = ck.load_replicated(path / f"model_tp{pg.tp_rank:02d}.pt", pg, eng.device)
     extra = None if eng.deepspeed else ck.load_replicated(path / f"optim_tp{pg.tp_rank:02d}.pt", pg, eng.device)
-    return model_state, extra
+    if eng.deepspeed:
+        for file in _zero_files(eng, path):
+            _probe_zip(file)
+    return model_state, extra, ck.load_file(_rng_file(path, pg))
 
 
-def _read_shards_everywhere(eng: Engine, path: Path) -> tuple[dict, dict | None]:
+def _read_shards_everywhere(eng: Engine, path: Path) -> tuple[dict, dict | None, dict]:
     """`_read_shards` on every rank, or a CheckpointError on every rank: a damaged shard of one TP
     rank stops the whole job here, not with the other TP ranks waiting in the first all-reduce."""
     try:
@@ -221,23 +254,23 @@ def _read_shards_everywhere(eng: Engine, path: Path) -> tuple[dict, dict | None]
 
 def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     """Restore model, optimizer, schedule, scaler and data position; RNG states go in meta["rng"]."""
-    meta, pg = ck.read_meta(path), eng.pg
-    model_state, extra = _read_shards_everywhere(eng, path)
+    meta = ck.read_meta(path)
+    model_state, extra, rng = _read_shards_everywhere(eng, path)
     if eng.masters is not None:
         eng.masters.load_state_dict(eng.model, model_state)
     else:
         eng.model.load_state_dict(model_state)
     if eng.deepspeed:
-        eng.wrapped.load_checkpoint(str(path / "deepspeed"), tag="zero")
+        try:
+            eng.wrapped.load_checkpoint(str(path / "deepspeed"), tag="zero")
+        except Exception as err:  # the files were probed whole; what DeepSpeed still refuses, named
+            raise ck._damaged(path / "deepspeed" / "zero", err) from None
     else:
         eng.optimizer.load_state_dict(extra["optimizer"])
         eng.scheduler.load_state_dict(extra["scheduler"])
         if eng.scaler and extra["scaler"]:
             eng.scaler.load_state_dict(extra["scaler"])
-    rng_file = path / f"rng_rank{pg.rank:05d}.pt"
-    if not rng_file.exists():  # a different DP size: take the same TP rank's state
-        rng_file = path / f"rng_rank{pg.tp_rank:05d}.pt"
-    meta["rng"] = ck.load_file(rng_file)  # restored just before the first step (setup draws too)
+    meta["rng"] = rng  # restored just before the first step (setup draws too)
     return TrainState(meta["iteration"], meta["consumed_samples"], saved_at=meta["iteration"]), meta
 
 

@@ -274,3 +274,10 @@ def test_damaged_checkpoint_file_names_the_file_and_the_way_back(run, corpus, ca
     assert err.startswith(f"error: checkpoint file {damaged} is damaged{reason}"), out
     assert "CheckpointError" not in err and f"echo iter_0000001 > {run / 'checkpoints' / 'latest'}" in out
     assert _snapshot(run) == before
+
+
+def test_train_without_a_config_names_the_missing_argument(capfd):
+    """Before, `repro train` alone blamed an empty data.train_prefix."""
+    assert main(["train"]) == 2
+    out = "".join(capfd.readouterr())
+    assert "no config given" in out and "experiments/" in out and "train_prefix" not in out

@@ -143,7 +143,7 @@ def test_repro_lm_eval_command_on_a_checkpoint_equals_repro_eval(setup, tmp_path
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "repro.eval.lm_eval_adapter"]
     out = subprocess.run(cmd + ["--model", "megatron-repro", "--model_args",
                                 f"checkpoint={tmp_path / 'run'},data_dir={mirror()}",
-                                "--device", "cpu", "--batch_size", "4", "--include_path", str(tasks),
+                                "--batch_size", "4", "--include_path", str(tasks),  # lm-eval's default device: cuda
                                 "--tasks", "lambada_openai_local", "--limit", str(n),
                                 "--output_path", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300)

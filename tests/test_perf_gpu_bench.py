@@ -123,3 +123,13 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path):
     assert report["provenance"]["git_sha"]
     for params in ("fp32", "half"):
         assert "matrix-multiply/attention kernels" in (tmp_path / f"profile_{params}.txt").read_text()
+
+
+def test_without_cuda_the_full_benchmark_refuses_and_names_tiny(tmp_path, capsys):
+    """The 1.2B benchmark on a machine without CUDA would time the full model for hours silently."""
+    import torch
+
+    if torch.cuda.is_available():
+        return  # on a GPU machine the full benchmark is the point
+    assert gpu_bench.main(["--out", str(tmp_path / "b")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "b").exists()

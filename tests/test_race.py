@@ -395,3 +395,15 @@ def test_tp_defaults_to_the_smallest_degree_that_fits_the_gpu():
     assert choose_tp(bert["bert-3.9b"], 8, None) == 1 and choose_tp(bert["bert-3.9b"], 8, 16 * 2**30) == 8
     with pytest.raises(UserError, match="Fix: launch more ranks, or give --tp"):
         choose_tp(bert["bert-3.9b"], 2, 16 * 2**30)
+
+
+def test_the_default_paper_size_is_refused_on_cpu_without_a_checkpoint(tmp_path, vocab_file):
+    """No --checkpoint/--model-config builds bert-336m at 512 positions: ~24 GB on a CPU, killed by the
+    kernel with no message; it is refused (exit 2) naming --model-config, before any run is logged."""
+    if torch.cuda.is_available():
+        return
+    cmd = [sys.executable, "-m", "repro.cli", "finetune", "race", "--race-dir", str(FIXTURE), "--vocab",
+           str(vocab_file), "--run-dir", str(tmp_path / "run"), "--seeds", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "--model-config experiments/bert/tiny_cpu.yaml" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()

@@ -124,7 +124,8 @@ def _load_checkpoint(checkpoint: str | None, device: str | None):
         raise ValueError("megatron-repro needs --model_args checkpoint=DIR (a training run's checkpoint)")
     from repro.train.checkpoint import load_model_for_eval
 
-    device = device if device and device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device or device == "auto" or (device.startswith("cuda") and not torch.cuda.is_available()):
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's default --device is cuda
     return load_model_for_eval(checkpoint, ProcessGroups.single(), torch.device(device)).eval()
 
 

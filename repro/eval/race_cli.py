@@ -46,11 +46,22 @@ def model_config(args, vocab_size: int) -> tuple[BertConfig, dict | None]:
         known = {f.name for f in fields(BertConfig)}
         cfg = BertConfig(**{k: v for k, v in block.items() if k in known})
     else:
+        if args.size is None and not _cuda():
+            raise UserError(f"no --checkpoint or --model-config: the default model is {DEFAULT_SIZE} at sequence "
+                            f"length {args.seq_length}, which needs well over 20 GB on a CPU. Fix: give --checkpoint, "
+                            "or --model-config experiments/bert/tiny_cpu.yaml for a CPU check (--size "
+                            f"{DEFAULT_SIZE} to build it anyway)")
         cfg = BertConfig(**_bert_size(args.size or DEFAULT_SIZE).model_config().__dict__)
     cfg.vocab_size = vocab_size
     print(f"warning: no --checkpoint: fine-tuning a randomly initialised BERT ({cfg.num_layers} layers, "
           f"hidden {cfg.hidden_size})")
     return cfg, None
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _bert_sizes() -> dict:

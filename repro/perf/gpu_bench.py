@@ -328,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and not args.tiny and args.device is None:
+        print("error: no CUDA device: this is the GPU benchmark of the 1.2B config (hours on a CPU). Fix: run it "
+              "on a GPU, or pass --tiny for a CPU smoke run (--device cpu to time the full config anyway)",
+              file=sys.stderr)
+        return 2
     name, cfg = _model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None

@@ -65,6 +65,9 @@ def _preflight(args, launched: bool) -> None:
     from repro.train.config import derive, load_config
     from repro.train.loop import resume_meta
 
+    if args.config is None and not args.set:
+        raise UserError("no config given. Fix: `repro train experiments/demo/gpt_demo.yaml --nproc 2` (a YAML "
+                        "under experiments/), with --set KEY=VALUE overrides")
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give a positive number of ranks, e.g. --nproc 2 "
                         "(or leave it out under torchrun/srun)")

@@ -91,14 +91,16 @@ def test_a_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(un
     assert steps == list(range(1, 41)) and _losses(tmp_path) == _losses(uninterrupted)
 
 
-def test_an_extended_run_killed_before_its_new_final_metrics_finishes_on_relaunch(corpus, tmp_path):
+def test_an_extended_run_killed_before_its_new_final_metrics_finishes_on_relaunch(corpus, tmp_path, capsys):
     """A finished run (final_metrics.json at iteration 2) extended to 4 and killed after its iteration-4
     checkpoint but before final_metrics.json was rewritten: the relaunch runs the final evaluation at 4.
     Before, the old file's presence meant "nothing to train" and the analysis kept iteration 2's numbers."""
     over = tiny_overrides(corpus, tmp_path, **{"train.eval_iters": 1})
     assert train_rank(TINY, over + ["train.train_iters=2"])["iteration"] == 2
     at_two = (tmp_path / "final_metrics.json").read_text()
-    train_rank(TINY, over + ["train.train_iters=4"])
+    train_rank(TINY, over + ["train.train_iters=4", "train.eval_interval=3"])
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "iter_0000002 at iteration 2" in out and "validation at iteration 3: valid_loss" in out
     (tmp_path / "final_metrics.json").write_text(at_two)  # as a kill during the final evaluation leaves it
     final = train_rank(TINY, over + ["train.train_iters=4"])
     assert not final.get("nothing_to_train") and final["iteration"] == 4 and "valid_loss" in str(final), final

@@ -378,6 +378,9 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         state, meta = TrainState(), {}
         if latest is not None:
             state, meta = load(eng, latest)
+            if pg.rank == 0:
+                print(f"resumed from {latest} at iteration {state.iteration} "
+                      f"({state.consumed_samples:,} samples consumed)", flush=True)
             _say_if_the_code_changed(meta, latest, pg.rank)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))
@@ -496,6 +499,9 @@ def _after_step(eng, state, result, interval, peak, logger, valid, stop: StopSig
     if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0 and not stop.agreed(eng.device):
         began = time.perf_counter()
         held_out = evaluate(eng, valid())
+        if logger:
+            print(f" validation at iteration {it}: " + " | ".join(f"{k} {v:.4f}" for k, v in held_out.items()),
+                  flush=True)
         _log(logger, {**held_out, "eval_seconds": interval.exclude(began)}, it)
     if cfg.train.save_interval and it % cfg.train.save_interval == 0:
         began = time.perf_counter()

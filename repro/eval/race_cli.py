@@ -118,9 +118,11 @@ MEMORY_MARGIN = 1.25  # activations (4 sequences per question), the CUDA context
 
 
 def finetune_bytes_per_rank(cfg: BertConfig, tp: int) -> float:
-    """Weights, gradients and Adam state of one rank at this TP degree (12 l h^2 + (V + s) h params)."""
-    params = 12 * cfg.num_layers * cfg.hidden_size ** 2 + (cfg.vocab_size + cfg.seq_length) * cfg.hidden_size
-    return BYTES_PER_PARAM * params / tp
+    """Weights, gradients and Adam state of one rank at this TP degree (the planner's parameter count;
+    the MLM/SOP heads it includes are not built for fine-tuning: a slight over-count)."""
+    from repro.perf.memory import bert_params_per_rank
+
+    return BYTES_PER_PARAM * bert_params_per_rank(cfg, tp)
 
 
 def choose_tp(cfg: BertConfig, world: int, device_bytes: float | None) -> int:

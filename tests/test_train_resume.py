@@ -381,38 +381,46 @@ def _children(pid: int) -> list[int]:
     return [c.pid for c in psutil.Process(pid).children(recursive=True)]
 
 
-def _kill_during_a_save(corpus, run_dir: Path) -> list[str]:
-    """`repro train` saving every iteration, SIGKILLed once a later checkpoint's .tmp directory exists."""
-    over = tiny_overrides(corpus, run_dir, **{"train.save_interval": 1, "train.train_iters": 400})
-    proc = _cli("train", TINY, *sum((["--set", o] for o in over), []))
-    deadline = time.time() + 120
-    ckpts = run_dir / "checkpoints"
-    while not ((ckpts / "latest").exists() and list(ckpts.glob("iter_*.tmp"))) and time.time() < deadline:
-        time.sleep(0.001)
-    proc.kill()  # SIGKILL while a later checkpoint is being written
-    proc.wait(timeout=30)
-    return over
+# Run `repro train` in a child that SIGKILLs itself right after the first file of checkpoint
+# iteration `KILL_AT` lands in its .tmp directory: a real kill -9 mid-write, at a fixed point (polling
+# from outside raced the rename on a loaded CI machine).
+_DIE_MID_SAVE = """
+import os, signal, sys, torch
+from pathlib import Path
+from repro.cli import main
+from repro.train.checkpoint import iter_name
+
+target, save = iter_name(int(os.environ["KILL_AT"])) + ".tmp", torch.save
+
+def save_then_die(obj, f, *args, **kwargs):
+    save(obj, f, *args, **kwargs)
+    if Path(str(f)).parent.name == target:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def test_kill_9_during_checkpoint_write_leaves_previous_loadable(corpus, tmp_path):
-    for attempt in range(5):  # on a loaded machine the .tmp may be renamed between the poll and the kill
-        run_dir = tmp_path / f"try{attempt}"
-        over = _kill_during_a_save(corpus, run_dir)
-        ckpts = run_dir / "checkpoints"
-        if list(ckpts.glob("iter_*.tmp")):
-            break
+    run_dir, kill_at = tmp_path / "run", 3
+    over = tiny_overrides(corpus, run_dir, **{"train.save_interval": 1, "train.train_iters": 6})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AT": str(kill_at)}
+    done = subprocess.run([sys.executable, "-c", _DIE_MID_SAVE, "train", TINY, *sum((["--set", o] for o in over), [])],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
+    ckpts = run_dir / "checkpoints"
     latest = ck.latest_checkpoint(ckpts)
-    assert latest is not None and list(ckpts.glob("iter_*.tmp")), "the kill did not land mid-write in 5 tries"
-    at = int(latest.name.split("_")[1])
-    assert ck.read_meta(latest)["iteration"] == at
-    assert min(int(p.name[len("iter_"):-len(".tmp")]) for p in ckpts.glob("iter_*.tmp")) > at  # the newer one
+    assert latest is not None and latest.name == ck.iter_name(kill_at - 1)
+    assert [p.name for p in ckpts.glob("iter_*.tmp")] == [ck.iter_name(kill_at) + ".tmp"]  # the half-written one
+    assert ck.read_meta(latest)["iteration"] == kill_at - 1
     from repro.parallel.groups import ProcessGroups
 
     model = ck.load_model_for_eval(latest, ProcessGroups.single())
     assert model(torch.zeros(1, 8, dtype=torch.long))[..., :50257].isfinite().all()
-    run_ranks(train_rank, 1, TINY, over + [f"train.train_iters={at + 2}"])  # the run resumes from it
-    assert ck.latest_checkpoint(ckpts).name == ck.iter_name(at + 2) and not list(ckpts.glob("iter_*.tmp"))
-    assert {at + 1, at + 2} <= set(_losses(run_dir))
+    run_ranks(train_rank, 1, TINY, over + [f"train.train_iters={kill_at + 1}"])  # the run resumes from it
+    assert ck.latest_checkpoint(ckpts).name == ck.iter_name(kill_at + 1) and not list(ckpts.glob("iter_*.tmp"))
+    assert {kill_at, kill_at + 1} <= set(_losses(run_dir))
 
 
 def _logits_worker(ckpt: str, tp: int) -> list:

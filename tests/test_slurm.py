@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -343,6 +344,30 @@ def test_repro_slurm_submit_and_status_run_a_smoke_job(slurm_cluster, site):  # 
     assert "config ok: smoke-scale_1b tp=1 dp=1" in _job_output(site, job)
     queue = _repro_slurm(site, "status")
     assert queue.returncode == 0 and queue.stdout.split()[:3] == ["JOBID", "NAME", "STATE"], queue.stderr
+    purged = _repro_slurm(site, "status", "987654")  # a job the controller does not know: a row, exit 0
+    assert purged.returncode == 0 and purged.stdout.splitlines()[1].split()[:3] == ["987654", "?", "unknown"]
+
+
+DEAD_CONTROLLER = """ClusterName=dead
+SlurmctldHost=localhost
+SlurmctldPort=6999
+MessageTimeout=2
+NodeName=localhost CPUs=1
+PartitionName=debug Nodes=localhost
+"""
+
+
+@pytest.mark.parametrize("args", [("status", "123"), ("status",)])
+def test_repro_slurm_status_fails_when_slurm_cannot_answer(tmp_path, args):
+    """A controller that does not answer (nothing listens on its port): exit 2 with Slurm's own
+    message and no table (it used to print every job as 'unknown' and exit 0)."""
+    require_slurm()
+    (tmp_path / "slurm.conf").write_text(DEAD_CONTROLLER)
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "slurm", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "SLURM_CONF": str(tmp_path / "slurm.conf")})
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert ("scontrol could not report job 123" if len(args) == 2 else "squeue failed") in out.stderr
+    assert "Unable to contact slurm controller" in out.stderr, out.stderr
 
 
 def test_repro_slurm_sweep_submits_a_table_through_sbatch(slurm_cluster, site, tmp_path):  # noqa: F811

@@ -308,6 +308,19 @@ def test_cluster_settings_let_the_environment_win_and_refuse_per_job_values(tmp_
     assert cluster_settings(env_file)["PATH"].startswith("/site/bin:")
 
 
+def test_the_example_cluster_env_sources_without_user(monkeypatch):
+    """A batch environment without $USER (some container runtimes): the example still sources under
+    launch.sh's `set -u` and names the user's own directories."""
+    import getpass
+
+    from repro.launch.scripts import cluster_settings
+
+    monkeypatch.delenv("USER", raising=False)
+    monkeypatch.delenv("REPRO_RUNS_DIR", raising=False)
+    settings = cluster_settings(ROOT / "slurm" / "cluster.env.example")
+    assert settings["REPRO_RUNS_DIR"] == f"/shared/{getpass.getuser()}/megatron-repro/runs"
+
+
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_a_restart_without_a_checkpoint_warns_naming_the_run_dir(tmp_path, checkpoint):
     """C3: a requeued piece that finds no checkpoint (cluster.env moved REPRO_RUNS_DIR) says so loudly."""

@@ -184,21 +184,38 @@ def _has_accounting() -> bool:
                                                           capture_output=True).returncode == 0
 
 
+def _slurm(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a Slurm client command, or a UserError when it is not on PATH."""
+    if not shutil.which(cmd[0]):
+        raise _user_error(f"`{cmd[0]}` is not on PATH: run `repro slurm status` on a node of the Slurm cluster "
+                          "(a login node), or load its Slurm module first")
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 def job_record(job_id: str) -> dict[str, str]:
-    """`scontrol show job -o ID` as a dict (empty when Slurm no longer knows the job)."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
-    return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f) if out.returncode == 0 else {}
+    """`scontrol show job -o ID` as a dict: empty when the controller no longer knows the job, a
+    UserError with Slurm's own message when it cannot answer (no controller, a malformed id)."""
+    out = _slurm(["scontrol", "show", "job", "-o", job_id])
+    if out.returncode == 0:
+        return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+    if "Invalid job id specified" in out.stderr:  # finished and purged (MinJobAge)
+        return {}
+    raise _user_error(f"scontrol could not report job {job_id}: {out.stderr.strip() or out.stdout.strip()}")
 
 
 def _status(args) -> int:
     if not args.jobs:
-        return subprocess.run(["squeue", "--me", "-o", "%.10i %.20j %.10T %.12M %.6D %R"]).returncode
+        out = _slurm(["squeue", "--me", "-o", "%.10i %.20j %.10T %.12M %.6D %R"])
+        if out.returncode:
+            raise _user_error(f"squeue failed: {out.stderr.strip()}")
+        print(out.stdout, end="")
+        return 0
     if _has_accounting():
         fmt = "JobID,JobName%20,State,ExitCode,Elapsed,NNodes,Restarts"
         return subprocess.run(["sacct", "-X", "-j", ",".join(args.jobs), f"--format={fmt}"]).returncode
+    records = {job: job_record(job) for job in args.jobs}  # all asked before printing: an error prints no table
     print(f"{'job':>10} {'name':>20} {'state':>12} {'exit':>6} {'restarts':>8} {'runtime':>10}")
-    for job in args.jobs:
-        r = job_record(job)
+    for job, r in records.items():
         print(f"{job:>10} {r.get('JobName', '?'):>20} {r.get('JobState', 'unknown'):>12} "
               f"{r.get('ExitCode', '?'):>6} {r.get('Restarts', '?'):>8} {r.get('RunTime', '?'):>10}")
     return 0

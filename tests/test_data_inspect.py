@@ -62,6 +62,13 @@ def test_cli_prints_splits_report_epochs_and_a_decoded_preview(corpus, data_dir,
 def test_bad_config_and_damaged_report_are_named_not_tracebacks(corpus, tmp_path, capsys):
     assert main(["data", "inspect", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+    unprepared = tmp_path / "unprepared.yaml"
+    unprepared.write_text(f"include: [{Path(__file__).parents[1] / 'experiments/tiny/gpt_tiny.yaml'}]\n"
+                          f"data:\n  train_prefix: {tmp_path}/corpus_train\n")
+    assert main(["data", "inspect", "--config", str(unprepared)]) == 2  # it used to suggest corpus_train_train
+    err = capsys.readouterr().err
+    assert f"data.train_prefix {tmp_path}/corpus_train has no {tmp_path}/corpus_train.idx" in err
+    assert f"--output-prefix {tmp_path}/corpus`" in err and "_train_train" not in err
     import shutil
 
     for name in ("train", "valid"):

@@ -234,6 +234,7 @@ def test_plan_json_matches_the_memory_model(capsys):
     (["experiments/scaling/scale_8b.yaml", "--gpus", "12"], "at 12 GPUs"),
     (["experiments/bert/bert_336m.yaml", "--gpus", "0"], "launch at least one rank"),
     ([], "give a training config"),
+    (["experiments/gpt/scale_8b.yaml"], "gpt/scale_8b.yaml does not exist: check the path"),  # not "pass --gpus"
 ])
 def test_plan_errors_name_the_fix(capsys, args, message):
     assert main(["plan", *[str(ROOT / a) if a.endswith(".yaml") else a for a in args]]) == 2

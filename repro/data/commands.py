@@ -120,6 +120,14 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_prepare)
 
 
+def _config_data_missing(config: str, train_prefix: str) -> str:
+    """The error for a config whose training split is not there, with the command that writes it."""
+    base = train_prefix[:-len("_train")] if train_prefix.endswith("_train") else train_prefix
+    return (f"{config}: its data.train_prefix {train_prefix} has no {train_prefix}.idx. Fix: prepare the corpus "
+            f"with `repro data prepare --input CORPUS --output-prefix {base}` (it writes {base}_train/_valid/_test), "
+            "or set REPRO_DATA_DIR (the paper configs read their data from it) to where it was prepared")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from repro.cli import UserError
     from repro.data import summary as S
@@ -134,6 +142,8 @@ def _inspect(args: argparse.Namespace) -> int:
             cfg = load_config(args.config)
         except (RunConfigError, OSError) as err:
             raise UserError(str(err)) from None
+        if not prefix and not Path(f"{cfg.data.train_prefix}.idx").exists():
+            raise UserError(_config_data_missing(args.config, cfg.data.train_prefix))
         prefix = prefix or cfg.data.train_prefix
         seq_length, global_batch = seq_length or cfg.model.seq_length, global_batch or cfg.train.global_batch_size
         train_iters, family = cfg.train.train_iters, "bert" if cfg.family == "bert" else "gpt2"

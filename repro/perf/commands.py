@@ -86,6 +86,9 @@ def _plan(args) -> int:
         return _plan_paper(args)
     if args.config is None:
         raise UserError("repro plan: give a training config (e.g. experiments/gpt2/gpt2_8.3b.yaml), or --paper")
+    if not Path(args.config).is_file():
+        raise UserError(f"config file {args.config} does not exist: check the path (the paper's configs are "
+                        "under experiments/, e.g. experiments/scaling/scale_8b.yaml)")
     gpus = args.gpus if args.gpus is not None else _script_gpus(args.config)
     if gpus is None:
         raise UserError(f"{args.config}: no slurm/ script runs this config, so the GPU count is unknown. "

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Table 3: zero-shot WikiText-103 perplexity and LAMBADA accuracy of a trained GPT-2 (a run of
-# experiments/gpt2/gpt2_8.3b.yaml, say) on one 8-GPU node, 8-way TP unless REPRO_EVAL_TP says otherwise.
+# experiments/gpt2/gpt2_8.3b.yaml, say) on one 8-GPU node, at the checkpoint's own TP (the rest of the 8
+# ranks are DP) unless REPRO_EVAL_TP says otherwise (a TP that does not divide 8: the largest that divides
+# both 8 and the model's heads).
 # REPRO_EVAL_CHECKPOINT: the training run directory (or its checkpoints/iter_XXXXXXX folder).
 # REPRO_EVAL_WIKITEXT_FILE: the paper's WikiText-103 wiki.test.tokens (default: the data dir's
 #   WikiText-2 tokens file, same words, more <unk>; see repro/eval/README.md).
@@ -21,7 +23,7 @@ need REPRO_EVAL_CHECKPOINT "the GPT-2 checkpoint to evaluate (its training run d
 [[ -d "$REPRO_EVAL_CHECKPOINT" ]] \
   || die "REPRO_EVAL_CHECKPOINT=$REPRO_EVAL_CHECKPOINT is not a directory: give the training run directory"
 parse_flags "$@"
-ARGS=(--tp "${REPRO_EVAL_TP:-8}" --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}")
+ARGS=(${REPRO_EVAL_TP:+--tp "$REPRO_EVAL_TP"} --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}")
 if [[ "$SMOKE" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
   ARGS=(--tp "$SLURM_NTASKS" --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}" --window 64 --stride 32 --max-lines 40 --max-examples 64)

@@ -115,3 +115,35 @@ def test_wikitext_file_may_be_a_path_and_a_wrong_one_names_the_fix(tracked, caps
                      "--file", str(tmp_path / "missing.tokens"), "--no-mlflow"]) == 2
     err = capsys.readouterr().err
     assert "missing.tokens" in err and "wikitext-103-v1.zip" in err
+
+
+def _eval_at_default_tp(ckpt: str, data_dir: str, out: str) -> dict:
+    from repro.cli import main
+
+    assert main(["eval", "lambada", "--checkpoint", ckpt, "--data-dir", data_dir, "--max-examples", "8",
+                 "--no-mlflow", "--out", out]) == 0
+    return json.loads(open(out).read().splitlines()[-1])["params"]
+
+
+def test_tp_defaults_to_the_checkpoints_own_on_two_ranks(tmp_path):
+    """Without --tp: a TP=1 checkpoint on 2 ranks is TP1 x DP2, a TP=2 one TP2 x DP1 (it used to be
+    TP 1 always, and the Slurm script's TP 8 refused a 20-head GPT-2 2.5B)."""
+    from repro.parallel.spawn import run_ranks
+    from repro.train import checkpoint as ck
+
+    tp1 = write_tiny_checkpoint(tmp_path / "run")
+    tp2 = ck.reshard(tp1, tmp_path / "tp2", 2)
+    for ckpt, layout in ((tp1, ("1", "2")), (tp2, ("2", "1"))):
+        out = str(tmp_path / f"{ckpt.name}.jsonl")
+        params = run_ranks(_eval_at_default_tp, 2, str(ckpt), str(mirror()), out)[0]
+        assert (str(params["tp"]), str(params["dp"])) == layout, params
+
+
+@pytest.mark.parametrize("saved, heads, world, expected", [
+    (2, 20, 8, 2), (4, 20, 6, 2), (8, 32, 4, 4), (2, 16, 1, 1), (1, 16, 8, 1)])
+def test_default_eval_tp(monkeypatch, saved, heads, world, expected):
+    from repro.eval.commands import default_eval_tp
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert default_eval_tp({"tp": saved, "model": {"num_attention_heads": heads}}) == expected

@@ -90,6 +90,18 @@ def process_groups(tp: int, command: str = "eval ..."):
     return ProcessGroups.single()
 
 
+def default_eval_tp(meta: dict) -> int:
+    """--tp when not given: the checkpoint's own TP where this launch's ranks are a multiple of it (its
+    shards load as saved, and it fit in training), else the largest divisor of the world size that
+    divides the model's heads (a 20-head model saved at TP 4, on 6 ranks: TP 2 x DP 3)."""
+    from repro.parallel.groups import discover_launch_env
+
+    world, saved, heads = discover_launch_env().world_size, meta["tp"], meta["model"]["num_attention_heads"]
+    if world % saved == 0:
+        return saved
+    return max(t for t in range(1, world + 1) if world % t == 0 and heads % t == 0)
+
+
 def gpt_checkpoint(path: Path, purpose: str = "zero-shot eval") -> Path:
     """The GPT checkpoint directory `path` names; a UserError for none or another family's."""
     from repro.train.checkpoint import CheckpointError, read_meta, resolve
@@ -159,8 +171,8 @@ def _handle(args) -> int:
     from repro.data.tokenizers import build_tokenizer
     from repro.train.checkpoint import read_meta
 
-    opts, pg = _options(args), process_groups(args.tp)
-    ckpt = gpt_checkpoint(Path(args.checkpoint))
+    opts, ckpt = _options(args), gpt_checkpoint(Path(args.checkpoint))
+    pg = process_groups(args.tp or default_eval_tp(read_meta(ckpt)))
     out = _out_path(args.out, ckpt)
     model, run_id = load_gpt(ckpt, pg)
     runner = run_wikitext if args.task == "wikitext" else run_lambada
@@ -198,7 +210,9 @@ def register(subparsers) -> None:
     parser.add_argument("task", choices=("wikitext", "lambada"))
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory of a training run")
     parser.add_argument("--data-dir", default=None, help="data directory (default: $REPRO_DATA_DIR or ./data)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest of the world is DP)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel size, the rest of the world is DP [the checkpoint's own TP when the "
+                             "ranks are a multiple of it, else the largest that divides the ranks and the heads]")
     parser.add_argument("--window", type=int, default=1024, help="wikitext window (paper: 1024)")
     parser.add_argument("--stride", type=int, default=32, help="wikitext stride (paper: 32; = window: no overlap)")
     parser.add_argument("--file", default="tokens", metavar="tokens|raw|PATH",

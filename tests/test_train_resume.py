@@ -355,6 +355,43 @@ def test_saving_the_iteration_latest_names_again_always_leaves_a_complete_one(tm
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "latest"]
 
 
+def test_a_save_is_on_disk_before_latest_names_it_and_clears_what_kills_left(tmp_path, monkeypatch):
+    """finish_save fsyncs every file and directory of the new checkpoint before `latest` is rewritten
+    (os.fsync watched, not replaced: the calls are real), then removes the .tmp/.old directories of
+    other iterations that kills left behind (they used to stay, a full checkpoint's size each)."""
+    import json
+
+    from repro.parallel.groups import ProcessGroups
+
+    pg, root = ProcessGroups.single(), tmp_path / "checkpoints"
+    for leftover in ("iter_0000002.tmp", "iter_0000003.old", "iter_0000009.tmp"):
+        (root / leftover / "deepspeed").mkdir(parents=True)
+        (root / leftover / "deepspeed" / "part.pt").write_bytes(b"half")
+    tmp = ck.begin_save(root, 4, pg)
+    (tmp / "deepspeed").mkdir()
+    for name in ("meta.json", "model_tp00.pt", "deepspeed/zero.pt"):
+        (tmp / name).write_text(json.dumps({"tp": 1}))
+    fsync, synced = os.fsync, []
+
+    def watched(fd):
+        fsync(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(ck.os, "fsync", watched)
+    ck.finish_save(root, 4, pg)
+    monkeypatch.undo()
+    files = {str(tmp / n) for n in ("meta.json", "model_tp00.pt", "deepspeed/zero.pt", "deepspeed")} | {str(tmp)}
+    assert files <= set(synced[:len(files)]), synced  # all before the rename that publishes them
+    assert synced.index(str(root / "latest.tmp")) > len(files)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "latest"]
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_naming_the_fix(tmp_path):
+    (tmp_path / "meta.json").write_text('{"tp": 1, "format": 2}')
+    with pytest.raises(ck.CheckpointError, match="format 2 is newer than this checkout reads.*git pull"):
+        ck.read_meta(tmp_path)
+
+
 def test_the_callers_signal_handlers_are_back_after_training(corpus, tmp_path):
     """The trainer takes SIGTERM/SIGUSR1 only while it trains (a notebook or a sweep calling train()
     keeps its own handlers)."""

@@ -73,13 +73,46 @@ def finish_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
     final, old = root / name, root / f"{name}.old"
     if pg.rank == 0:
         shutil.rmtree(old, ignore_errors=True)  # left by a kill after the rename below
+        fsync_tree(root / f"{name}.tmp")  # on disk before `latest` can name it
         if final.exists():
             os.replace(final, old)
         os.replace(root / f"{name}.tmp", final)
+        _fsync_dir(root)
         write_atomic(root / "latest", name.encode())
+        _fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
+        remove_unfinished(root)
     _barrier(pg)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first: a power loss after the
+    rename that publishes it cannot leave a named checkpoint with missing data."""
+    paths = sorted(Path(root).rglob("*"), key=lambda p: len(p.parts), reverse=True)
+    for path in paths:
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for path in [*(p for p in paths if p.is_dir() and not p.is_symlink()), Path(root)]:
+        _fsync_dir(path)
+
+
+def remove_unfinished(root: Path) -> list[Path]:
+    """Remove the iter_*.tmp and iter_*.old directories a kill left under `root` (once a newer save
+    is complete nothing reads them: a resume starts from `latest`); returns what was removed."""
+    stale = [p for p in Path(root).glob("iter_*") if p.is_dir() and p.suffix in (".tmp", ".old")]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def rng_state(tracker) -> dict[str, torch.Tensor]:
@@ -170,6 +203,10 @@ def read_meta(ckpt: Path) -> dict:
         raise _damaged(path, err) from None
     if not isinstance(meta, dict) or "tp" not in meta:
         raise _damaged(path, ValueError("not a checkpoint meta.json: no `tp`"))
+    if not isinstance(meta.get("format", FORMAT_VERSION), int) or meta.get("format", FORMAT_VERSION) > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r} is newer than this checkout reads "
+                              f"(up to {FORMAT_VERSION}). Fix: update megatron-repro (git pull) to the version "
+                              "that wrote it")
     return meta
 
 

@@ -120,3 +120,20 @@ def test_check_prints_the_planned_memory(capsys):
     cfg = load_config(config, ["tracking.enabled=false"])
     expected = memory_plan(cfg, derive(cfg, 2), "cpu").peak / 2**30
     assert f"planned peak memory per rank: {expected:.2f} GiB (CPU)" in capsys.readouterr().out
+
+
+def test_check_plans_a_gpu_run_for_the_gpu_even_where_none_is_visible(capsys):
+    """On a login node (no GPU) a GPU config's check used to state the CPU plan (fp32 activations:
+    19.91 GiB for gpt2_8.3b at 512 tasks against the GPU plan's 19.54)."""
+    import torch
+
+    from repro.perf.plan import memory_plan
+    from repro.train.config import derive, load_config
+
+    config = str(ROOT / "experiments" / "gpt2" / "gpt2_8.3b.yaml")
+    assert main(["slurm", "check", config, "--ntasks", "512", "--set", "tracking.enabled=false"]) == 0
+    cfg = load_config(config, ["tracking.enabled=false"])
+    gpu, cpu = (memory_plan(cfg, derive(cfg, 512), d).peak / 2**30 for d in ("cuda", "cpu"))
+    out = capsys.readouterr().out
+    assert f"planned peak memory per GPU: {gpu:.2f} GiB" in out and f"{cpu:.2f}" not in out
+    assert torch.cuda.is_available() or "no GPU visible here" in out

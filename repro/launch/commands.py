@@ -71,10 +71,12 @@ def memory_line(cfg, derived) -> str:
 
     from repro.perf.plan import HEADROOM_GIB, memory_plan
 
-    cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
-    peak = memory_plan(cfg, derived, "cuda" if cuda else "cpu").peak / 2**30
-    if not cuda:
-        return f"planned peak memory per rank: {peak:.2f} GiB (CPU)"
+    if cfg.train.device == "cpu":
+        return f"planned peak memory per rank: {memory_plan(cfg, derived, 'cpu').peak / 2**30:.2f} GiB (CPU)"
+    peak = memory_plan(cfg, derived, "cuda").peak / 2**30  # a GPU run's plan even where none is visible
+    if not torch.cuda.is_available():
+        return (f"planned peak memory per GPU: {peak:.2f} GiB (no GPU visible here, a login node say: "
+                "`repro plan CONFIG --cluster dgx2h|h200` checks the fit)")
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     line = f"planned peak memory per GPU: {peak:.2f} GiB of {total:.1f} GiB ({torch.cuda.get_device_name(0)})"
     if peak > total - HEADROOM_GIB:

@@ -123,7 +123,7 @@ def test_check_prints_the_planned_memory(capsys):
 
 
 def test_check_plans_a_gpu_run_for_the_gpu_even_where_none_is_visible(capsys):
-    """On a login node (no GPU) a GPU config's check used to state the CPU plan (fp32 activations:
+    """On a login node (no GPU) a GPU config's check used to state the CPU plan (
     19.91 GiB for gpt2_8.3b at 512 tasks against the GPU plan's 19.54)."""
     import torch
 

@@ -52,7 +52,9 @@ load_cluster_env() {
   REPRO_DATA_DIR="$(cd "$REPRO_ROOT" && realpath -m -- "$REPRO_DATA_DIR")"
   export REPRO_RUNS_DIR REPRO_DATA_DIR
   REPRO_ENV_ACTIVATE="${REPRO_ENV_ACTIVATE:-$REPRO_ROOT/.venv/bin/activate}"
-  need SLURM_JOB_ID "this runs inside a Slurm job: submit the script with sbatch"
+  [[ -n "${SLURM_JOB_ID:-}" ]] || die "not inside a Slurm job (no SLURM_JOB_ID): submit the script with sbatch. \
+A dry run also runs in a job: \`sbatch ${0#"$REPRO_ROOT"/} --dry-run\` logs its steps and launches none, and \
+\`repro slurm submit --dry-run ${0#"$REPRO_ROOT"/}\` prints the sbatch command without submitting"
 }
 
 source_cluster_env() {  # source_cluster_env FILE: its variables, exported; for REPRO_* the environment's win

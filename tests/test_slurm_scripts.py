@@ -308,6 +308,18 @@ def test_cluster_settings_let_the_environment_win_and_refuse_per_job_values(tmp_
     assert cluster_settings(env_file)["PATH"].startswith("/site/bin:")
 
 
+def test_a_script_outside_a_job_says_how_to_submit_it_and_how_to_dry_run(tmp_path):
+    """`bash slurm/scale_8b.sh --dry-run` on a login node: exit 2 naming sbatch and the dry runs that
+    work (it used to say to set SLURM_JOB_ID in cluster.env)."""
+    env = {k: v for k, v in _job_env(tmp_path).items() if not k.startswith("SLURM_")}
+    out = subprocess.run(["bash", "slurm/scale_8b.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "not inside a Slurm job (no SLURM_JOB_ID)" in out.stderr, out.stderr
+    assert "`sbatch slurm/scale_8b.sh --dry-run`" in out.stderr and "cluster.env" not in out.stderr
+    assert "`repro slurm submit --dry-run slurm/scale_8b.sh`" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_example_cluster_env_sources_without_user(monkeypatch):
     """A batch environment without $USER (some container runtimes): the example still sources under
     launch.sh's `set -u` and names the user's own directories."""

@@ -40,3 +40,27 @@ def test_config_loads_and_validates(path):
     assert derived.grad_accum_steps >= 1
     if cfg.family == "gpt" and cfg.model.seq_length == 1024:
         assert derived.padded_vocab_size == 51200  # the paper's padded GPT-2 vocabulary
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "model_size" in p.read_text()],
+                         ids=lambda p: str(p.relative_to(ROOT / "experiments")))
+def test_a_named_size_gives_the_papers_shape(path):
+    from repro.models.sizes import get_size
+
+    cfg = load_config(path)
+    size = get_size(cfg.model_size)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == \
+        (size.num_layers, size.hidden_size, size.num_attention_heads)
+
+
+def test_an_included_files_architecture_gives_way_to_the_size_named_by_the_includer(tmp_path):
+    """A model.num_layers in a shared base.yaml used to reshape every size that included it; the
+    including file's own model keys and --set still win over its size."""
+    (tmp_path / "base.yaml").write_text("model:\n  num_layers: 2\n  hidden_dropout: 0.2\n")
+    (tmp_path / "run.yaml").write_text("include: [base.yaml]\nmodel_size: gpt2-355m\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.hidden_dropout) == (24, 1024, 0.2)
+    assert load_config(tmp_path / "run.yaml", ["model.num_layers=3"]).model.num_layers == 3
+    assert load_config(tmp_path / "run.yaml", ["model_size=gpt2-2.5b"]).model.num_layers == 54
+    (tmp_path / "own.yaml").write_text("include: [base.yaml]\nmodel_size: gpt2-355m\nmodel:\n  num_layers: 4\n")
+    assert load_config(tmp_path / "own.yaml").model.num_layers == 4

@@ -4,7 +4,7 @@
 
 A YAML may list `include: [other.yaml, ...]` (paths relative to it), merged first; a model may be
 named by `model_size: gpt2-355m` (repro.models.sizes), whose numbers fill `model` before the file's
-own `model:` keys. Unknown keys and wrong types are errors (OmegaConf structured configs).
+own `model:` keys (and replace the architecture keys of the files it includes, SIZE_SHAPE_KEYS). Unknown keys and wrong types are errors (OmegaConf structured configs).
 Derived values (dp, gradient-accumulation steps, padded vocab) are computed in `derive`, never set.
 """
 
@@ -188,6 +188,11 @@ def _read_yaml(path: Path) -> dict:
     return raw
 
 
+SIZE_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "num_tokentypes")
+"""The architecture a `model_size` defines: an included file's values of these give way to the size
+named by the including file (a `model.num_layers` in a shared base.yaml cannot reshape every size)."""
+
+
 def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.exists():
         raise RunConfigError(f"config file {path} does not exist: check the path")
@@ -200,6 +205,8 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     merged: dict = {}
     for inc in includes:
         merged = _merge(merged, _load_yaml((path.parent / str(inc)).resolve(), seen + (path,)))
+    if raw.get("model_size") and isinstance(merged.get("model"), dict):  # the size named here outranks includes
+        merged["model"] = {k: v for k, v in merged["model"].items() if k not in SIZE_SHAPE_KEYS}
     return _merge(merged, raw)
 
 

@@ -321,11 +321,15 @@ def test_a_stopped_job_goes_on_from_the_next_unfinished_seed(tmp_path, tok, voca
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode == 0 and "stopping: seed 2 stopped at step" in out, out
     assert (run_dir / "stopped_by_signal").read_text() == "race seed 2"
-    assert sorted(p.name for p in (run_dir / "seeds").iterdir()) == ["seed_1.json"] and not (run_dir / "results.json").exists()
+    assert sorted(p.name for p in (run_dir / "seeds").iterdir()) == ["seed_1.json", "stopped.json"]
+    assert not (run_dir / "results.json").exists()
+    stopped_at = json.loads((run_dir / "seeds" / "stopped.json").read_text())
+    assert stopped_at["seed"] == 2 and f"seed 2 stopped at step {stopped_at['step']}" in out
     first = json.loads((run_dir / "seeds" / "seed_1.json").read_text())
     run_id = (run_dir / "mlflow_run_id").read_text()
     assert mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "KILLED"
 
+    (run_dir / "stopped_by_signal").unlink()  # as slurm/launch.sh does before it starts the step again
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "seed 1: finished by an earlier run" in again.stdout and "the median by dev total of 2 seeds" in again.stdout
@@ -336,6 +340,9 @@ def test_a_stopped_job_goes_on_from_the_next_unfinished_seed(tmp_path, tok, voca
     run = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id)
     assert run.info.status == "FINISHED" and (run_dir / "mlflow_run_id").read_text() == run_id
     assert {"seed1/dev/acc_total", "seed2/dev/acc_total", "test/acc_total"} <= set(run.data.metrics)
+    history = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]).get_metric_history(run_id, "seed2/train/loss")
+    assert sorted(m.step for m in history) == list(range(10, 121, 10))  # once each: the redo logs after the stop
+    assert not (run_dir / "seeds" / "stopped.json").exists()
 
     other = subprocess.run(_race_cmd(ckpt, vocab_file, run_dir, "--epochs", "60", "--seeds", "1", "2", "--lr", "2e-3"),
                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)

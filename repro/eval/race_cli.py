@@ -199,7 +199,7 @@ def run(args) -> int:
     settings skips it (a requeued Slurm job). A stop signal (TERM, USR1: Slurm's warning before the time
     limit), agreed by all ranks after a step, ends the current seed unfinished: RUN_DIR/stopped_by_signal,
     exit 0, so slurm/launch.sh requeues the job; the restart redoes that seed from its start."""
-    from repro.eval.race_finetune import finished_seeds, write_results
+    from repro.eval.race_finetune import finished_seeds, read_stopped_seed, write_results
     from repro.train.checkpoint import CheckpointError
 
     try:
@@ -235,13 +235,14 @@ def run(args) -> int:
               "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
               "train_questions": len(splits["train"])}
     # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
-    continued = bool(done) or (Path(args.run_dir) / "stopped_by_signal").is_file()
+    logged = read_stopped_seed(Path(args.run_dir))  # launch.sh removes stopped_by_signal before each step
+    continued = bool(done) or bool(logged)
     log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, {"task": "race"},
                     use_mlflow=not args.no_mlflow,
                     resume_run_id=recorded_run_id(args.run_dir) if continued else None) if pg.rank == 0 else None
     try:
         with StopSignal(pg.world_group) as stop:
-            chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop)
+            chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged)
     except SeedStopped as stopped:
         return _stopped(args, stopped, pg, log)
     except BaseException:
@@ -257,24 +258,33 @@ def run(args) -> int:
 def _stopped(args, stopped, pg, log) -> int:
     """The agreed stop: the marker slurm/launch.sh requeues on, the MLflow run KILLED (a restart reopens it)."""
     if pg.rank == 0:
+        from repro.eval.race_finetune import save_stopped_seed
         from repro.provenance import write_atomic
 
         print(f"stopping: {stopped} (a stop signal); finished seeds are in {Path(args.run_dir) / 'seeds'}, and "
               "the same command in the same --run-dir goes on from the next unfinished seed", flush=True)
+        save_stopped_seed(Path(args.run_dir), stopped.seed, stopped.step)
         write_atomic(Path(args.run_dir) / "stopped_by_signal", f"race seed {stopped.seed}".encode())
         if log:
             log.close("KILLED")
     return 0
 
 
-def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop):
+def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged=None):
     """Every seed's fine-tuning (the paper's batch/lr of `size`) and accuracies, but those in `done`
-    (finished by an earlier run in the run dir); (results, median-dev seed's result) on rank 0."""
-    from repro.eval.race_finetune import options_for, print_report, run_seed, save_seed
+    (finished by an earlier run in the run dir); (results, median-dev seed's result) on rank 0. A seed
+    in `logged` (seed: steps) is one a stop interrupted: its steps up to that one are not logged again."""
+    from repro.eval.race_finetune import options_for, print_report, run_seed, save_seed, stopped_seed_path
+
+    logged = logged or {}
 
     def record(metrics: dict, step: int = 0) -> None:
         if log:
             log.log_metrics(metrics, step)
+
+    def record_step(seed: int, metrics: dict, step: int) -> None:
+        if step > logged.get(seed, 0):
+            record({f"seed{seed}/{k}": v for k, v in metrics.items()}, step)
 
     results, scored = [], ("train", "dev", "test") if args.eval_train else ("dev", "test")
     for seed in args.seeds:
@@ -284,12 +294,11 @@ def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, sett
             results.append(done[seed])
             continue
         opts = options_for(size, args.batch_size, args.lr, args.epochs, seed, args.precision)
-        res = run_seed(cfg, state, splits, opts, pg,
-                       lambda m, i, s=seed: record({f"seed{s}/{k}": v for k, v in m.items()}, i), device, scored,
-                       stop)
+        res = run_seed(cfg, state, splits, opts, pg, lambda m, i, s=seed: record_step(s, m, i), device, scored, stop)
         record({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
         if pg.rank == 0:
             save_seed(Path(args.run_dir), res, settings)
+            stopped_seed_path(Path(args.run_dir)).unlink(missing_ok=True)
         results.append(res)
     if pg.rank != 0:
         return None

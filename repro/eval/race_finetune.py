@@ -256,6 +256,29 @@ def save_seed(run_dir: Path, result: FinetuneResult, settings: dict) -> Path:
     return path
 
 
+def stopped_seed_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "seeds" / "stopped.json"
+
+
+def save_stopped_seed(run_dir: Path, seed: int, step: int) -> None:
+    """Where a stop left the unfinished seed: the restart reopens the MLflow run and logs its steps
+    after `step` only (those up to it are logged already; the redo repeats them from the same seed)."""
+    from repro.provenance import write_atomic
+
+    path = stopped_seed_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({"seed": seed, "step": step}).encode())
+
+
+def read_stopped_seed(run_dir: Path) -> dict[int, int]:
+    """{seed: steps already logged} of the seed a stop left unfinished ({} when none, or unreadable)."""
+    try:
+        record = json.loads(stopped_seed_path(run_dir).read_text())
+        return {int(record["seed"]): int(record["step"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def finished_seeds(run_dir: Path, seeds: list[int], settings: dict) -> dict[int, FinetuneResult]:
     """The seeds of `seeds` that an earlier run in `run_dir` finished with the same settings; a seed
     finished with other settings is a ValueError (its numbers would be mixed into this run's median)."""

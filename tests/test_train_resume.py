@@ -228,6 +228,22 @@ def test_resuming_under_other_code_says_so(corpus, tmp_path, capfd):
     assert f"(written at git {'0' * 40}) with code at git" in out, out
 
 
+def test_resuming_at_another_dp_size_says_it_is_close_not_exact(corpus, tmp_path, capfd):
+    """Saved at dp=1, resumed at dp=2 (no dropout: the masks are what would differ): the note, and the
+    losses of the resumed iterations within 1e-4 of a dp=1 run's (fp32; only the summation order of the
+    gradient all-reduce and of the micro batches differs)."""
+    over = tiny_overrides(corpus, tmp_path / "one", **{"train.train_iters": 4, "train.micro_batch_size": 2})
+    run_ranks(train_rank, 1, TINY, over)
+    moved = [o.replace(str(tmp_path / "one"), str(tmp_path / "moved")) for o in over]
+    run_ranks(train_rank, 1, TINY, moved + ["train.train_iters=2"])
+    capfd.readouterr()
+    run_ranks(train_rank, 2, TINY, moved)
+    out = capfd.readouterr().out
+    assert "note: saved at dp=1, resumed at dp=2" in out and "closely, not exactly" in out, out
+    want, got = _losses(tmp_path / "one"), _losses(tmp_path / "moved")
+    assert sorted(got) == [1, 2, 3, 4] and all(abs(got[i] - want[i]) < 1e-4 for i in want), (want, got)
+
+
 def _signalled_when_called(target: str, config: str, overrides: list[str]) -> dict:
     """A rank that gets SIGUSR1 as `target` ("module:function") is called: before the trainer exists
     (repro.train.config:load_config) or while its engine is built (repro.train.loop:build_engine).

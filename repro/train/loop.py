@@ -381,6 +381,11 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             if pg.rank == 0:
                 print(f"resumed from {latest} at iteration {state.iteration} "
                       f"({state.consumed_samples:,} samples consumed)", flush=True)
+                if meta.get("dp", pg.dp_size) != pg.dp_size:
+                    print(f"note: saved at dp={meta['dp']}, resumed at dp={pg.dp_size}: the data order, weights and "
+                          "optimizer state carry over, but the dropout masks and the gradient summation order "
+                          f"differ, so the losses follow an uninterrupted dp={meta['dp']} run closely, not exactly",
+                          flush=True)
             _say_if_the_code_changed(meta, latest, pg.rank)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))

@@ -158,6 +158,44 @@ def test_loader_workers_outlive_stop_signals_to_every_process_and_stop_with_the_
     del it
 
 
+def _late_init(worker_id: int) -> None:
+    import time
+
+    from repro.data.sampler import _ignore_stop_signals
+
+    time.sleep(1.0)  # a loaded machine: the stop signals arrive before the worker's own handling exists
+    _ignore_stop_signals(worker_id)
+
+
+def test_a_worker_signalled_before_its_init_function_ran_survives():
+    """Workers are forked with TERM/USR1 blocked: a signal in the window between the fork (where torch
+    installs its worker TERM handler, which ends the worker) and the init function waits, and is then
+    ignored (CI saw `DataLoader worker ... is killed by signal: Terminated` once)."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import subprocess
+
+    from repro.data.sampler import _start_workers
+
+    loader = torch.utils.data.DataLoader(list(range(40)), batch_size=4, num_workers=2, worker_init_fn=_late_init,
+                                         multiprocessing_context=mp.get_context("fork"))
+    before = {p.pid for p in mp.active_children()}
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        it = _start_workers(loader)
+        workers = [p.pid for p in mp.active_children() if p.pid not in before]
+        assert len(workers) == 2
+        for pid in workers:  # at once: their init function sleeps for another second
+            os.kill(pid, signal.SIGUSR1)
+            subprocess.run(["kill", "-TERM", str(pid)], check=True)
+        got = [b.tolist() for b in it]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert sum(got, []) == list(range(40))
+
+
 def test_shuffle_index_is_cached_and_rebuilt_when_corrupt(prefix, tmp_path):
     ds = GPTDataset(prefix, SEQ, seed=11)
     order = np.array(ds.shuffle.order(0))

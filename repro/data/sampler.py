@@ -151,6 +151,20 @@ def _exit_on_parents_term(parent: int) -> None:
             os._exit(0)
 
 
+def _start_workers(loader):
+    """iter(loader), which forks its workers, with SIGTERM and SIGUSR1 blocked in this thread: each
+    worker is born with them blocked, so one that arrives before its init function has set up its
+    handling (torch's own worker TERM handler would end it) waits for it instead of ending the worker.
+    The caller's signals that arrive meanwhile are delivered when the mask is restored."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return iter(loader)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _as_is(batch):
     return batch
 
@@ -192,7 +206,7 @@ class ResumableLoader(Generic[Sample, Batch]):
         if self.workers == 0:
             samples: Iterator[list[Sample]] = ([self.fetch(p) for p in range(*span)] for span in self._spans())
         else:
-            samples = iter(self._background())
+            samples = _start_workers(self._background())
         for micro_batch in samples:
             self.consumed_samples += global_batch
             yield self.collate(micro_batch)

@@ -239,13 +239,12 @@ def init_distributed(tp: int, backend: str | None = None, timeout_s: int | None 
         backend = backend or default_backend()
         if backend == "nccl":
             torch.cuda.set_device(launch.device())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s or collective_timeout_s()),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
+        if launch.world_size == 1:  # one process: an in-memory store, no port to collide with another job's
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                                    rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     pg = build_process_groups(dims)
     warn_tp_across_hosts(pg)
     return pg

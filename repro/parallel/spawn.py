@@ -9,7 +9,9 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_lib
+import shutil
 import socket
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -36,14 +38,16 @@ def check_gpu_count(world_size: int, backend: str, visible: int | None = None) -
                          "(--nproc), or use more GPUs (check CUDA_VISIBLE_DEVICES)")
 
 
-def _entry(rank, world_size, port, backend, fn, args, results) -> None:
+def _entry(rank, world_size, port, store, backend, fn, args, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one intra-op thread per rank: oversubscribed cores are ~10x slower
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        # a file rendezvous: a free port picked here could be taken by another process before rank 0
+        # binds it (EADDRINUSE, seen on a busy CI machine); MASTER_PORT stays for code that reads it
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))
         results.put((rank, True, fn(*args)))
     except BaseException:  # report everything, including assertion errors, to the parent
@@ -64,10 +68,11 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
     check_gpu_count(world_size, backend)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port, store_dir = free_port(), tempfile.mkdtemp(prefix="repro-ranks-")
+    store = os.path.join(store_dir, "rendezvous")
     # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
     # kills any rank still alive
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, results))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -89,4 +94,5 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+        shutil.rmtree(store_dir, ignore_errors=True)
     return [collected[r] for r in range(world_size)]

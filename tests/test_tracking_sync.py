@@ -85,6 +85,68 @@ def test_a_sync_racing_the_live_logger_duplicates_nothing(tmp_path, store):
     assert sync_run(run_dir).action == "up to date"
 
 
+def _status(uri: str, run_id: str) -> str:
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri).get_run(run_id).info.status
+
+
+def test_sync_sets_the_status_the_run_directory_shows(tmp_path, store, monkeypatch):
+    """A run whose logger lost MLflow before close() stays RUNNING in the store (the analysis reads
+    FINISHED runs only): sync finishes it once final_metrics.json is from its last step, leaves a
+    run still training (or extended past an earlier end) as it is, and marks a stopped one KILLED.
+    It used to finish only runs it had created itself, and those even mid-training."""
+    run_dir = tmp_path / "run"
+    logger = RunLogger(run_dir, "exp-sync", "r1", {"lr": "0.1"}, {})
+    _log(logger, (1, 2))
+    logger.flush()
+    sync_run(run_dir)
+    assert _status(store, logger.run_id) == "RUNNING"  # training: no end written
+    _write(run_dir / "final_metrics.json", '{"iteration": 2}')
+    sync_run(run_dir)
+    assert _status(store, logger.run_id) == "FINISHED"
+    _log(logger, (3,))  # extended past its end: not finished any more
+    _write(run_dir / "stopped_by_signal", "3")
+    sync_run(run_dir)
+    assert _status(store, logger.run_id) == "KILLED"
+    (run_dir / "stopped_by_signal").unlink()
+    assert sync_run(run_dir).action == "up to date" and _status(store, logger.run_id) == "KILLED"
+
+    created = tmp_path / "created"
+    with monkeypatch.context() as down, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        down.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        offline = RunLogger(created, "exp-sync", "r2", {}, {})
+    _log(offline, (1, 2))
+    assert _status(store, sync_run(created).run_id) == "RUNNING"  # mid-training: not FINISHED
+
+
+def test_a_failed_request_pauses_mlflow_and_the_run_still_ends_finished(tmp_path, store, monkeypatch):
+    """One failed batch (a locked sqlite store, a server restart) used to turn MLflow off for the rest
+    of the run, which then stayed RUNNING; now rows wait RETRY_SECONDS and close() still sets FINISHED."""
+    from repro.tracking import logger as L
+
+    run_dir = tmp_path / "run"
+    logger = RunLogger(run_dir, "exp-sync", "r1", {}, {})
+    real = L.send_metrics
+
+    def locked(*args, **kwargs):
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(L, "send_metrics", locked)
+    _log(logger, (1, 2))
+    with pytest.warns(UserWarning, match="database is locked.*retrying"):
+        logger.flush()
+    monkeypatch.setattr(L, "send_metrics", real)
+    _log(logger, (3,))  # paused: only metrics.jsonl
+    logger._paused_until = 0.0  # the retry time has come
+    _log(logger, (4,))
+    logger.close()
+    assert _steps(store, logger.run_id) == [4] and _status(store, logger.run_id) == "FINISHED"
+    sync_run(run_dir)
+    assert _steps(store, logger.run_id) == [1, 2, 3, 4]
+
+
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

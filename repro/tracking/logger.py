@@ -62,6 +62,7 @@ class RunLogger:
     """JSONL always; MLflow best-effort. Use as a context manager around training."""
 
     FLUSH_SECONDS = 10.0
+    RETRY_SECONDS = 120.0
 
     def __init__(self, run_dir: str | Path, experiment: str, run_name: str,
                  params: dict[str, str], tags: dict[str, str], use_mlflow: bool = True,
@@ -76,6 +77,7 @@ class RunLogger:
         self.run_id: str | None = None
         self._client = None  # an MlflowClient while MLflow is reachable (no process-global active run)
         self._pending: list = []  # MLflow Metric rows not yet sent
+        self._paused_until: float | None = None  # after a failed request: no MLflow until then
         self._last_flush = time.monotonic()
         if use_mlflow:
             self._start(experiment, run_name, params, tags, resume_run_id)
@@ -100,10 +102,25 @@ class RunLogger:
             self._disable(err)
 
     def _disable(self, err: Exception) -> None:
+        """No run to log into (the store could not create or reopen it): metrics.jsonl only."""
         warnings.warn(f"MLflow tracking unavailable ({type(err).__name__}: {str(err)[:200]}); "
                       f"metrics continue in {self.metrics_path}; upload later with "
                       f"`repro tracking sync {self.run_dir}`", stacklevel=3)
         self._client = None
+
+    def _pause(self, err: Exception) -> None:
+        """A request of a live run failed (a locked sqlite store, a server restart): drop the queued
+        rows (metrics.jsonl keeps them for `repro tracking sync`) and try again RETRY_SECONDS later,
+        so a blip costs minutes of MLflow rows, not the rest of the run and its final status."""
+        if self._paused_until is None:
+            warnings.warn(f"MLflow request failed ({type(err).__name__}: {str(err)[:200]}); retrying in "
+                          f"{self.RETRY_SECONDS:.0f} s. Rows until then are only in {self.metrics_path}: "
+                          f"`repro tracking sync {self.run_dir}` uploads them", stacklevel=3)
+        self._paused_until = time.monotonic() + self.RETRY_SECONDS
+        self._pending = []
+
+    def _live(self) -> bool:
+        return self._client is not None and (self._paused_until is None or time.monotonic() >= self._paused_until)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Append to metrics.jsonl now; queue for MLflow, sent in batches every `FLUSH_SECONDS`
@@ -114,18 +131,19 @@ class RunLogger:
         now = time.time()
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "time": now, **clean}) + "\n")
-        if self._client is not None:
+        if self._live():
             self._pending += [Metric(k, v, int(now * 1000), step) for k, v in clean.items()]
             if time.monotonic() - self._last_flush > self.FLUSH_SECONDS:
                 self.flush()
 
     def flush(self) -> None:
-        """Send the queued metrics to MLflow (no-op when tracking is off)."""
-        if self._client is not None and self._pending:
+        """Send the queued metrics to MLflow (no-op when tracking is off or paused)."""
+        if self._live() and self._pending:
             try:
                 send_metrics(self._client, self.run_id, self._pending)
+                self._paused_until = None
             except Exception as err:
-                self._disable(err)
+                self._pause(err)
         self._pending, self._last_flush = [], time.monotonic()
 
     def log_artifact(self, path: str | Path) -> None:
@@ -135,13 +153,15 @@ class RunLogger:
         kept.parent.mkdir(exist_ok=True)
         if path.resolve() != kept.resolve():
             kept.write_bytes(path.read_bytes())
-        if self._client is not None:
+        if self._live():
             try:
                 self._client.log_artifact(self.run_id, str(kept))
             except Exception as err:
-                self._disable(err)
+                self._pause(err)
 
     def close(self, status: str = "FINISHED") -> None:
+        """Send what is queued and set the run's final status (tried even while paused: the status
+        is what the analysis filters on)."""
         self.flush()
         if self._client is not None:
             try:
@@ -304,10 +324,27 @@ def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple
             client.log_artifacts(run_id, str(path), artifact_path=path.name)
         else:
             client.log_artifact(run_id, str(path))
-    finish = run.data.tags.get("synced_from") == str(run_dir) and run.info.status != "FINISHED"
+    status = run_dir_status(run_dir, rows)
+    finish = status is not None and run.info.status != status
     if finish:
-        client.set_terminated(run_id, "FINISHED")  # a run this command created
+        client.set_terminated(run_id, status)
     return len(new), bool(new_params or new or artifacts or finish)
+
+
+def run_dir_status(run_dir: Path, rows: list[dict] = ()) -> str | None:
+    """The status a run directory shows: KILLED when its last piece stopped for a signal
+    (stopped_by_signal); FINISHED when its end was written (a training run's final_metrics.json from
+    its last logged step, not an earlier end of a run extended since; RACE's results.json); else None:
+    still running, or killed without a word (the store's status is then left as it is)."""
+    if (run_dir / "stopped_by_signal").is_file():
+        return "KILLED"
+    if (run_dir / "results.json").is_file():
+        return "FINISHED"
+    try:
+        ended = int(json.loads((run_dir / "final_metrics.json").read_text())["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return "FINISHED" if all(row.get("step", 0) <= ended for row in rows) else None
 
 
 def sync_run(run_dir: str | Path) -> SyncResult:

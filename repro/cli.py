@@ -44,11 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a command may say where such arguments belong (`unknown_hint`)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{getattr(args, 'unknown_hint', '')}")
+    started_with_a_group = _has_process_group()
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not started_with_a_group and _has_process_group():  # the command's own (torchrun, srun): NCCL
+        sys.modules["torch.distributed"].destroy_process_group()  # warns at exit (or hangs) without
+    return code
+
+
+def _has_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no group, and no torch import for `repro plan`
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 if __name__ == "__main__":

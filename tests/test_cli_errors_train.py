@@ -281,3 +281,13 @@ def test_train_without_a_config_names_the_missing_argument(capfd):
     assert main(["train"]) == 2
     out = "".join(capfd.readouterr())
     assert "no config given" in out and "experiments/" in out and "train_prefix" not in out
+
+
+def test_a_command_that_started_a_process_group_destroys_it(corpus, tmp_path, capfd):
+    """`repro train` in one process builds its own group (torchrun and srun do too) and the CLI ends it
+    after the command (NCCL warns, or hangs a peer, at exit with a live group); a group the caller
+    had stays (a test or notebook calling main() inside its own ranks)."""
+    import torch.distributed as dist
+
+    rc, out = _train(capfd, corpus, tmp_path / "run")
+    assert rc == 0 and not dist.is_initialized(), out

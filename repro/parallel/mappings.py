@@ -64,7 +64,13 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        if not x.is_contiguous():
+            return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+        # reduced in place, as Megatron does: x is a fresh matmul or embedding output that no autograd
+        # node saved (a copy would cost one more read and write of b*s*h per layer and direction)
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):

@@ -92,9 +92,14 @@ def _train(args) -> int:
 def _launch(args, launched: bool) -> int:
     _preflight(args, launched)
     if args.nproc and not launched:
+        from repro.parallel.groups import default_backend
         from repro.parallel.spawn import run_ranks
+        from repro.train.config import load_config
 
-        final = run_ranks(train_rank, args.nproc, args.config, args.set, timeout=args.timeout)[0]
+        # NCCL, one GPU per rank, when the ranks train on GPUs (gloo would move every all-reduce
+        # through host memory, and every rank would share GPU 0)
+        backend = "gloo" if load_config(args.config, args.set).train.device == "cpu" else default_backend()
+        final = run_ranks(train_rank, args.nproc, args.config, args.set, timeout=args.timeout, backend=backend)[0]
     else:
         if not launched:
             from repro.parallel.spawn import free_port

@@ -102,7 +102,9 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
     if cfg.train.zero_stage > 0:
         import deepspeed
 
-        os.environ.setdefault("LOCAL_RANK", str(local_rank))  # DeepSpeed asserts it; only torchrun sets it
+        # DeepSpeed asserts LOCAL_RANK and takes it as its GPU's index: the one this rank uses (0 when the
+        # task sees one GPU, --gpus-per-task=1, though slurm/task.sh exports the node-local task index)
+        os.environ["LOCAL_RANK"] = str(device.index if device.type == "cuda" else local_rank)
         wrapped, optimizer, _, scheduler = deepspeed.initialize(
             model=objective, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
             config=deepspeed_config(cfg, derived), dist_init_required=False)

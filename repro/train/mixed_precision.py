@@ -75,7 +75,9 @@ class MasterWeights:
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """`model.state_dict()` with every trained parameter replaced by its fp32 master."""
         state = model.state_dict()
-        return {k: self.masters[k].detach().clone() if k in self.masters else v for k, v in state.items()}
+        # no copy: torch.save serialises them at once, and a clone would hold 4 more bytes per
+        # parameter of GPU memory during every save
+        return {k: self.masters[k].detach() if k in self.masters else v for k, v in state.items()}
 
     @torch.no_grad()
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:

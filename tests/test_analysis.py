@@ -480,6 +480,21 @@ def test_paper_points_take_only_runs_at_the_papers_batch():
     assert table.loc["1.2B, batch 8, 2-way TP", "measured"] == "1.90x"
 
 
+def test_the_baseline_is_at_the_papers_batch_and_appendix_d_runs_stay_out_of_table_1():
+    """A newer 1-GPU config-1 run at batch 4 (a test) does not rescale every efficiency (it made config 1
+    read 125%); the 1.2B strong-scaling runs and the 16/24-head 8.3B runs are Appendix D's, not extra
+    Table 1 (Fig. 5) points."""
+    runs = _points(("scaling-1.2b", 1, 100.0, 1), ("scaling-1.2b", 1, 80.0, 5), ("scaling-1.2b", 2, 95.0, 2),
+                   ("scaling-8.3b-16h", 8, 90.0, 3), ("scaling-2.5b", 2, 97.0, 4))
+    runs["batch"] = [8.0, 4.0, 8.0, 8.0, 8.0]
+    out = scaling.add_efficiency(runs)
+    assert out["baseline_run_id"].eq("scaling-1.2b-1-100.0").all()
+    table = scaling.combine(scaling.paper_points(paper_values()), out, None)
+    extras = table[table["paper_efficiency"].isna()] if "paper_efficiency" in table else table.iloc[0:0]
+    assert set(extras["config"]) == {"scaling-1.2b"} and extras["batch"].tolist() == [4.0]  # only the odd batch
+    assert table.loc[table["config"] == "scaling-1.2b", "efficiency"].iloc[0] == pytest.approx(1.0)
+
+
 def test_scaling_shows_the_newest_run_with_a_throughput():
     """A newer run that logged no throughput (shorter than log_interval) does not hide an older one;
     shown alone it says 'no throughput logged', not 'no 1-device baseline'."""

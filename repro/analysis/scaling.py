@@ -109,8 +109,8 @@ def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
     series = ["device", "precision", "baseline_model"] + [c for c in ("flops_counted", "recipe") if c in out]
     for key, group in out.groupby(series, dropna=False):
         base = group[(group["gpus"] == 1) & group["tflops_per_device"].notna()]
-        if key[2] == "scaling-1.2b":  # the paper's series: config 1 only, never another config's 1-device run
-            base = base[base["config"] == "scaling-1.2b"]
+        if key[2] == "scaling-1.2b":  # the paper's series: config 1 at the paper's batch 8 only, never another
+            base = at_paper_batch(base[base["config"] == "scaling-1.2b"])  # config's, nor a batch-4 test run
         if base.empty:
             continue
         newest = _newest_first(base).iloc[0]
@@ -156,6 +156,14 @@ def _newest_first(runs: pd.DataFrame) -> pd.DataFrame:
     return runs.loc[order.sort_values(list(order.columns), ascending=False, kind="stable").index]
 
 
+def appendix_d_run(run) -> bool:
+    """A run of Appendix D's layouts: the 8.3B model with 16 or 24 heads (Table 7), or the 1.2B model
+    under TP alone on 2-8 GPUs (Table 8's strong scaling)."""
+    if run["config"] in ("scaling-8.3b-16h", "scaling-8.3b-24h"):
+        return True
+    return run["config"] == "scaling-1.2b" and run["dp"] == 1 and run["gpus"] in (2, 4, 8)
+
+
 def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.DataFrame:
     """Paper rows (each with its newest matching measured run with a throughput, or none) then unmatched
     measured rows."""
@@ -170,6 +178,8 @@ def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.Da
             row.update({k: best[k] for k in best.index if k not in ("config", "gpus", "tp", "dp")})
         rows.append(row)
     extra = measured.drop(index=list(used)) if len(measured) else measured
+    if len(extra):  # Appendix D's runs have their own table; among Table 1's they read as weak-scaling points
+        extra = extra[[not appendix_d_run(m) for _, m in extra.iterrows()]]
     for _, m in extra.sort_values(["config", "gpus"]).iterrows() if len(extra) else []:
         rows.append({**m.to_dict(), "mode": "TP+DP" if m["dp"] > 1 else "TP"})
     return pd.DataFrame(rows)

@@ -31,6 +31,7 @@ fi
 ARGS+=(${EXTRA[@]+"${EXTRA[@]}"})  # the script's own arguments last (launch_step resets EXTRA)
 [[ "$DRY_RUN" == 0 ]] || ARGS+=(--dry-run)
 for task in wikitext lambada; do
-  launch_step eval "$task" --checkpoint "$REPRO_EVAL_CHECKPOINT" --data-dir "$REPRO_DATA_DIR" \
-    --out "$REPRO_RUN_DIR/zero_shot.jsonl" "${ARGS[@]}"
+  # records go to the training run's zero_shot.jsonl (repro eval's default), beside its mlflow_run_id,
+  # where `repro tracking sync TRAINING_RUN_DIR` finds them; this job's run dir keeps its log
+  launch_step eval "$task" --checkpoint "$REPRO_EVAL_CHECKPOINT" --data-dir "$REPRO_DATA_DIR" "${ARGS[@]}"
 done

@@ -221,11 +221,12 @@ def _mlflow_runs(site: dict, experiment: str, where: str) -> list:
 
 
 def test_zeroshot_eval_smoke_scores_the_smoke_checkpoint(slurm_cluster, site, smoke_job):  # noqa: F811
-    """slurm/zeroshot_eval.sh --smoke at TP=2 on the TP=2 smoke run: both records in zero_shot.jsonl,
-    finite, below uniform-guess loss (the trained weights were loaded), and linked in MLflow."""
+    """slurm/zeroshot_eval.sh --smoke at TP=2 on the TP=2 smoke run: both records in the training run's
+    zero_shot.jsonl, finite, below uniform-guess loss (the trained weights were loaded), and linked in MLflow."""
     train_dir = site["runs"] / f"scale_8b-{smoke_job[0]}"
     run_dir = _eval_job(slurm_cluster, site, "slurm/zeroshot_eval.sh", REPRO_EVAL_CHECKPOINT=str(train_dir))
-    records = {r["task"]: r for r in map(json.loads, (run_dir / "zero_shot.jsonl").read_text().splitlines())}
+    assert not (run_dir / "zero_shot.jsonl").exists()  # the records are the training run's
+    records = {r["task"]: r for r in map(json.loads, (train_dir / "zero_shot.jsonl").read_text().splitlines())}
     wiki, lamb = records["wikitext"]["metrics"], records["lambada"]["metrics"]
     params = records["wikitext"]["params"]
     assert (params["tp"], params["window"], params["stride"], params["max_lines"]) == (2, 64, 32, 40)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,20 +189,24 @@ def _handle(args) -> int:
     if pg.rank == 0:
         print(format_table(record))
         write_json(record, out)
-        if not args.no_mlflow:
-            print(f"mlflow run {_log(record, out)} (experiment zero-shot)")
+        run_id = None if args.no_mlflow else _log(record, out)
+        if run_id:
+            print(f"mlflow run {run_id} (experiment zero-shot)")
     return 0
 
 
-def _log(record: EvalRecord, out: Path) -> str:
+def _log(record: EvalRecord, out: Path) -> str | None:
+    """The MLflow run of the record; when the store fails, a warning (tracking is best effort, as in
+    training: the record is saved in `out`, and a Slurm job goes on to its next evaluation step)."""
     from repro.tracking.logger import TrackingError
 
     try:
         return log_to_mlflow(record)
     except TrackingError as err:
-        raise UserError(f"{err}. The results are saved in {out}. To upload them, start the server (or set "
-                        f"MLFLOW_TRACKING_URI to a reachable store) and run `repro tracking sync {out}`; "
-                        "add --no-mlflow to skip tracking") from None
+        print(f"warning: {err}. The results are saved in {out}: once the store is reachable (start the server, "
+              f"or set MLFLOW_TRACKING_URI), `repro tracking sync {out}` uploads them; --no-mlflow skips "
+              "tracking", file=sys.stderr)
+        return None
 
 
 def register(subparsers) -> None:

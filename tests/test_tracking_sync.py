@@ -151,3 +151,20 @@ def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def test_the_login_node_reads_the_store_the_cluster_settings_give_the_jobs(tmp_path, monkeypatch):
+    """Only the job scripts source slurm/cluster.env: `repro report` and `repro tracking sync` on a login
+    node read the repository's own sqlite store (the demo's runs) unless they take the file's URI too."""
+    from repro.tracking.store import default_tracking_uri
+
+    jobs = f"sqlite:///{tmp_path / 'cluster.db'}"
+    (tmp_path / "cluster.env").write_text(f"REPRO_RUNS_DIR=/shared/runs\nMLFLOW_TRACKING_URI={jobs}\n")
+    monkeypatch.setenv("REPRO_CLUSTER_ENV", str(tmp_path / "cluster.env"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert default_tracking_uri() == jobs
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mine:5000")  # the environment still wins
+    assert default_tracking_uri() == "http://mine:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    (tmp_path / "cluster.env").write_text("REPRO_RUNS_DIR=/shared/runs\n")
+    assert default_tracking_uri().endswith("/mlruns/mlflow.db")

@@ -1,4 +1,4 @@
-"""Where runs are tracked: MLFLOW_TRACKING_URI if set, else an embedded sqlite store in the project."""
+"""Where runs are tracked: MLFLOW_TRACKING_URI (or the cluster settings' one), else an embedded sqlite store."""
 
 from __future__ import annotations
 
@@ -16,13 +16,30 @@ def project_root() -> Path:
 
 
 def default_tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, or `sqlite:///<repo>/mlruns/mlflow.db` (artifacts in mlruns/artifacts)."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    """MLFLOW_TRACKING_URI; else the one the cluster settings give the Slurm jobs (slurm/cluster.env,
+    or the file REPRO_CLUSTER_ENV names), so `repro report` and `repro tracking sync` on a login node
+    read the jobs' store; else `sqlite:///<repo>/mlruns/mlflow.db` (artifacts in mlruns/artifacts)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or cluster_env_tracking_uri()
     if uri:
         return uri
     store = project_root() / "mlruns"
     store.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def cluster_env_tracking_uri() -> str | None:
+    """MLFLOW_TRACKING_URI as the cluster settings file sets it for the jobs (None: no file, or none set;
+    a file that does not source is launch.sh's error to report, not tracking's)."""
+    named = os.environ.get("REPRO_CLUSTER_ENV")
+    path = Path(named) if named else project_root() / "slurm" / "cluster.env"
+    if not path.is_file():
+        return None
+    from repro.launch.scripts import ClusterEnvError, cluster_settings
+
+    try:
+        return cluster_settings(path).get("MLFLOW_TRACKING_URI") or None
+    except ClusterEnvError:
+        return None
 
 
 def experiment_id(client, name: str) -> str:

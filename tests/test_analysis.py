@@ -254,7 +254,9 @@ def test_zero_shot_table_prefers_the_paper_protocol_on_the_papers_file(tmp_path)
     the paper-protocol result; a model without one shows the eval that scored the most of the test set."""
     uri, ids = _zero_shot_store(tmp_path)
     paper, reduced = ids["paper"], ids["reduced"]
-    _log_eval(uri, paper, "wikitext", 300, {"word_ppl": 19.5, "num_bpe_tokens": 270329})
+    _log_eval(uri, paper, "wikitext", 300, {"word_ppl": 19.5, "num_bpe_tokens": 270329}, checkpoint_iteration="300000")
+    # a newer eval of an earlier checkpoint (mid-training, or an older iter_* folder) does not replace it
+    _log_eval(uri, paper, "wikitext", 50, {"word_ppl": 40.0, "num_bpe_tokens": 270329}, checkpoint_iteration="1000")
     _log_eval(uri, paper, "wikitext", 200, {"word_ppl": 55.0, "num_bpe_tokens": 3000}, max_lines=40,
               file="wikitext-2.test.tokens")
     _log_eval(uri, paper, "lambada", 300, {"accuracy": 0.45})
@@ -549,3 +551,53 @@ def test_bert_mlm_perplexity_is_not_taken_from_a_fig7_ablation_run(tmp_path):
     assert table.loc["bert-336m", "mlm_valid_ppl"] == 1.60
     assert ids["bert-336m"][:8] in table.loc["bert-336m", "provenance"]
     assert bert.display(bert.build(uri)).loc[0, "measured MLM val ppl"] == "1.60"
+
+
+def test_race_rows_take_the_mlm_perplexity_of_the_run_they_fine_tuned(tmp_path):
+    """A RACE run tagged with its pretraining run (repro finetune race --checkpoint RUN_DIR logs it)
+    shows that run's MLM perplexity, not the newest pretraining run of its size."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("bert")
+    pretraining = {}
+    for name, ppl in (("older", 1.50), ("newer", 1.70)):
+        run_id = client.create_run(exp, run_name=name).info.run_id
+        for key, value in {**_shape("bert-336m"), "model_size": "bert-336m", "device_type": "cuda",
+                           "device_name": "Synthetic GPU"}.items():
+            client.log_param(run_id, key, value)
+        client.log_metric(run_id, "valid_mlm_ppl", ppl)
+        client.set_terminated(run_id)
+        pretraining[name] = run_id
+    race = client.create_run(exp, run_name="race-bert-336m",
+                             tags={"task": "race", "training_run_id": pretraining["older"]}).info.run_id
+    for key, value in {"task": "race", "size": "bert-336m", "seeds": "1 2 3 4 5", "num_layers": 24,
+                       "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 512, "device_type": "cuda",
+                       "device_name": "Synthetic GPU", "checkpoint": "/runs/bert_336m-1"}.items():
+        client.log_param(race, key, value)
+    client.log_metric(race, "test/acc_total", 80.0)
+    client.set_terminated(race)
+    row = bert.build(uri).set_index("model").loc["bert-336m"]
+    assert row["race_total"] == 80.0 and row["mlm_valid_ppl"] == 1.50 and row["mlm_run_id"] == pretraining["older"]
+
+
+def test_smoke_jobs_evaluations_and_fine_tunes_stay_out_of_the_tables(tmp_path):
+    """zeroshot_eval.sh --smoke scores a model that a --smoke job trained (experiment slurm-smoke), and
+    race_finetune.sh --smoke logs size `smoke`: pipeline checks, not rows of Table 3 or 5."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    smoke = client.create_run(client.create_experiment("slurm-smoke"), run_name="smoke-scale_8b").info.run_id
+    client.set_terminated(smoke)
+    _log_eval(uri, smoke, "wikitext", 10, {"word_ppl": 900.0, "num_bpe_tokens": 3001}, max_lines=40)
+    kept = _gpt2_run(uri)
+    _log_eval(uri, kept, "wikitext", 10, {"word_ppl": 30.0, "num_bpe_tokens": 3001}, max_lines=40)
+    assert set(zeroshot.build(uri)["training_run_id"].dropna()) == {kept}
+    race = client.create_run(client.create_experiment("bert"), run_name="race-smoke").info.run_id
+    for key, value in {"task": "race", "size": "smoke", "seeds": "1234 1235", "num_layers": 2}.items():
+        client.log_param(race, key, value)
+    client.log_metric(race, "test/acc_total", 30.0)
+    client.set_terminated(race)
+    assert "smoke" not in set(bert.build(uri)["model"])

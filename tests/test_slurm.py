@@ -277,6 +277,7 @@ def test_race_finetune_smoke_fine_tunes_a_trained_bert(slurm_cluster, site, bert
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     params, metrics = runs[0].data.params, runs[0].data.metrics
     assert (params["size"], params["tp"], params["seq_length"], params["seeds"]) == ("smoke", "2", "64", "1234 1235")
+    assert params["checkpoint_iteration"] == "1"  # which pretraining checkpoint was fine-tuned
     assert metrics["test/acc_total"] == results["median"]["test"]["total"]
 
 

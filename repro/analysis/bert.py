@@ -47,6 +47,8 @@ def race_runs(runs: pd.DataFrame) -> list[dict]:
     if runs.empty or "params.task" not in runs:
         return []
     race = runs[runs["params.task"] == "race"]  # newest first
+    if "params.size" in race:  # race_finetune.sh --smoke: a pipeline check on a tiny model, not a table row
+        race = race[race["params.size"] != "smoke"]
     seeds = race["params.seeds"].fillna("").astype(str).str.split().str.len() if "params.seeds" in race else 0
     out: dict[str, dict] = {}
     for _, run in race.assign(_seeds=seeds).sort_values("_seeds", ascending=False, kind="stable").iterrows():
@@ -55,8 +57,20 @@ def race_runs(runs: pd.DataFrame) -> list[dict]:
                               "seeds": R.get(run, "params.seeds", "?"), "label": _race_label(run),
                               "provenance": R.provenance(run) + f"; tp={R.get(run, 'params.tp', '?')}"
                               f" dp={R.get(run, 'params.dp', '?')}; seeds {R.get(run, 'params.seeds', '?')}",
-                              "run_id": run["run_id"]})
+                              "run_id": run["run_id"], "training_run_id": R.get(run, "tags.training_run_id")})
     return list(out.values())
+
+
+def _pretraining_mlm(runs: pd.DataFrame, row: dict, by_size: dict) -> tuple[float, str] | None:
+    """The MLM perplexity of the pretraining run the RACE run fine-tuned (its training_run_id tag),
+    else of the newest pretraining run of its size (runs logged before the tag)."""
+    trained = row.get("training_run_id")
+    if trained and "run_id" in runs:
+        match = runs[runs["run_id"] == trained]
+        ppl = _mlm_ppl(match.iloc[0]) if len(match) else None
+        if ppl is not None:
+            return ppl, trained
+    return by_size.get(row["model"])
 
 
 def _ablation(run) -> bool:
@@ -93,9 +107,9 @@ def build(tracking_uri: str, experiment: str = "bert") -> pd.DataFrame:
     for item in paper_items(paper, "bert"):
         row = {"model": item, **{f"paper_race_{lv}": paper_value(paper, "bert", item, f"race_{lv}") for lv in LEVELS},
                "paper_mlm_valid_ppl": paper_value(paper, "bert", item, "mlm_valid_ppl"), **race.pop(item, {})}
-        rows.append(_with_mlm(row, mlm.get(item)))
-    for model, r in race.items():
-        rows.append(_with_mlm(r, mlm.get(model)))
+        rows.append(_with_mlm(row, _pretraining_mlm(runs, row, mlm)))
+    for r in race.values():
+        rows.append(_with_mlm(r, _pretraining_mlm(runs, r, mlm)))
     return pd.DataFrame(rows)
 
 

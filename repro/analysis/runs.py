@@ -90,6 +90,9 @@ def run_counts(uri: str, experiments: tuple[str, ...] = FAMILY_EXPERIMENTS) -> d
     return counts
 
 
+SMOKE_EXPERIMENT = "slurm-smoke"  # where slurm/launch.sh logs a job script's --smoke training (not a table's)
+
+
 def _row(run, experiment: str) -> dict:
     row = {"run_id": run.info.run_id, "run_name": run.info.run_name, "status": run.info.status,
            "start_time": run.info.start_time, "experiment": experiment}

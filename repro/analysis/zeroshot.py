@@ -3,8 +3,8 @@
 Evaluation runs live in experiment "zero-shot" (repro/eval/report.py): metrics `wikitext/word_ppl`
 and `lambada/accuracy` (a fraction), tag `task`, tag `training_run_id` naming the evaluated model's
 training run, whose params give the model size, device and the rest of the provenance. Per model
-the table shows the newest eval that follows the paper's protocol (`follows_paper`), else the one
-that scored the most of the test set.
+the table shows the eval that follows the paper's protocol (`follows_paper`), of the latest
+checkpoint, that scored the most of the test set (`_rank`), the newest among equals.
 """
 
 from __future__ import annotations
@@ -72,17 +72,28 @@ def _coverage(ev) -> float:
     return float(R.get(ev, f"metrics.{metric}", 0.0))
 
 
+def _iteration(ev) -> int:
+    """The training iteration of the evaluated checkpoint (-1 when not logged: evals before it was)."""
+    value = str(R.get(ev, "params.checkpoint_iteration", ""))
+    return int(value) if value.isdigit() else -1
+
+
+def _rank(ev) -> tuple:
+    return follows_paper(ev), _iteration(ev), _coverage(ev)
+
+
 def _chosen_by_model(evals: pd.DataFrame, task: str) -> dict[str, pd.Series]:
-    """Per evaluated model, its newest eval of `task` that follows the paper's protocol, else the one
-    that scored the most of the test set (newest among equals): a quick check on 40 lines after a
-    full-file eval does not replace it."""
+    """Per evaluated model, its eval of `task` that follows the paper's protocol, of its latest
+    checkpoint (a mid-training one, or an older iter_* evaluated later, does not replace the final
+    one), that scored the most of the test set (a quick check on 40 lines does not replace a full-file
+    eval); the newest among equals."""
     if evals.empty or "tags.task" not in evals:
         return {}
     part = evals[evals["tags.task"] == task].sort_values("start_time", ascending=False)
     out: dict[str, pd.Series] = {}
     for _, ev in part.iterrows():  # newest first: a later one wins only by ranking strictly higher
         key = _model_key(ev)
-        if key not in out or (follows_paper(ev), _coverage(ev)) > (follows_paper(out[key]), _coverage(out[key])):
+        if key not in out or _rank(ev) > _rank(out[key]):
             out[key] = ev
     return out
 
@@ -119,14 +130,19 @@ def measured_models(tracking_uri: str, experiment: str = "zero-shot") -> pd.Data
         if train_id.startswith("imported:"):
             rows.append(_imported_row(train_id.removeprefix("imported:"), w, l))
             continue
-        rows.append(_trained_row(tracking_uri, train_id, w, l))
+        row = _trained_row(tracking_uri, train_id, w, l)
+        if row is not None:
+            rows.append(row)
     return pd.DataFrame(rows)
 
 
-def _trained_row(tracking_uri: str, train_id: str, w, l) -> dict:
-    """A row for a model trained here: its training run (or untracked checkpoint) and chosen evals."""
+def _trained_row(tracking_uri: str, train_id: str, w, l) -> dict | None:
+    """A row for a model trained here: its training run (or untracked checkpoint) and chosen evals;
+    None for a model a Slurm script's --smoke trained (its evals check the pipeline, not the model)."""
     untracked = train_id.startswith("checkpoint:")
     train = None if untracked else R.get_run_row(tracking_uri, train_id)
+    if train and train.get("experiment") == R.SMOKE_EXPERIMENT:
+        return None
     size = R.paper_size(train) if train else None
     acc = R.get(l, "metrics.lambada/accuracy") if l is not None else None
     evals = [e for e in (w, l) if e is not None]
@@ -221,8 +237,8 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "zero-shot"
              "Paper protocol: WikiText-103's wiki.test.tokens (T = 270,329 BPE tokens), window 1024, stride 32; "
              "WikiText-2's tokens file has the same text with more <unk> (3 BPE targets each): not like-for-like. "
              "LAMBADA: strict last-word accuracy over the 5,153 passages.",
-             "Per model, the newest evaluation that follows the paper's protocol is shown; when there is none, "
-             "the one that scored the most of the test set (the newest among equals).",
+             "Per model, the evaluation shown follows the paper's protocol if any does, then is of its latest "
+             "checkpoint (`checkpoint_iteration`), then scored the most of the test set; the newest among equals.",
              "Rows labelled CPU or reduced size evaluate small models trained here for minutes: they test the "
              "pipeline and are not comparable to the paper's numbers."]
     text = write_table(display(table), table, out_dir, "zero_shot_table",

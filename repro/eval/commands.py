@@ -183,6 +183,7 @@ def _handle(args) -> int:
         raise UserError(str(err)) from err
     record.training_run_id, record.time = run_id, time.time()
     record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
+    record.params["checkpoint_iteration"] = read_meta(ckpt).get("iteration", "?")  # a mid-training one ranks lower
     imported = read_meta(ckpt).get("imported_from")
     if imported:  # weights from `repro checkpoint import-hf`: no training run (even inside a run's directory)
         record.params["imported_from"], record.training_run_id = imported, None

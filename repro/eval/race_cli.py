@@ -234,10 +234,16 @@ def run(args) -> int:
               "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
               "train_questions": len(splits["train"])}
+    from repro.train.checkpoint import training_provenance
+
+    pretrained = training_provenance(args.checkpoint) if args.checkpoint else {}
+    if "checkpoint_iteration" in pretrained:
+        params["checkpoint_iteration"] = pretrained["checkpoint_iteration"]
+    tags = {"task": "race", **({"training_run_id": pretrained["training_run_id"]} if "training_run_id" in pretrained else {})}
     # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
     logged = read_stopped_seed(Path(args.run_dir))  # launch.sh removes stopped_by_signal before each step
     continued = bool(done) or bool(logged)
-    log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, {"task": "race"},
+    log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, tags,
                     use_mlflow=not args.no_mlflow,
                     resume_run_id=recorded_run_id(args.run_dir) if continued else None) if pg.rank == 0 else None
     try:

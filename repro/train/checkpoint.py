@@ -299,6 +299,17 @@ def checkpoint_run_id(ckpt: str | Path) -> str | None:
     return read_meta(path).get("mlflow_run_id") or recorded_run_id(run_dir)
 
 
+def training_provenance(path: str | Path) -> dict[str, str]:
+    """What an evaluation or fine-tuning records of the `repro train` checkpoint it read: its iteration
+    and training run id ({} for another kind of file, e.g. a `save_bert` .pt)."""
+    try:
+        ckpt = resolve(path)
+        iteration, run_id = read_meta(ckpt).get("iteration"), checkpoint_run_id(ckpt)
+    except (CheckpointError, OSError):
+        return {}
+    return {k: str(v) for k, v in (("checkpoint_iteration", iteration), ("training_run_id", run_id)) if v is not None}
+
+
 # ---- resharding -------------------------------------------------------------------------------
 
 def partition_spec(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, int]]:

@@ -78,6 +78,7 @@ class RunLogger:
         self._client = None  # an MlflowClient while MLflow is reachable (no process-global active run)
         self._pending: list = []  # MLflow Metric rows not yet sent
         self._paused_until: float | None = None  # after a failed request: no MLflow until then
+        self.log_after_step = -1  # rows of earlier steps are dropped (a resumed run redoing logged steps)
         self._last_flush = time.monotonic()
         if use_mlflow:
             self._start(experiment, run_name, params, tags, resume_run_id)
@@ -127,6 +128,8 @@ class RunLogger:
         (one request instead of one per step keeps tracking off the training step's hot path)."""
         from mlflow.entities import Metric
 
+        if step <= self.log_after_step:
+            return
         clean = {clean_metric_name(k): float(v) for k, v in metrics.items() if v is not None}
         now = time.time()
         with open(self.metrics_path, "a") as f:

@@ -20,7 +20,7 @@ from repro.parallel.groups import ProcessGroups
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro.provenance import git_sha, write_atomic
-from repro.tracking.logger import RunLogger, recorded_run_id
+from repro.tracking.logger import RunLogger, read_metrics, recorded_run_id
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, check_resume, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
@@ -393,6 +393,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
         logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data)) if pg.rank == 0 else None
+        if logger and meta:  # a hard kill after the checkpoint: its steps are logged already, and are redone
+            logger.log_after_step = max((row.get("step", 0) for row in read_metrics(cfg.run_dir)), default=0)
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
         interval, final = _Interval(), {}
         if "rng" in meta:

@@ -601,3 +601,33 @@ def test_smoke_jobs_evaluations_and_fine_tunes_stay_out_of_the_tables(tmp_path):
     client.log_metric(race, "test/acc_total", 30.0)
     client.set_terminated(race)
     assert "smoke" not in set(bert.build(uri)["model"])
+
+
+def test_table2_days_per_epoch_from_a_gpt2_runs_logged_intervals(tmp_path):
+    """Table 2 is rebuilt from the GPT-2 runs: median ms/iter (warm-up interval dropped) x 68,507, plus
+    the epoch's evaluations and saves at the run's intervals (1000 each in experiments/gpt2/base.yaml);
+    an unfinished run counts, labelled; a run at another GPU count is an extra row."""
+    from mlflow import MlflowClient
+
+    from repro.analysis import gpt2
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    paper_run = _gpt2_run(uri, status="RUNNING")
+    client.log_param(paper_run, "world_size", 64)
+    for step, ms in ((100, 900.0), (200, 1000.0), (300, 1000.0), (400, 1100.0)):
+        client.log_metric(paper_run, "ms_per_iter", ms, step=step)
+    client.log_metric(paper_run, "eval_seconds", 30.0, step=1000)
+    client.log_metric(paper_run, "save_seconds", 60.0, step=1000)
+    small = _gpt2_run(uri, REDUCED)
+    client.log_param(small, "world_size", 8)
+    client.log_metric(small, "ms_per_iter", 50.0, step=100)
+    table = gpt2.build(uri).set_index("model")
+    row = table.loc["gpt2-355m"]
+    assert row["ms_per_iter"] == 1000.0 and row["days_steps"] == pytest.approx(68507 / 86400)
+    assert row["days_per_epoch"] == pytest.approx((68507 + 90 * 68.507) / 86400)
+    assert row["paper_days_per_epoch"] == 0.86 and "running (unfinished run)" in row["label"]
+    assert table.loc["custom L2-h64-a16-s1024", "gpus"] == 8
+    shown = gpt2.display(gpt2.build(uri)).set_index("model")
+    assert shown.loc["gpt2-2.5b", "measured days/epoch"] == "not run"
+    assert "gpt2_table2.md" in __import__("repro.analysis.notebook", fromlist=["TABLES"]).TABLES["zero_shot"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from repro.tracking.store import project_root
 
 NOTEBOOKS = ("scaling", "zero_shot", "bert")
-TABLES = {"scaling": ("scaling_table.md", "scaling_appendix_d.md", "scaling_baseline.md"), "zero_shot": ("zero_shot_table.md",),
+TABLES = {"scaling": ("scaling_table.md", "scaling_appendix_d.md", "scaling_baseline.md"), "zero_shot": ("zero_shot_table.md", "gpt2_table2.md"),
           "bert": ("bert_table.md",)}
 FIGURES = {"scaling": ("fig_scaling.png",), "zero_shot": ("fig6_valid_ppl.png",), "bert": ("fig7_layernorm_order.png",)}
 

@@ -1,0 +1,99 @@
+"""Table 2: GPT-2 training time per epoch, from the logged GPT-2 runs (experiment "gpt2").
+
+One epoch is 68,507 iterations of 512 x 1024 tokens (PAPER.md §3). A run's days per epoch are its
+median logged `ms_per_iter` (the first interval dropped as warm-up, as for Table 1) times 68,507,
+plus the evaluation and checkpoint time an epoch carries at the run's intervals (mean logged
+`eval_seconds` x 68,507 / eval_interval, the same for `save_seconds`). Runs take weeks, so unfinished
+runs count, with their status in the label; per paper model the newest run at the paper's GPU count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from repro.analysis import runs as R
+from repro.analysis.paper import paper_items, paper_value, paper_values
+from repro.analysis.scaling import sustained_tflops as median_after_warmup  # (any metric)
+from repro.analysis.tables import NOT_RUN, fmt, write_table
+from repro.data.summary import PAPER_ITERS_PER_EPOCH
+from repro.perf.plan import GPT2_RUNS
+
+
+def _mean(history: pd.DataFrame) -> float:
+    return float(history["value"].mean()) if len(history) else 0.0
+
+
+def epoch_days(uri: str, run) -> dict:
+    """A run's iteration time and days per epoch (training steps alone, and with its evaluations and
+    saves at its own intervals); NaN days when it logged no interval yet."""
+    ms = median_after_warmup(R.metric_history(uri, run["run_id"], "ms_per_iter"))
+    steps_days = ms * PAPER_ITERS_PER_EPOCH / 86_400_000
+    overhead_s = 0.0
+    for metric, interval in (("eval_seconds", "train.eval_interval"), ("save_seconds", "train.save_interval")):
+        every = float(R.get(run, f"params.{interval}", 0) or 0)
+        if every > 0:
+            overhead_s += _mean(R.metric_history(uri, run["run_id"], metric)) * PAPER_ITERS_PER_EPOCH / every
+    return {"ms_per_iter": ms, "days_steps": steps_days, "days_per_epoch": steps_days + overhead_s / 86_400}
+
+
+def _label(run) -> str:
+    status = R.get(run, "status", "FINISHED")
+    return R.run_label(run) + ("" if status == "FINISHED" else f", {status.lower()} (unfinished run)")
+
+
+def _measured_row(uri: str, run) -> dict:
+    return {"gpus": int(R.get(run, "params.world_size", 0) or 0), **epoch_days(uri, run), "label": _label(run),
+            "provenance": R.provenance(run), "run_id": run["run_id"]}
+
+
+def build(tracking_uri: str, experiment: str = "gpt2") -> pd.DataFrame:
+    """Paper rows (each with its newest run of that size at the paper's GPU count, or not run), then
+    the other GPT-2 runs (other GPU counts, reduced shapes) with their own days per epoch."""
+    paper, runs = paper_values(), R.load_runs(tracking_uri, experiment, finished_only=False)
+    rows, used = [], set()
+    for item in paper_items(paper, "gpt2"):
+        row = {"model": item, "paper_gpus": GPT2_RUNS[item],
+               "paper_days_per_epoch": paper_value(paper, "gpt2", item, "days_per_epoch")}
+        for index, run in runs.iterrows():  # newest first
+            if R.paper_size(run) == item and int(R.get(run, "params.world_size", 0) or 0) == GPT2_RUNS[item]:
+                row.update(_measured_row(tracking_uri, run))
+                used.add(index)
+                break
+        rows.append(row)
+    for index, run in runs.iterrows():
+        if index not in used:
+            rows.append({"model": R.paper_size(run) or f"custom {R.shape_text(run)}", **_measured_row(tracking_uri, run)})
+    return pd.DataFrame(rows)
+
+
+def display(table: pd.DataFrame) -> pd.DataFrame:
+    """Paper and measured days per epoch side by side."""
+    rows = []
+    for _, r in table.iterrows():
+        ran = R.get(r, "run_id") is not None
+        days = R.get(r, "days_per_epoch")
+        measured = fmt(days) if days is not None else "no interval logged yet"
+        rows.append([r["model"], fmt(R.get(r, "paper_gpus"), 0) if R.get(r, "paper_gpus") else "—",
+                     fmt(R.get(r, "paper_days_per_epoch")) if R.get(r, "paper_days_per_epoch") else "—",
+                     fmt(R.get(r, "gpus"), 0) if ran else NOT_RUN, measured if ran else NOT_RUN,
+                     fmt(R.get(r, "days_steps")) if ran and days is not None else "",
+                     fmt(R.get(r, "ms_per_iter"), 0) if ran and days is not None else "",
+                     R.get(r, "label", ""), R.get(r, "provenance", "")])
+    return pd.DataFrame(rows, columns=["model", "paper GPUs", "paper days/epoch", "measured GPUs",
+                                       "measured days/epoch", "of which training steps", "ms/iter",
+                                       "measured on", "provenance"])
+
+
+def report(tracking_uri: str, out_dir: str | Path, experiment: str = "gpt2") -> str:
+    """Write gpt2_table2.{csv,md}; return the Markdown."""
+    table = build(tracking_uri, experiment)
+    notes = [f"Measured days/epoch: median logged ms/iter (first interval dropped) x {PAPER_ITERS_PER_EPOCH:,} "
+             "iterations, plus the mean logged evaluation and checkpoint seconds x the evaluations and saves an "
+             "epoch holds at the run's eval_interval and save_interval. The paper does not say what its days "
+             "include.",
+             "Per paper model, the newest run of that size at the paper's GPU count; unfinished runs count (weeks "
+             "long), labelled with their status. Other GPT-2 runs follow with their own GPU count."]
+    return write_table(display(table), table, Path(out_dir), "gpt2_table2", "GPT-2 training time (Table 2)",
+                       notes, tracking_uri)

@@ -137,3 +137,21 @@ def test_check_plans_a_gpu_run_for_the_gpu_even_where_none_is_visible(capsys):
     out = capsys.readouterr().out
     assert f"planned peak memory per GPU: {gpu:.2f} GiB" in out and f"{cpu:.2f}" not in out
     assert torch.cuda.is_available() or "no GPU visible here" in out
+
+
+def test_appendix_d_sweeps_leave_table1s_jobs_to_table1(sbatch, capsys):
+    """table7 and table8 used to submit scale_8b / scale_1b again after a table1 sweep had run them."""
+    assert main(["slurm", "sweep", "table7"]) == 0
+    assert [c.split()[-1].rsplit("/", 1)[-1] for c in _calls(sbatch)] == ["heads_8b_16.sh", "heads_8b_24.sh"]
+    assert "its 32-head row is table1's scale_8b run; if table1 has not run it: " \
+           "`repro slurm submit slurm/scale_8b.sh`" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script, variable", [("race_finetune.sh", "REPRO_BERT_CHECKPOINT"),
+                                              ("zeroshot_eval.sh", "REPRO_EVAL_CHECKPOINT")])
+def test_an_evaluation_job_without_its_checkpoint_is_not_queued(sbatch, capsys, monkeypatch, script, variable):
+    monkeypatch.delenv(variable, raising=False)
+    assert main(["slurm", "submit", str(ROOT / "slurm" / script)]) == 2
+    assert f"{variable}=RUNS/<run dir> repro slurm submit {script}" in capsys.readouterr().err and _calls(sbatch) == []
+    monkeypatch.setenv(variable, "/shared/runs/x-1")
+    assert main(["slurm", "submit", str(ROOT / "slurm" / script)]) == 0 and len(_calls(sbatch)) == 1

@@ -14,7 +14,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from repro.launch.scripts import PER_JOB, TABLES, ClusterEnvError, check_required, cluster_settings, table_scripts
+from repro.launch.scripts import (FROM_TABLE1, NEEDS, PER_JOB, TABLES, ClusterEnvError, check_required, cluster_settings,
+                                  table_scripts)
 
 
 def _user_error(msg: str):
@@ -110,6 +111,11 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
     if not script.exists():
         raise _user_error(f"{script} does not exist: see `ls slurm/`")
     settings = _settings()
+    needed = NEEDS.get(script.stem)
+    if needed and not settings.get(needed):
+        raise _user_error(f"{script.name} evaluates the checkpoint {needed} names, and it is not set: the job would "
+                          f"stop as soon as it starts. Fix: `{needed}=RUNS/<run dir> repro slurm submit {script.name}` "
+                          "(one job per checkpoint)")
     cmd = sbatch_command(script, extra, settings)
     print(" ".join(cmd))
     if dry_run:
@@ -153,6 +159,10 @@ def _sweep(args) -> int:
     if not args.dry_run:
         jobs = " ".join(job for job, _ in submitted)
         print(f"{args.table}: jobs {jobs}; follow with `repro slurm status {jobs}`")
+    if args.table in FROM_TABLE1:
+        script, row = FROM_TABLE1[args.table]
+        print(f"{args.table}: {row} is table1's {script} run; if table1 has not run it: "
+              f"`repro slurm submit slurm/{script}.sh`")
     return 0
 
 

@@ -379,3 +379,17 @@ def test_script_arguments_before_the_separator_name_the_separator(capsys):
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "unrecognized arguments" in err and "go after `--`" in err, err
+
+
+def test_selftest_refuses_forced_tf32_on_gpus(monkeypatch):
+    """NGC containers force TF32 for fp32 matmuls: the GPU selftest says so instead of failing the fp32
+    checks of a correct implementation (gloo on CPU is unaffected)."""
+    from repro.cli import UserError
+    from repro.parallel.selftest import _refuse_forced_tf32
+
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
+    with pytest.raises(UserError, match="TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 repro selftest"):
+        _refuse_forced_tf32("nccl")
+    _refuse_forced_tf32("gloo")
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0")
+    _refuse_forced_tf32("nccl")

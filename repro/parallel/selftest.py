@@ -55,6 +55,19 @@ def print_table(rows: list[dict], title: str) -> None:
     Console(width=120).print(table)
 
 
+def _refuse_forced_tf32(backend: str) -> None:
+    """NGC containers export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which makes every fp32 matmul TF32
+    (10-bit mantissa): the fp32 checks' 1e-5 would fail a correct implementation."""
+    import os
+
+    from repro.cli import UserError
+
+    if backend == "nccl" and os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0") not in ("", "0"):
+        raise UserError("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set (NGC containers set it): every fp32 matmul runs "
+                        "in TF32, and the fp32 checks (tolerance 1e-5) would fail correct code. Fix: "
+                        "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 repro selftest ...")
+
+
 def _run(args) -> int:
     import torch.distributed as dist
 
@@ -63,6 +76,7 @@ def _run(args) -> int:
     from repro.parallel.groups import default_backend, discover_launch_env
 
     backend = default_backend()
+    _refuse_forced_tf32(backend)
     if discover_launch_env().launched:  # by torchrun / srun
         from repro.parallel.groups import init_distributed
 

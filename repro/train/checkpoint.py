@@ -115,19 +115,27 @@ def remove_unfinished(root: Path) -> list[Path]:
     return stale
 
 
-def rng_state(tracker) -> dict[str, torch.Tensor]:
+def rng_state(tracker, device: torch.device) -> dict[str, torch.Tensor]:
+    """The generator states a resume restores: CPU, this rank's GPU (the run's device, not GPU 0, and
+    no CUDA context for a CPU run on a GPU node), the TP-region tracker."""
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     if tracker is not None:
         state["tracker"] = tracker.get_state()
     return state
 
 
-def restore_rng(state: dict[str, torch.Tensor], tracker) -> None:
+def restore_rng(state: dict[str, torch.Tensor], tracker, device: torch.device) -> None:
+    """Restore `rng_state`'s states. A CPU run's states in a GPU run are a CheckpointError (the
+    tracker's CPU generator state does not fit a CUDA generator); a CUDA state in a CPU run's
+    checkpoint (saved on a GPU node before the device was checked) is ignored."""
+    if device.type == "cuda" and "cuda" not in state:
+        raise CheckpointError("the checkpoint's RNG states come from a CPU run, and this run is on cuda: a run "
+                              "resumes on the device type it was saved on (train.device)")
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
     if tracker is not None and "tracker" in state:
         tracker.set_state(state["tracker"])
 

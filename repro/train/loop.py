@@ -123,7 +123,7 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
             torch.save(extra, tmp / f"optim_tp{pg.tp_rank:02d}.pt")
     if eng.deepspeed:
         eng.wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="zero", save_latest=False)
-    torch.save(ck.rng_state(eng.rng), tmp / f"rng_rank{pg.rank:05d}.pt")
+    torch.save(ck.rng_state(eng.rng, eng.device), tmp / f"rng_rank{pg.rank:05d}.pt")
     if pg.rank == 0:
         meta = {"format": ck.FORMAT_VERSION, "family": eng.cfg.family, "iteration": state.iteration,
                 "consumed_samples": state.consumed_samples, "tp": pg.tp_size,
@@ -398,7 +398,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
         interval, final = _Interval(), {}
         if "rng" in meta:
-            ck.restore_rng(meta.pop("rng"), eng.rng)
+            ck.restore_rng(meta.pop("rng"), eng.rng, eng.device)
         try:
             while state.iteration < cfg.train.train_iters:
                 result = train_step(eng, _micro_batches(loader, derived.grad_accum_steps))

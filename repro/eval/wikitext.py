@@ -143,12 +143,12 @@ def evaluate_perplexity(model, pg: ProcessGroups, data: WikitextData, window: in
     mine = dp_share(windows, pg)
     device = model_device(model)
     tokens = torch.tensor(data.tokens, dtype=torch.long)
-    sum_nll, count = 0.0, 0
+    sum_nll, count = torch.zeros((), dtype=torch.float64, device=device), 0  # summed on the device: no sync a batch
     for i in range(0, len(mine), batch_size):
         ids, targets, keep = _batch_tensors(tokens, mine[i:i + batch_size], pad_id)
         nll, _ = score_positions(model, pg.tp_group, ids.to(device), targets.to(device), keep.to(device))
-        sum_nll, count = sum_nll + nll.sum().item(), count + nll.numel()
-    sum_nll, count = dp_sum([sum_nll, float(count)], pg, device)
+        sum_nll, count = sum_nll + nll.double().sum(), count + nll.numel()
+    sum_nll, count = dp_sum([sum_nll.item(), float(count)], pg, device)
     if int(count) != len(data.tokens) - 1:
         raise RuntimeError(f"scored {int(count)} targets, expected T - 1 = {len(data.tokens) - 1}")
     return PerplexityResult(sum_nll, int(count), len(data.tokens), data.num_original_tokens,

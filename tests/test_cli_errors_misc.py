@@ -106,6 +106,7 @@ def test_sync_skips_a_truncated_last_line_and_names_a_bad_middle_line(tmp_path, 
     run_dir = _offline_run(tmp_path / "run")
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "time": 1.0, "lo')  # a killed run's last line
+    (run_dir / "final_metrics.json").write_text('{"iteration": 3}')  # its end was written: sync finishes it
     with pytest.warns(UserWarning, match="truncated last line"):
         assert _cli(capsys, "tracking", "sync", str(run_dir))[0] == 0
     run_id = (run_dir / "mlflow_run_id").read_text()
@@ -296,13 +297,15 @@ def test_eval_default_out_is_the_run_dir_and_a_bad_out_fails_first(tmp_path, cap
     assert "lambada" not in out and blocker.read_text() == "mine"  # refused before evaluating
 
 
-def test_eval_with_mlflow_unreachable_keeps_the_results_and_says_how_to_retry(tmp_path, monkeypatch, capsys):
+def test_eval_with_mlflow_unreachable_keeps_the_results_warns_and_says_how_to_retry(tmp_path, monkeypatch, capsys):
     run = _gpt_checkpoint(tmp_path / "g5")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
     start = time.monotonic()
     rc, _, err = _eval(capsys, run, "--out", str(tmp_path / "eval.jsonl"))
-    assert rc == 2 and UNREACHABLE in err and "--no-mlflow" in err and str(tmp_path / "eval.jsonl") in err
-    assert f"repro tracking sync {tmp_path / 'eval.jsonl'}" in err
+    # the evaluation is done and saved: exit 0 with a warning (it exited 2, and slurm/zeroshot_eval.sh
+    # then stopped before its LAMBADA step)
+    assert rc == 0 and "warning:" in err and UNREACHABLE in err and "--no-mlflow" in err
+    assert f"`repro tracking sync {tmp_path / 'eval.jsonl'}` uploads them" in err
     assert json.loads((tmp_path / "eval.jsonl").read_text())["task"] == "lambada"
     assert time.monotonic() - start < 30
 

@@ -234,12 +234,9 @@ def run(args) -> int:
               "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
               "train_questions": len(splits["train"])}
-    from repro.train.checkpoint import training_provenance
-
-    pretrained = training_provenance(args.checkpoint) if args.checkpoint else {}
-    if "checkpoint_iteration" in pretrained:
-        params["checkpoint_iteration"] = pretrained["checkpoint_iteration"]
-    tags = {"task": "race", **({"training_run_id": pretrained["training_run_id"]} if "training_run_id" in pretrained else {})}
+    pretrained = _pretraining(args.checkpoint)
+    params.update({k: v for k, v in pretrained.items() if k == "checkpoint_iteration"})
+    tags = {"task": "race", **{k: v for k, v in pretrained.items() if k == "training_run_id"}}
     # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
     logged = read_stopped_seed(Path(args.run_dir))  # launch.sh removes stopped_by_signal before each step
     continued = bool(done) or bool(logged)
@@ -259,6 +256,14 @@ def run(args) -> int:
         log.close()
         print(f"results: {write_results(Path(args.run_dir), *chosen)}")
     return 0
+
+
+def _pretraining(checkpoint: str | None) -> dict[str, str]:
+    """The pretraining checkpoint's iteration and training run id (the BERT table joins RACE runs to
+    the MLM perplexity of the run they fine-tuned); {} without a `repro train` checkpoint."""
+    from repro.train.checkpoint import training_provenance
+
+    return training_provenance(checkpoint) if checkpoint else {}
 
 
 def _stopped(args, stopped, pg, log) -> int:

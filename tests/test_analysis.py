@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from repro.analysis import bert, scaling, zeroshot
+from repro.analysis import runs as R
 from repro.analysis.paper import paper_value, paper_values
 from repro.analysis.tables import NOT_RUN, fmt, to_markdown
 
@@ -48,9 +49,15 @@ def test_efficiency_never_mixes_hardware_and_model_flops():
     assert out.loc[0, "efficiency"] == pytest.approx(1.0) and out.loc[1, "efficiency"] != out.loc[1, "efficiency"]
 
 
-def test_sustained_throughput_drops_the_warm_up_interval():
+def test_sustained_throughput_drops_the_warm_up_interval_of_every_launch():
     hist = pd.DataFrame({"step": [5, 10, 15, 20], "value": [1.0, 10.0, 12.0, 11.0]})
-    assert scaling.sustained_tflops(hist) == 11.0
+    assert R.median_after_warmup(hist) == 11.0  # a run that predates the flag: its first interval
+    resumed = pd.DataFrame({"step": [5, 10, 15, 20, 25, 30], "value": [1.0, 10.0, 12.0, 2.0, 11.0, 11.0]})
+    flags = pd.DataFrame({"step": [5, 10, 15, 20, 25, 30], "value": [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]})
+    assert R.median_after_warmup(resumed, flags) == 11.0  # the resume's slow interval at step 20 is dropped too
+    assert R.median_after_warmup(resumed) == 11.0 and R.median_after_warmup(resumed.iloc[:4]) == 10.0
+    assert R.median_after_warmup(hist.iloc[:1], flags.iloc[:1]) == 1.0  # nothing but warm-up: kept
+    assert math.isnan(R.median_after_warmup(hist.iloc[:0]))
 
 
 def _shape(size: str) -> dict:
@@ -509,6 +516,44 @@ def test_scaling_shows_the_newest_run_with_a_throughput():
     assert scaling.display(scaling.combine(paper, alone, None)).loc[0, "measured eff."] == "no throughput logged"
     appendix = scaling.appendix_display(scaling.appendix_d(paper_values(), alone)).set_index("setting")
     assert appendix.loc["1.2B, batch 8, 1-way TP", "measured"] == "no throughput logged"
+
+
+def test_a_newer_short_test_run_does_not_replace_the_measurement():
+    """slurm/README's `--set train.train_iters=100` check of a script, run after the real 1000-iteration
+    measurement, neither becomes the point nor the baseline; alone, it is shown and labelled."""
+    runs = _points(("scaling-1.2b", 1, 100.0, 1), ("scaling-1.2b", 1, 70.0, 3), ("scaling-2.5b", 2, 95.0, 2),
+                   ("scaling-2.5b", 2, 60.0, 4))
+    runs["train_iters"] = [1000.0, 100.0, 1000.0, 100.0]
+    out = scaling.add_efficiency(runs)
+    assert out["baseline_run_id"].eq("scaling-1.2b-1-100.0").all()
+    table = scaling.combine(scaling.paper_points(paper_values()), out, None)
+    paper_rows = table[table["paper_efficiency"].notna()].set_index(["config", "gpus"])
+    assert paper_rows.loc[("scaling-1.2b", 1), "tflops_per_device"] == 100.0
+    assert paper_rows.loc[("scaling-2.5b", 2), "efficiency"] == pytest.approx(0.95)
+    assert sorted(table.loc[table["paper_efficiency"].isna(), "train_iters"]) == [100.0, 100.0]  # listed below
+    logged = {"run_id": "r", "params.model_size": "scaling-2.5b", "params.world_size": "2",
+              **{f"params.{k}": v for k, v in _shape("scaling-2.5b").items()}}
+    for iters, label in (("100", ", test run of 100 iterations"), ("1000", ""), (None, "")):
+        run = {**logged, "params.train.train_iters": iters} if iters else logged
+        shown = scaling.measured_points(pd.DataFrame([run]), lambda _: (60.0, "hardware"))
+        assert shown.loc[0, "config"] == "scaling-2.5b" and shown.loc[0, "label"] == R.run_label(run) + label
+
+
+def test_table_points_prefer_the_baselines_device():
+    """A store with H100 and A100 runs: the baseline is the preferred config-1 run (the newest, an H100),
+    and every point takes its H100 run even where an A100 run is newer; a point measured only on the
+    A100 still shows, on its own A100 baseline."""
+    runs = _points(("scaling-1.2b", 1, 100.0, 5), ("scaling-1.2b", 1, 40.0, 1), ("scaling-2.5b", 2, 95.0, 2),
+                   ("scaling-2.5b", 2, 38.0, 6), ("scaling-4.2b", 4, 36.0, 3))
+    runs["device"] = ["H100", "A100", "H100", "A100", "A100"]
+    out = scaling.add_efficiency(runs)
+    assert scaling.baseline_device(out) == "H100"
+    table = scaling.combine(scaling.paper_points(paper_values()), out, None)
+    table = table[table["paper_efficiency"].notna()].set_index(["config", "gpus"])
+    assert table.loc[("scaling-2.5b", 2), "device"] == "H100"
+    assert table.loc[("scaling-2.5b", 2), "efficiency"] == pytest.approx(0.95)
+    assert table.loc[("scaling-4.2b", 4), "device"] == "A100"
+    assert table.loc[("scaling-4.2b", 4), "efficiency"] == pytest.approx(0.9)
 
 
 def test_one_device_baseline_counts_hardware_flops_like_the_papers_39(tmp_path):

@@ -152,14 +152,20 @@ def test_zero_trains_without_local_rank(corpus, tmp_path, launch_env):
 
 def test_deepspeed_zero_resume_is_exact(corpus, tmp_path):
     """ZeRO-1 at DP=2 with dropout: 4 iterations, then a new launch to 8 == one launch of 8 (the
-    partitioned optimizer state goes through DeepSpeed's own checkpoint inside ours)."""
+    partitioned optimizer state goes through DeepSpeed's own checkpoint inside ours). Each launch's
+    first logged interval is flagged as warm-up, for the tables to drop."""
+    from repro.tracking.logger import read_metrics
+
     extra = {"train.zero_stage": 1, "train.micro_batch_size": 2, "optim.lr_decay_iters": 8,
-             "model.hidden_dropout": 0.1}
+             "model.hidden_dropout": 0.1, "train.log_interval": 2}
     _train(2, corpus, tmp_path / "full", **extra, **{"train.train_iters": 8})
     _train(2, corpus, tmp_path / "part", **extra, **{"train.train_iters": 4})
     _train(2, corpus, tmp_path / "part", **extra, **{"train.train_iters": 8})
     assert (tmp_path / "part" / "checkpoints" / "iter_0000004" / "deepspeed").is_dir()
     assert _losses(tmp_path / "part") == _losses(tmp_path / "full")
+    for run, flags in (("full", [1, 0, 0, 0]), ("part", [1, 0, 1, 0])):
+        logged = [(r["step"], r["warmup_interval"]) for r in read_metrics(tmp_path / run) if "warmup_interval" in r]
+        assert logged == list(zip((2, 4, 6, 8), flags)), (run, logged)
 
 
 def test_compile_with_deepspeed_and_overlap_without_it_are_refused_with_the_fix(corpus, tmp_path):

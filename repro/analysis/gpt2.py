@@ -1,7 +1,7 @@
 """Table 2: GPT-2 training time per epoch, from the logged GPT-2 runs (experiment "gpt2").
 
 One epoch is 68,507 iterations of 512 x 1024 tokens (PAPER.md §3). A run's days per epoch are its
-median logged `ms_per_iter` (the first interval dropped as warm-up, as for Table 1) times 68,507,
+median logged `ms_per_iter` (the first interval of every launch dropped as warm-up, as for Table 1) times 68,507,
 plus the evaluation and checkpoint time an epoch carries at the run's intervals (mean logged
 `eval_seconds` x 68,507 / eval_interval, the same for `save_seconds`). Runs take weeks, so unfinished
 runs count, with their status in the label; per paper model the newest run at the paper's GPU count.
@@ -15,7 +15,6 @@ import pandas as pd
 
 from repro.analysis import runs as R
 from repro.analysis.paper import paper_items, paper_value, paper_values
-from repro.analysis.scaling import sustained_tflops as median_after_warmup  # (any metric)
 from repro.analysis.tables import NOT_RUN, fmt, write_table
 from repro.data.summary import PAPER_ITERS_PER_EPOCH
 from repro.perf.plan import GPT2_RUNS
@@ -28,7 +27,7 @@ def _mean(history: pd.DataFrame) -> float:
 def epoch_days(uri: str, run) -> dict:
     """A run's iteration time and days per epoch (training steps alone, and with its evaluations and
     saves at its own intervals); NaN days when it logged no interval yet."""
-    ms = median_after_warmup(R.metric_history(uri, run["run_id"], "ms_per_iter"))
+    ms = R.sustained(uri, run["run_id"], "ms_per_iter")
     steps_days = ms * PAPER_ITERS_PER_EPOCH / 86_400_000
     overhead_s = 0.0
     for metric, interval in (("eval_seconds", "train.eval_interval"), ("save_seconds", "train.save_interval")):

@@ -136,6 +136,28 @@ def metric_history(uri: str, run_id: str, key: str) -> pd.DataFrame:
     return frame.sort_values("step", kind="stable").reset_index(drop=True)
 
 
+WARMUP_METRIC = "warmup_interval"  # 1 on the first logged interval of each launch (repro/train/loop.py)
+
+
+def median_after_warmup(history: pd.DataFrame, warmup: pd.DataFrame | None = None) -> float:
+    """Median of a per-interval metric without its warm-up intervals: the steps `warmup` flags (the
+    first interval of every launch, resumes included), or for runs that predate that flag the first
+    logged interval only. NaN for an empty history; a run with nothing but warm-up keeps it all."""
+    if not len(history):
+        return float("nan")
+    if warmup is not None and len(warmup):
+        kept = history[~history["step"].isin(warmup.loc[warmup["value"] > 0, "step"])]
+    else:
+        kept = history.iloc[1:]
+    return float((kept if len(kept) else history)["value"].median())
+
+
+def sustained(uri: str, run_id: str, key: str) -> float:
+    """A run's steady-state value of a per-interval metric (ms_per_iter, tflops_per_device, ...):
+    median_after_warmup of its logged history."""
+    return median_after_warmup(metric_history(uri, run_id, key), metric_history(uri, run_id, WARMUP_METRIC))
+
+
 def get(row, key: str, default=None):
     """row[key] when present and not NaN (rows come from frames with ragged columns)."""
     value = row.get(key, default) if hasattr(row, "get") else default

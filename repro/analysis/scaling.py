@@ -3,11 +3,12 @@
 Efficiency is the paper's: sustained FLOP/s per device relative to the 1-device baseline of the
 same series (paper: config 1 on one V100 at 39 TFLOP/s). Two devices at 1.9x the one-device
 throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model, activation
-checkpointing and parameter precision): a run's
-baseline is the newest 1-device run with a logged throughput on the same device type and precision,
-of config 1 (only) for the paper's scaling configs, else of the same model shape (so a tiny CPU GPT
-is compared to itself), with FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that
-predate that metric).
+checkpointing and parameter precision): a run's baseline is the preferred (full-length, then newest)
+1-device run with a logged throughput on the same device type and precision, of config 1 (only) for
+the paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared to itself),
+with FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that predate that metric).
+Each table point takes its run on the baseline's device where there is one, a full-length run before
+a test run cut short, then the newest (_preferred_first).
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ CONFIGS = ("scaling-1.2b", "scaling-2.5b", "scaling-4.2b", "scaling-8.3b")
 MODES = (("TP", "tp"), ("TP+DP", "tpdp"))
 HEADS = (("scaling-8.3b-16h", 16), ("scaling-8.3b-24h", 24), ("scaling-8.3b", 32))  # Appendix D Table 7
 STRONG_GPUS = (1, 2, 4, 8)  # Appendix D Table 8: the 1.2B model at batch 8 on 1-8 GPUs
+SCALING_ITERS = 1000  # experiments/scaling/base.yaml's train.train_iters: a shorter run is a test run
 
 
 def run_throughput(uri: str, run_id: str) -> tuple[float, str]:
     """Sustained TFLOP/s per device counted like the paper's 39 (recomputation included, the 96 form,
     when the run checkpointed: `hw_tflops_per_device`); runs logged before that metric: model FLOPs."""
-    hardware = sustained_tflops(R.metric_history(uri, run_id, "hw_tflops_per_device"))
+    hardware = R.sustained(uri, run_id, "hw_tflops_per_device")
     if hardware == hardware:  # not NaN
         return hardware, "hardware"
-    return sustained_tflops(R.metric_history(uri, run_id, "tflops_per_device")), "model"
+    return R.sustained(uri, run_id, "tflops_per_device"), "model"
 
 
 def efficiency(per_device_tflops: float, baseline_per_device_tflops: float) -> float:
@@ -41,15 +43,6 @@ def efficiency(per_device_tflops: float, baseline_per_device_tflops: float) -> f
     if not baseline_per_device_tflops or baseline_per_device_tflops <= 0:
         raise ValueError(f"baseline throughput must be positive, got {baseline_per_device_tflops}")
     return per_device_tflops / baseline_per_device_tflops
-
-
-def sustained_tflops(history: pd.DataFrame) -> float:
-    """Median of the logged intervals' TFLOP/s per device, the first (warm-up) interval dropped."""
-    values = list(history["value"])
-    if not values:
-        return float("nan")
-    kept = values[1:] if len(values) > 1 else values
-    return float(pd.Series(kept).median())
 
 
 def _shape(row) -> str:
@@ -75,10 +68,18 @@ def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
                      "precision": R.get(run, "params.precision", "n/a"),
                      "baseline_model": "scaling-1.2b" if config.startswith("scaling-") else _shape(run),
                      "recipe": _recipe(run), "batch": _float(R.get(run, "params.train.global_batch_size")),
-                     "tflops_per_device": tflops, "flops_counted": counted, "label": R.run_label(run),
+                     "tflops_per_device": tflops, "flops_counted": counted, "label": _label(run, config),
+                     "train_iters": _float(R.get(run, "params.train.train_iters")),
                      "provenance": R.provenance(run), "run_id": run["run_id"],
                      "start_time": run.get("start_time", 0)})
     return pd.DataFrame(rows)
+
+
+def _label(run, config: str) -> str:
+    """run_label, plus the length of a paper config's run cut short (`--set train.train_iters=100`)."""
+    iters = _float(R.get(run, "params.train.train_iters"))
+    short = config.startswith("scaling-") and iters < SCALING_ITERS
+    return R.run_label(run) + (f", test run of {int(iters)} iterations" if short else "")
 
 
 def _float(value) -> float:
@@ -101,7 +102,8 @@ def _recipe(run) -> str:
 
 
 def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
-    """Add aggregate PFLOP/s and efficiency against each series' newest 1-device run (NaN: no baseline)."""
+    """Add aggregate PFLOP/s and efficiency against each series' preferred 1-device run (_preferred_first;
+    NaN: no baseline)."""
     out = points.copy()
     out["aggregate_pflops"] = out["tflops_per_device"] * out["gpus"] / 1000.0
     out["efficiency"] = float("nan")
@@ -113,9 +115,9 @@ def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
             base = at_paper_batch(base[base["config"] == "scaling-1.2b"])  # config's, nor a batch-4 test run
         if base.empty:
             continue
-        newest = _newest_first(base).iloc[0]
-        out.loc[group.index, "efficiency"] = [efficiency(t, newest["tflops_per_device"]) for t in group["tflops_per_device"]]
-        out.loc[group.index, "baseline_run_id"] = newest.get("run_id", "")
+        chosen = _preferred_first(base).iloc[0]
+        out.loc[group.index, "efficiency"] = [efficiency(t, chosen["tflops_per_device"]) for t in group["tflops_per_device"]]
+        out.loc[group.index, "baseline_run_id"] = chosen.get("run_id", "")
     return out
 
 
@@ -149,11 +151,29 @@ def predictions() -> dict[tuple[str, int], dict[str, float]] | None:
     return out
 
 
-def _newest_first(runs: pd.DataFrame) -> pd.DataFrame:
-    """Runs with a logged throughput first, each part newest first."""
-    logged = runs["tflops_per_device"].notna().rename("_logged")
-    order = pd.concat([logged, runs["start_time"]], axis=1) if "start_time" in runs else logged.to_frame()
+def _preferred_first(runs: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
+    """The runs in the order a table point takes them: a logged throughput first, then (when given)
+    runs on `device`, the table's baseline device, then full-length runs before test runs cut short
+    (a newer 100-iteration check of a script does not replace its measurement), then the newest."""
+    keys = {"_logged": runs["tflops_per_device"].notna()}
+    if device is not None and "device" in runs:
+        keys["_device"] = runs["device"] == device
+    if "train_iters" in runs:
+        keys["_full"] = ~(runs["train_iters"] < SCALING_ITERS)  # a run that logged no length counts as full
+    if "start_time" in runs:
+        keys["_start"] = runs["start_time"]
+    order = pd.DataFrame(keys, index=runs.index)
     return runs.loc[order.sort_values(list(order.columns), ascending=False, kind="stable").index]
+
+
+def baseline_device(measured: pd.DataFrame) -> str | None:
+    """The device of Table 1's baseline: the preferred 1-device run of config 1 at the paper's batch
+    (None without one). Every other point prefers runs on it, so a store holding runs of several GPU
+    types fills one table from one kind of hardware where it can (rows from another say so)."""
+    if not len(measured):
+        return None
+    base = at_paper_batch(measured[(measured["config"] == "scaling-1.2b") & (measured["gpus"] == 1)])
+    return _preferred_first(base).iloc[0]["device"] if len(base) else None
 
 
 def appendix_d_run(run) -> bool:
@@ -165,15 +185,15 @@ def appendix_d_run(run) -> bool:
 
 
 def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.DataFrame:
-    """Paper rows (each with its newest matching measured run with a throughput, or none) then unmatched
+    """Paper rows (each with its preferred matching measured run, _preferred_first, or none) then unmatched
     measured rows."""
-    rows, used = [], set()
+    rows, used, device = [], set(), baseline_device(measured)
     for _, p in paper_pts.iterrows():
         row = {**p.to_dict(), **(predicted or {}).get((p["config"], p["gpus"]), {})}
         hit = at_paper_batch(measured[(measured["config"] == p["config"]) & (measured["gpus"] == p["gpus"])
                                       & (measured["tp"] == p["tp"])] if len(measured) else measured)
         if len(hit):
-            best = _newest_first(hit).iloc[0]
+            best = _preferred_first(hit, device).iloc[0]
             used.add(best.name)
             row.update({k: best[k] for k in best.index if k not in ("config", "gpus", "tp", "dp")})
         rows.append(row)
@@ -215,26 +235,25 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def _newest(measured: pd.DataFrame, **match):
-    """The newest measured run at the paper's batch with these column values (one with a throughput
-    first), or None."""
+def _preferred(measured: pd.DataFrame, device: str | None, **match):
+    """The preferred measured run (_preferred_first) at the paper's batch with these column values, or None."""
     hit = at_paper_batch(measured)
     for key, value in match.items():
         hit = hit[hit[key] == value] if len(hit) else hit
-    return _newest_first(hit).iloc[0] if len(hit) else None
+    return _preferred_first(hit, device).iloc[0] if len(hit) else None
 
 
 def appendix_d(paper: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     """Appendix D: Table 7 (8.3B at 8-way TP with 16/24/32 heads: weak-scaling efficiency against config
     1 on one device) and Table 8 (1.2B at batch 8 on 1/2/4/8 devices: speed-up = efficiency x devices)."""
-    rows = []
+    rows, device = [], baseline_device(measured)
     for size, heads in HEADS:
-        run = _newest(measured, config=size, gpus=8, tp=8)
+        run = _preferred(measured, device, config=size, gpus=8, tp=8)
         rows.append({"table": "Table 7", "setting": f"8.3B, {heads} heads, 8-way TP", "gpus": 8,
                      "metric": "efficiency", "paper": paper_value(paper, "appendix_d", size, "efficiency_tp"),
                      "measured": R.get(run, "efficiency") if run is not None else None, "run": run})
     for gpus in STRONG_GPUS:
-        run = _newest(measured, config="scaling-1.2b", gpus=gpus, tp=gpus)
+        run = _preferred(measured, device, config="scaling-1.2b", gpus=gpus, tp=gpus)
         eff = R.get(run, "efficiency") if run is not None else None
         rows.append({"table": "Table 8", "setting": f"1.2B, batch 8, {gpus}-way TP", "gpus": gpus,
                      "metric": "speed-up", "paper": paper_value(paper, "appendix_d", f"strong-{gpus}gpu", "speedup"),
@@ -326,13 +345,17 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
     measured = measured_runs(tracking_uri, experiment)
     table = combine(paper_points(paper), measured, predicted)
     notes = ["Efficiency = sustained FLOP/s per device / the 1-device baseline's (paper: config 1 on one V100). "
-             "Measured TFLOP/s per device: median of the logged intervals (first interval dropped as warm-up) of "
+             "Measured TFLOP/s per device: median of the logged intervals (the first interval of every launch, "
+             "resumes included, dropped as warm-up) of "
              "`hw_tflops_per_device`, which counts FLOPs as the paper's 39 TFLOP/s and the analytic model do "
              "(96 B s l h^2 (1 + s/6h + V/16lh) with activation recomputation when the run checkpointed, the 72 "
              "form without; the trainer's `hw_flop_formula` param), or of the model FLOPs `tflops_per_device` "
              "for runs that predate it ('FLOPs' column). Efficiency is a ratio of the same count. "
              "'model' columns: the analytic prediction of repro/perf/scaling_model.py (see results/scaling_model/) "
              + ("" if predicted is not None else "— NOT AVAILABLE (module missing) "),
+             "Each point takes a run on the device of the config-1 baseline where one exists, a full-length run "
+             f"({SCALING_ITERS} iterations, experiments/scaling/base.yaml) before a test run cut short (labelled), "
+             "then the newest; 'measured on' names each row's device. "
              "Rows marked CPU or reduced size are plumbing checks of this code on small models, "
              "not measurements of the paper's configurations; their efficiency is against their own 1-device run."]
     text = write_table(display(table), table, out_dir, "scaling_table", "Weak scaling (Table 1, Fig. 1 and Fig. 5)",
@@ -345,7 +368,8 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
                                 "(slurm/heads_8b_{16,24}.sh, scale_8b.sh; `repro slurm sweep table7`). Table 8: "
                                 "speed-up of 1.2B at batch 8 over its one-device run = efficiency x devices "
                                 "(slurm/scale_1b.sh, strong_1b_tp{2,4,8}.sh; `repro slurm sweep table8`). Measured: "
-                                "the newest run of experiment `scaling` with that model and layout."],
+                                "the preferred run of experiment `scaling` with that model and layout (on the baseline's device, "
+                                "full length, then the newest)."],
                                tracking_uri)
     from repro.tracking.store import project_root
 

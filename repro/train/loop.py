@@ -335,10 +335,13 @@ def _step_metrics(result, eng: Engine) -> dict:
 
 
 class _Interval:
-    """Accumulates step results between log lines (evaluation and checkpoint time `exclude`d)."""
+    """Accumulates step results between log lines (evaluation and checkpoint time `exclude`d). The
+    first interval of each launch (a fresh start or a resume) carries its warm-up (allocator, cuDNN
+    and compile autotuning, data workers) and is logged with `warmup_interval` 1, so the tables drop
+    it after every resume, not only the run's first."""
 
     def __init__(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
+        self.start, self.steps, self.first = time.perf_counter(), 0, True
 
     def exclude(self, since: float) -> float:
         """Leave the seconds since `since` (a perf_counter value) out of this interval; returns them."""
@@ -353,8 +356,8 @@ class _Interval:
         tp = throughput(cfg.model, tokens, seconds, eng.pg.dims.world_size, device_name(eng.device),
                         cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak,
                         bert=cfg.family == "bert")
-        self.start, self.steps = time.perf_counter(), 0
-        return {**_step_metrics(result, eng),
+        self.start, self.steps, first, self.first = time.perf_counter(), 0, self.first, False
+        return {**_step_metrics(result, eng), "warmup_interval": float(first),
                 "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],
                 "tflops_per_device": tp["model_tflops_per_device"], "mfu": tp["mfu"],
                 "hw_tflops_per_device": tp["hardware_tflops_per_device"], "hfu": tp["hfu"],

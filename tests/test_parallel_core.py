@@ -72,6 +72,57 @@ def test_global_gradient_norm_equals_serial(two_ranks, four_ranks):
     assert {r["tolerance"] for r in rows} == {1e-5, 1e-10}
 
 
+def test_grad_norm_and_clipping_over_mixed_dtypes():
+    """The foreach norm equals the per-tensor sum of squares, half gradients reduced in fp32 (their own
+    bf16 sum of squares would round the norm to 3 digits), and clipping scales each gradient in place,
+    in its own dtype, to the bound."""
+    from repro.parallel.grads import clip_grad_norm, global_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in
+              ((1000, torch.bfloat16), (37, torch.float32), (5, torch.float64), (3000, torch.bfloat16))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+    params.append(torch.nn.Parameter(torch.zeros(2)))  # no gradient: left out
+    reference = sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None).sqrt()
+    norm = global_grad_norm(params)
+    assert norm.dtype == torch.float64 and abs(norm.item() - reference.item()) / reference.item() < 1e-6
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    assert clip_grad_norm(params, 1.0).item() == pytest.approx(norm.item())
+    assert [p.grad.dtype for p in params[:4]] == [torch.bfloat16, torch.float32, torch.float64, torch.bfloat16]
+    assert global_grad_norm(params).item() == pytest.approx(1.0, rel=1e-2)  # bf16 rounding of the scaled values
+    assert torch.allclose(params[2].grad, before[2] / (reference + 1e-6), rtol=1e-12)
+    assert clip_grad_norm(params, 10.0).item() == pytest.approx(1.0, rel=1e-2)  # under the bound: unchanged
+    assert global_grad_norm(params).item() == pytest.approx(1.0, rel=1e-2)
+
+
+def _bucketed_dp_average() -> tuple[list[list[float]], list[tuple[str, int]]]:
+    """DP=2: gradients 1..n times (rank + 1) in fp32 and bf16, averaged in buckets of 64 bytes."""
+    import torch.distributed as dist
+
+    from repro.parallel.accounting import count_collectives
+    from repro.parallel.grads import all_reduce_gradients
+
+    rank = dist.get_rank()
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in
+              ((4, torch.float32), (20, torch.float32), (3, torch.bfloat16), (2, torch.float32), (5, torch.bfloat16))]
+    for p in params:
+        p.grad = (torch.arange(p.numel()) + 1.0).to(p.dtype) * (rank + 1)
+    with count_collectives() as log:
+        all_reduce_gradients(params, dist.group.WORLD, bucket_bytes=64)
+    return [p.grad.float().tolist() for p in params], [(op, n) for _, op, n, _ in log.calls]
+
+
+def test_dp_gradient_average_in_buckets():
+    """Each rank ends with the mean gradient, in its dtype; fp32 in buckets of at most 64 bytes (a
+    20-element tensor is its own bucket), bf16 apart from fp32."""
+    ranks = run_ranks(_bucketed_dp_average, 2)
+    assert ranks[0] == ranks[1]
+    grads, calls = ranks[0]
+    assert grads == [[1.5 * (i + 1) for i in range(n)] for n in (4, 20, 3, 2, 5)]
+    assert calls == [("all_reduce", 4), ("all_reduce", 20), ("all_reduce", 2), ("all_reduce", 8)]
+
+
 def test_collective_counts_match_the_paper(two_ranks):
     assert not _failures(_named(two_ranks, "collectives"))
     assert not _failures(_named(two_ranks, "no all-gather"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -11,45 +12,72 @@ from repro.parallel.layers import is_tensor_parallel
 from repro.parallel.mappings import group_rank, group_size
 
 
+def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+@torch.no_grad()
 def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tensor:
     """L2 norm of all gradients of the model, counting each sharded parameter once and each
-    replicated one once (only TP rank 0 adds the replicated ones before the TP all-reduce)."""
+    replicated one once (only TP rank 0 adds the replicated ones before the TP all-reduce).
+
+    One foreach kernel per (device, dtype) instead of three small kernels per tensor (a 1.2B GPT has
+    ~500 of them); half gradients are reduced in fp32, fp32 and fp64 in their own precision."""
     params = [p for p in params if p.grad is not None]
     count_replicated = group_rank(tp_group) == 0
-    squares = [  # half gradients summed in fp32; fp32 and fp64 in their own precision
-        p.grad.detach().to(torch.promote_types(p.grad.dtype, torch.float32)).pow(2).sum()
-        for p in params
-        if is_tensor_parallel(p) or count_replicated
-    ]
+    grads = [p.grad for p in params if is_tensor_parallel(p) or count_replicated]
+    norms = [n for (_, dtype), group in _by_device_and_dtype(grads).items()
+             for n in torch._foreach_norm(group, 2, dtype=torch.promote_types(dtype, torch.float32))]
     device = params[0].grad.device if params else torch.device("cpu")
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if norms:
+        wide = functools.reduce(torch.promote_types, (n.dtype for n in norms))
+        total = torch.stack([n.to(wide) for n in norms]).pow(2).sum()
+    else:
+        total = torch.zeros((), device=device)
     if group_size(tp_group) > 1:
         dist.all_reduce(total, group=tp_group)
     return total.sqrt()
 
 
+@torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group=None) -> torch.Tensor:
     """Scale gradients so the TP-aware global norm is at most `max_norm`; return the norm before."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, tp_group)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.detach().mul_(scale.to(p.grad.dtype))
+    for (_, dtype), grads in _by_device_and_dtype(p.grad for p in params).items():
+        torch._foreach_mul_(grads, scale.to(dtype))
     return norm
 
 
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], dp_group=None) -> None:
-    """Average gradients over the DP group in one flattened buffer per dtype."""
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
+    bucket, size = [], 0
+    for g in grads:
+        if bucket and size + g.numel() * g.element_size() > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    if bucket:
+        yield bucket
+
+
+@torch.no_grad()
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], dp_group=None,
+                         bucket_bytes: int = 256 * 2**20) -> None:
+    """Average gradients over the DP group: one all-reduce per flattened bucket of at most
+    `bucket_bytes` (a larger tensor is a bucket of its own) per dtype, so the flat copies add at most
+    a bucket to the memory, not a second copy of every gradient."""
     size = group_size(dp_group)
     if size == 1:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=dp_group)
-        flat.div_(size)
-        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(synced)
+    for grads in _by_device_and_dtype(p.grad for p in params if p.grad is not None).values():
+        for bucket in _buckets(grads, bucket_bytes):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=dp_group)
+            flat.div_(size)
+            for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(synced)

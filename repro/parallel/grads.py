@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -53,16 +53,17 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_gro
     return norm
 
 
-def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
-    bucket, size = [], 0
-    for g in grads:
-        if bucket and size + g.numel() * g.element_size() > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-    if bucket:
-        yield bucket
+def consecutive_groups(items: Iterable, limit: int, size: Callable) -> list[list]:
+    """`items` cut in order into groups whose `size`s add up to at most `limit` (a larger item is
+    alone): the buckets of a flattened all-reduce."""
+    groups, current, total = [], [], 0
+    for item in items:
+        if current and total + size(item) > limit:
+            groups.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += size(item)
+    return groups + ([current] if current else [])
 
 
 @torch.no_grad()
@@ -75,7 +76,7 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter], dp_group=None,
     if size == 1:
         return
     for grads in _by_device_and_dtype(p.grad for p in params if p.grad is not None).values():
-        for bucket in _buckets(grads, bucket_bytes):
+        for bucket in consecutive_groups(grads, bucket_bytes, lambda g: g.numel() * g.element_size()):
             flat = torch._utils._flatten_dense_tensors(bucket)
             dist.all_reduce(flat, group=dp_group)
             flat.div_(size)

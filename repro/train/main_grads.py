@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from repro.parallel.grads import consecutive_groups
 from repro.parallel.mappings import group_size
 
 DEFAULT_BUCKET_NUMEL = 2**24  # 64 MiB of fp32 per bucket
@@ -44,18 +45,6 @@ class _Slot:
     written: bool = field(default=False)
 
 
-def _cut(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of `params` of at most `bucket_numel` elements (a larger one is alone)."""
-    groups, current, size = [], [], 0
-    for p in params:
-        if current and size + p.numel() > bucket_numel:
-            groups.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    return groups + ([current] if current else [])
-
-
 class MainGrads:
     """fp32 main gradients of half parameters, accumulated by hooks and all-reduced in buckets."""
 
@@ -67,7 +56,8 @@ class MainGrads:
         master_of = {p: m for p, m in pairs}
         self.slots: dict[nn.Parameter, _Slot] = {}
         self.buckets: list[_Bucket] = []
-        for group in _cut([p for p, _ in reversed(pairs)], bucket_numel):  # backward order
+        backward_order = [p for p, _ in reversed(pairs)]
+        for group in consecutive_groups(backward_order, bucket_numel, nn.Parameter.numel):
             self.buckets.append(self._bucket(group, master_of))
         self.sync, self.next_bucket = True, 0
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p, _ in pairs]

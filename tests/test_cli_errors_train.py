@@ -157,7 +157,8 @@ def test_resume_of_a_zero_run_at_another_dp_is_refused_before_anything_is_built(
     The plain trainer resumes at any dp."""
     from repro.parallel.groups import ProcessGroups
     from repro.train.checkpoint import CheckpointError
-    from repro.train.loop import resume_meta, train
+    from repro.train.engine_state import resume_meta
+    from repro.train.loop import train
 
     _zero_checkpoint(tmp_path / "run", dp=2)
     before = _snapshot(tmp_path)

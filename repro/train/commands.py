@@ -36,10 +36,12 @@ def _train_rank(config_path: str | None, overrides: list[str]) -> dict:
     spawned = dist.is_initialized()  # by run_ranks
     derive(cfg, dist.get_world_size() if spawned else launch.world_size)  # before any group or file
     if spawned:
-        pg = build_process_groups(ParallelDims.from_world(cfg.parallel.tp, dist.get_world_size()))
-    else:
-        pg = init_distributed(cfg.parallel.tp, backend="gloo" if cfg.train.device == "cpu" else None)
-    return train(cfg, pg, launch.local_rank)
+        return train(cfg, build_process_groups(ParallelDims.from_world(cfg.parallel.tp, dist.get_world_size())),
+                     launch.local_rank)
+    pg = init_distributed(cfg.parallel.tp, backend="gloo" if cfg.train.device == "cpu" else None)
+    final = train(cfg, pg, launch.local_rank)
+    dist.destroy_process_group()  # its own group ends with it (a caller's, above, stays with the caller)
+    return final
 
 
 _ERROR_LINE = re.compile(rf"(?:[\w.]+\.)?(?:{'|'.join(USER_ERRORS)}): ")
@@ -63,7 +65,7 @@ def _preflight(args, launched: bool) -> None:
     """Refuse bad arguments, config and resume state in this process before spawning ranks."""
     from repro.cli import UserError
     from repro.train.config import derive, load_config
-    from repro.train.loop import resume_meta
+    from repro.train.engine_state import resume_meta
 
     if args.config is None and not args.set:
         raise UserError("no config given. Fix: `repro train experiments/demo/gpt_demo.yaml --nproc 2` (a YAML "

@@ -133,10 +133,10 @@ def test_tp_defaults_to_the_checkpoints_own_on_two_ranks(tmp_path):
     """Without --tp: a TP=1 checkpoint on 2 ranks is TP1 x DP2, a TP=2 one TP2 x DP1 (it used to be
     TP 1 always, and the Slurm script's TP 8 refused a 20-head GPT-2 2.5B)."""
     from repro.parallel.spawn import run_ranks
-    from repro.train import checkpoint as ck
+    from repro.train import reshard as rs
 
     tp1 = write_tiny_checkpoint(tmp_path / "run")
-    tp2 = ck.reshard(tp1, tmp_path / "tp2", 2)
+    tp2 = rs.reshard(tp1, tmp_path / "tp2", 2)
     for ckpt, layout in ((tp1, ("1", "2")), (tp2, ("2", "1"))):
         out = str(tmp_path / f"{ckpt.name}.jsonl")
         params = run_ranks(_eval_at_default_tp, 2, str(ckpt), str(mirror()), out)[0]

@@ -134,7 +134,7 @@ def test_repro_lm_eval_command_on_a_checkpoint_equals_repro_eval(setup, tmp_path
 
     from repro.eval.lambada import evaluate_lambada, score_examples
     from repro.parallel.groups import ProcessGroups
-    from repro.train.checkpoint import load_model_for_eval
+    from repro.train.reshard import load_model_for_eval
 
     tok, examples, _, tasks = setup
     n = 8

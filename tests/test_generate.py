@@ -133,7 +133,7 @@ def checkpoint(tmp_path_factory):
 def test_command_writes_what_it_prints_and_matches_the_library(checkpoint, tmp_path, capsys):
     from repro.data.tokenizers import build_tokenizer
     from repro.parallel.groups import ProcessGroups
-    from repro.train.checkpoint import load_model_for_eval
+    from repro.train.reshard import load_model_for_eval
 
     out = tmp_path / "samples.json"
     args = ["generate", "--checkpoint", str(checkpoint), "--prompt", "The tower is", "--max-new-tokens", "9",

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from eval_helpers import mirror
+from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
+from repro.train import reshard as rs
 
 VOCAB = 50257
 IDS = torch.arange(48).view(3, 16) * 997 % VOCAB
@@ -59,7 +61,7 @@ def _logits_worker(ckpt: str, tp: int) -> list:
     from repro.parallel.mappings import gather_from_tensor_parallel_region
 
     pg = build_process_groups(ParallelDims(tp, dist.get_world_size() // tp))
-    model = ck.load_model_for_eval(ckpt, pg)
+    model = rs.load_model_for_eval(ckpt, pg)
     with torch.no_grad():
         return gather_from_tensor_parallel_region(model(IDS), pg.tp_group)[..., :VOCAB].tolist()
 
@@ -69,11 +71,11 @@ def test_imported_gpt2_gives_hugging_faces_logits_at_tp1_and_tp2(hf_dir, tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     meta = ck.read_meta(tmp_path / "ck")
     assert meta["tp"] == 2 and meta["imported_from"] == str(hf_dir.resolve()) and meta["model_only"]
-    assert meta["model"]["seq_length"] == 64 and ck.ModelConfig(**meta["model"]).padded_vocab_size(2) == 51200
+    assert meta["model"]["seq_length"] == 64 and ModelConfig(**meta["model"]).padded_vocab_size(2) == 51200
     ref = _hf_logits(hf_dir)
     scale = ref.abs().max()
     with torch.no_grad():
-        tp1 = ck.load_model_for_eval(tmp_path / "ck", ProcessGroups.single())(IDS)[..., :VOCAB]
+        tp1 = rs.load_model_for_eval(tmp_path / "ck", ProcessGroups.single())(IDS)[..., :VOCAB]
     tp2 = torch.tensor(run_ranks(_logits_worker, 2, str(tmp_path / "ck"), 2)[0])
     assert (tp1 - ref).abs().max() / scale < 1e-5
     assert (tp2 - ref).abs().max() / scale < 1e-5
@@ -82,7 +84,7 @@ def test_imported_gpt2_gives_hugging_faces_logits_at_tp1_and_tp2(hf_dir, tmp_pat
 def test_import_then_export_is_bit_identical(hf_dir, tmp_path):
     from safetensors.torch import load_file
 
-    ck.import_hf(str(hf_dir), tmp_path / "ck", tp=2)
+    rs.import_hf(str(hf_dir), tmp_path / "ck", tp=2)
     proc = _cli("checkpoint", "export-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
@@ -129,7 +131,7 @@ def test_eval_scores_an_imported_model_like_hugging_face(hf_dir, tmp_path):
     from repro.data.tokenizers import build_tokenizer
     from repro.eval.wikitext import load_wikitext, sliding_windows
 
-    ck.import_hf(str(hf_dir), tmp_path / "ck")
+    rs.import_hf(str(hf_dir), tmp_path / "ck")
     out = tmp_path / "eval.jsonl"
     proc = _cli("eval", "wikitext", "--checkpoint", str(tmp_path / "ck"), "--data-dir", str(mirror()),
                 "--window", "64", "--stride", "64", "--max-lines", "30", "--file", "raw",
@@ -175,7 +177,7 @@ def test_zero_shot_table_names_an_imported_model_by_its_source(hf_dir, tmp_path,
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     (tmp_path / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef")  # a training run's directory
-    ck.import_hf(str(hf_dir), tmp_path / "ck")
+    rs.import_hf(str(hf_dir), tmp_path / "ck")
     for task, limit in (("lambada", ["--max-examples", "16"]), ("wikitext", ["--max-lines", "20", "--window", "64"])):
         proc = _cli("eval", task, "--checkpoint", str(tmp_path / "ck"), "--data-dir", str(mirror()),
                     "--out", str(tmp_path / "eval.jsonl"), *limit)

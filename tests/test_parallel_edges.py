@@ -26,7 +26,7 @@ BAD_TARGET = r"target is outside \[0, 1024\)"
 
 def _full_state(model: torch.nn.Module, tp_group, vocab_size: int) -> dict[str, torch.Tensor]:
     """Every parameter unsharded, vocabulary-indexed ones cut to the real vocab."""
-    from repro.train.checkpoint import VOCAB_ROWS
+    from repro.train.reshard import VOCAB_ROWS
 
     full = {}
     with torch.no_grad():
@@ -175,7 +175,7 @@ def _loaded_vs_direct(ckpt: str) -> dict:
     from repro.parallel.grads import global_grad_norm
     from repro.parallel.groups import ParallelDims, build_process_groups
     from repro.parallel.layers import tp_markers
-    from repro.train import checkpoint as ck
+    from repro.train import reshard as rs
 
     pg = build_process_groups(ParallelDims(2, 1))
     cfg = checks.tiny_config(2)
@@ -184,7 +184,7 @@ def _loaded_vs_direct(ckpt: str) -> dict:
     if pg.rank == 0:
         (Path(ckpt) / "meta.json").write_text(json.dumps({"tp": 2, "family": "gpt", "model": dataclasses.asdict(cfg)}))
     dist.barrier()
-    loaded = ck.load_model_for_eval(ckpt, pg)
+    loaded = rs.load_model_for_eval(ckpt, pg)
     ids, labels = checks.random_batch(cfg, 2, "cpu")
     norms = []
     for model in (direct, loaded):

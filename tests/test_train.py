@@ -112,6 +112,7 @@ def test_deepspeed_zero_checkpoint_model_holds_fp32_masters(corpus, tmp_path):
 
     from repro.parallel.groups import ProcessGroups
     from repro.train import checkpoint as ck
+    from repro.train import reshard as rs
 
     extra = {"train.zero_stage": 1, "precision.precision": "bf16", "train.micro_batch_size": 2,
              "train.train_iters": 2, "train.eval_iters": 1}
@@ -120,7 +121,7 @@ def test_deepspeed_zero_checkpoint_model_holds_fp32_masters(corpus, tmp_path):
     saved = torch.load(ckpt / "model_tp00.pt", weights_only=True)
     masters = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")
     trained = [k for k in saved if f"model.{k}" in masters]
-    assert {n for n, p in ck.load_model_for_eval(ckpt, ProcessGroups.single()).named_parameters()} <= set(trained)
+    assert {n for n, p in rs.load_model_for_eval(ckpt, ProcessGroups.single()).named_parameters()} <= set(trained)
     assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], masters[f"model.{k}"]) for k in trained)
     assert any(not torch.equal(saved[k], saved[k].bfloat16().float()) for k in trained), "bf16 values, upcast"
     _train(2, corpus, tmp_path, **{**extra, "train.train_iters": 3})  # resumes (DeepSpeed's own fp32 state)

@@ -46,7 +46,7 @@ def _check_finetune_can_load(tp1_run: Path, tp2_run: Path) -> None:
     from repro.models.bert import BERT
     from repro.models.bert_checkpoint import load_full_state_dict, read_bert
     from repro.parallel.groups import ProcessGroups
-    from repro.train.checkpoint import load_model_for_eval
+    from repro.train.reshard import load_model_for_eval
 
     cfg, two = read_bert(tp2_run)
     model = BERT(cfg)

@@ -18,6 +18,7 @@ from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import is_tensor_parallel
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
+from repro.train import reshard as rs
 from repro.train.commands import train_rank
 from repro.train.config import RunConfigError, derive, load_config
 from repro.train.step import train_step
@@ -122,9 +123,9 @@ def test_half_params_tp2_resume_and_checkpoint(corpus, tmp_path):
     latest = ck.latest_checkpoint(whole / "checkpoints")
     state = ck.load_file(latest / "model_tp00.pt")
     assert {t.dtype for k, t in state.items() if k.endswith("weight")} == {torch.float32}
-    want, got = ck.load_full_model_state(latest)[1], ck.load_full_model_state(
+    want, got = rs.load_full_model_state(latest)[1], rs.load_full_model_state(
         ck.latest_checkpoint(split / "checkpoints"))[1]
     assert all(torch.equal(want[n], got[n]) for n in want)
-    model = ck.load_model_for_eval(latest, ProcessGroups.single())
+    model = rs.load_model_for_eval(latest, ProcessGroups.single())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in state.values() if t.is_floating_point())

@@ -15,6 +15,7 @@ import torch
 
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
+from repro.train import reshard as rs
 from repro.tracking.logger import read_metrics
 from repro.train.commands import train_rank
 from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
@@ -32,7 +33,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     latest = ck.latest_checkpoint(run_dir / "checkpoints")
-    return ck.load_full_model_state(latest)[1]
+    return rs.load_full_model_state(latest)[1]
 
 
 def _cli(*args, env_extra=None, **kwargs) -> subprocess.Popen:
@@ -470,7 +471,7 @@ def test_kill_9_during_checkpoint_write_leaves_previous_loadable(corpus, tmp_pat
     assert ck.read_meta(latest)["iteration"] == kill_at - 1
     from repro.parallel.groups import ProcessGroups
 
-    model = ck.load_model_for_eval(latest, ProcessGroups.single())
+    model = rs.load_model_for_eval(latest, ProcessGroups.single())
     assert model(torch.zeros(1, 8, dtype=torch.long))[..., :50257].isfinite().all()
     run_ranks(train_rank, 1, TINY, over + [f"train.train_iters={kill_at + 1}"])  # the run resumes from it
     assert ck.latest_checkpoint(ckpts).name == ck.iter_name(kill_at + 1) and not list(ckpts.glob("iter_*.tmp"))
@@ -485,7 +486,7 @@ def _logits_worker(ckpt: str, tp: int) -> list:
     from repro.parallel.mappings import gather_from_tensor_parallel_region
 
     pg = build_process_groups(ParallelDims(tp, dist.get_world_size() // tp))
-    model = ck.load_model_for_eval(ckpt, pg)
+    model = rs.load_model_for_eval(ckpt, pg)
     ids = torch.arange(32).view(2, 16) * 97 % 50257
     with torch.no_grad():
         return gather_from_tensor_parallel_region(model(ids), pg.tp_group)[..., :50257].tolist()
@@ -496,8 +497,8 @@ def test_reshard_and_hf_export_keep_outputs(uninterrupted, tmp_path):
     src = ck.resolve(uninterrupted)
     assert ck.resolve(uninterrupted / "checkpoints" / "latest") == src  # the README's spelling
     ref = torch.tensor(run_ranks(_logits_worker, 2, str(src), 2)[0])
-    one = ck.reshard(src, tmp_path / "tp1", 1)
-    two = ck.reshard(one, tmp_path / "tp2", 2)
+    one = rs.reshard(src, tmp_path / "tp1", 1)
+    two = rs.reshard(one, tmp_path / "tp2", 2)
     tp1 = torch.tensor(run_ranks(_logits_worker, 1, str(one), 1)[0])
     tp2 = torch.tensor(run_ranks(_logits_worker, 2, str(two), 2)[0])
     scale = ref.abs().max()

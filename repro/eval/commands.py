@@ -135,7 +135,8 @@ def _out_path(out: str | None, ckpt: Path) -> Path:
 def load_gpt(ckpt: Path, pg):
     """The model and its training run id, through the trainer's checkpoint module."""
     from repro.parallel.groups import discover_launch_env
-    from repro.train.checkpoint import CheckpointError, checkpoint_run_id, load_model_for_eval
+    from repro.train.checkpoint import CheckpointError, checkpoint_run_id
+    from repro.train.reshard import load_model_for_eval
 
     device = discover_launch_env().device()
     try:

@@ -122,7 +122,7 @@ class MegatronReproLM(LM):
 def _load_checkpoint(checkpoint: str | None, device: str | None):
     if not checkpoint:
         raise ValueError("megatron-repro needs --model_args checkpoint=DIR (a training run's checkpoint)")
-    from repro.train.checkpoint import load_model_for_eval
+    from repro.train.reshard import load_model_for_eval
 
     if not device or device == "auto" or (device.startswith("cuda") and not torch.cuda.is_available()):
         device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's default --device is cuda

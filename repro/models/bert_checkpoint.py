@@ -66,7 +66,8 @@ def read_bert(path: Path | str) -> tuple[BertConfig, dict[str, torch.Tensor]]:
     BERT checkpoint (a run directory, its checkpoints/ folder or an iter_XXXXXXX folder; any TP)."""
     path = Path(path)
     if path.is_dir():
-        from repro.train.checkpoint import load_full_model_state, resolve
+        from repro.train.checkpoint import resolve
+        from repro.train.reshard import load_full_model_state
 
         meta, state = load_full_model_state(resolve(path))
         if meta.get("family") != "bert":

@@ -19,22 +19,18 @@ through different nodes) and broadcast over the DP group on resume (`load_replic
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
 import shutil
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
-from repro.parallel.layers import pad_vocab_rows, shard_master, to_empty_keeping_markers, unshard
-from repro.provenance import git_sha, write_atomic
+from repro.provenance import write_atomic
 
 FORMAT_VERSION = 1
 
@@ -316,171 +312,3 @@ def training_provenance(path: str | Path) -> dict[str, str]:
     except (CheckpointError, OSError):
         return {}
     return {k: str(v) for k, v in (("checkpoint_iteration", iteration), ("training_run_id", run_id)) if v is not None}
-
-
-# ---- resharding -------------------------------------------------------------------------------
-
-def partition_spec(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, int]]:
-    """name -> (partition_dim, stride) of every TP-sharded parameter (from a meta-device model)."""
-    with torch.device("meta"):
-        model = _build(cfg, family)
-    return {n: (p.partition_dim, p.partition_stride)
-            for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
-
-
-def _build(cfg: ModelConfig, family: str, **kwargs):
-    if family == "bert":
-        from repro.models.bert import BERT
-
-        return BERT(cfg, **kwargs)
-    from repro.models.gpt import GPT
-
-    return GPT(cfg, **kwargs)
-
-
-VOCAB_ROWS = ("transformer.wte.weight", "embeddings.word.weight", "lm_head.bias")  # padded along dim 0
-
-
-def _is_vocab(name: str) -> bool:
-    return name in VOCAB_ROWS
-
-
-def merge_shards(shards: list[dict], spec: dict[str, tuple[int, int]], vocab_size: int) -> dict:
-    """Full (TP=1, unpadded-vocab) tensors from every TP rank's state dict."""
-    full = {}
-    for name, first in shards[0].items():
-        if name in spec:
-            dim, stride = spec[name]
-            first = unshard([s[name] for s in shards], dim, stride)
-        full[name] = first[:vocab_size] if _is_vocab(name) else first
-    return full
-
-
-def shard_state(full: dict, spec: dict[str, tuple[int, int]], rank: int, tp: int, padded_vocab: int) -> dict:
-    """TP rank `rank`'s state dict from full tensors (vocab padded with zero rows)."""
-    shard = {}
-    for name, tensor in full.items():
-        if _is_vocab(name):
-            tensor = pad_vocab_rows(tensor, padded_vocab)
-        if name in spec:
-            dim, stride = spec[name]
-            tensor = shard_master(tensor, dim, rank, tp, stride)
-        shard[name] = tensor.clone()
-    return shard
-
-
-def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
-    """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree."""
-    meta = read_meta(ckpt)
-    cfg = ModelConfig(**meta["model"])
-    shards = [load_file(ckpt / f"model_tp{r:02d}.pt") for r in range(meta["tp"])]
-    return meta, merge_shards(shards, partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size)
-
-
-def _check_new_dir(dst: Path) -> None:
-    """Refuse an output directory that holds anything (a run, a checkpoint, user files)."""
-    if dst.is_dir() and not any(dst.iterdir()):
-        return
-    if dst.exists():
-        raise CheckpointError(f"--out {dst} already exists: choose a new directory (nothing was written)")
-
-
-@contextmanager
-def new_directory(dst: Path):
-    """Yield a temporary sibling of the new (absent or empty) directory `dst`; rename it into place
-    when the block completes, remove it when the block fails. An occupied `dst` is refused."""
-    _check_new_dir(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _check_new_dir(dst)  # nothing appeared meanwhile
-        os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
-    """Write a model-only copy of checkpoint `src` at TP degree `tp` (outputs unchanged) into the
-    new directory `dst`, built in a temporary sibling and renamed into place when complete."""
-    dst = Path(dst)
-    _check_new_dir(dst)  # before the (long) load; new_directory checks again before the rename
-    src = resolve(src)
-    meta = read_meta(src)
-    cfg = ModelConfig(**meta["model"])
-    cfg.validate(tp)
-    _, full = load_full_model_state(src)
-    with new_directory(dst) as tmp:
-        _write_model_only(tmp, full, cfg, {**meta, "resharded_from": str(src)}, tp)
-    return dst
-
-
-def _write_model_only(tmp: Path, full: dict, cfg: ModelConfig, meta: dict, tp: int) -> None:
-    """Shard full (TP=1, unpadded-vocab) tensors over `tp` ranks into `tmp`, with a model-only meta.json."""
-    spec = partition_spec(cfg, meta.get("family", "gpt"))
-    for rank in range(tp):
-        torch.save(shard_state(full, spec, rank, tp, cfg.padded_vocab_size(tp)), tmp / f"model_tp{rank:02d}.pt")
-    meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "model_only": True}
-    write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-
-
-def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisible_by: int = 1024) -> Path:
-    """Write a transformers GPT2LMHeadModel (a save_pretrained directory, or a hub name where the hub
-    is reachable) as a model-only GPT checkpoint at TP degree `tp` into the new directory `dst`."""
-    from transformers import GPT2Config
-
-    from repro.models.hf import config_from_hf
-
-    dst = Path(dst)
-    _check_new_dir(dst)
-    try:
-        cfg = config_from_hf(GPT2Config.from_pretrained(source), make_vocab_size_divisible_by)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
-    cfg.validate(tp)
-    full = _hf_weights(source)
-    meta = {"format": FORMAT_VERSION, "family": "gpt", "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
-            "model": dataclasses.asdict(cfg), "git_sha": git_sha(),
-            "imported_from": str(Path(source).resolve()) if Path(source).exists() else str(source)}
-    with new_directory(dst) as tmp:
-        _write_model_only(tmp, full, cfg, meta, tp)
-    return dst
-
-
-def _hf_weights(source: str) -> dict:
-    """Our TP=1 state dict of a GPT2LMHeadModel; a CheckpointError for unreadable or missing weights
-    (transformers would fill missing ones with random values and only warn)."""
-    from safetensors import SafetensorError
-    from transformers import GPT2LMHeadModel
-
-    from repro.models.hf import from_hf_state_dict
-
-    try:
-        hf, info = GPT2LMHeadModel.from_pretrained(source, output_loading_info=True)
-        missing = [k for k in info.get("missing_keys", []) if not k.endswith((".attn.bias", ".attn.masked_bias"))]
-        wrong = [str(k) for k in info.get("mismatched_keys", [])]
-        if missing or wrong:
-            raise ValueError(f"weights missing {missing[:5]} or of the wrong shape {wrong[:5]}")
-        return from_hf_state_dict(hf.state_dict())
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
-
-
-def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):
-    """The checkpoint's model at this world's TP degree (resharded in memory if it differs)."""
-    ckpt = resolve(ckpt)
-    meta = read_meta(ckpt)
-    cfg = ModelConfig(**meta["model"])
-    cfg.validate(pg.tp_size)
-    if meta["tp"] == pg.tp_size:
-        state = load_file(ckpt / f"model_tp{pg.tp_rank:02d}.pt")
-    else:
-        _, full = load_full_model_state(ckpt)
-        spec = partition_spec(cfg, meta.get("family", "gpt"))
-        state = shard_state(full, spec, pg.tp_rank, pg.tp_size, cfg.padded_vocab_size(pg.tp_size))
-    with torch.device("meta"):
-        model = _build(cfg, meta.get("family", "gpt"), tp_group=pg.tp_group)
-    model = to_empty_keeping_markers(model, device)  # grad norm, ZeRO and resharding read the TP markers
-    model.load_state_dict(state)
-    return model.eval()

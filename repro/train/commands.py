@@ -114,7 +114,7 @@ def _launch(args, launched: bool) -> int:
 
 
 def _reshard(args) -> int:
-    from repro.train.checkpoint import reshard
+    from repro.train.reshard import reshard
 
     out = reshard(args.checkpoint, args.out, args.tp)
     print(f"wrote {out} at tp={args.tp}")
@@ -126,7 +126,8 @@ def _export_hf(args) -> int:
     from repro.models.gpt import GPT
     from repro.models.hf import to_hf_gpt2
     from repro.parallel.layers import pad_vocab_rows
-    from repro.train.checkpoint import CheckpointError, load_full_model_state, new_directory, resolve
+    from repro.train.checkpoint import CheckpointError, resolve
+    from repro.train.reshard import load_full_model_state, new_directory
 
     out = Path(args.out)
     with new_directory(out) as tmp:  # an occupied --out is refused before loading; a failure leaves nothing
@@ -143,7 +144,7 @@ def _export_hf(args) -> int:
 
 
 def _import_hf(args) -> int:
-    from repro.train.checkpoint import import_hf
+    from repro.train.reshard import import_hf
 
     out = import_hf(args.model, args.out, args.tp, args.make_vocab_size_divisible_by)
     print(f"wrote {out} at tp={args.tp} (model only): evaluate it with `repro eval ... --checkpoint {out}`")

@@ -4,6 +4,7 @@ the script and `--`, and a sweep whose later sbatch fails names the jobs it alre
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,20 @@ def test_appendix_d_sweeps_leave_table1s_jobs_to_table1(sbatch, capsys):
     assert [c.split()[-1].rsplit("/", 1)[-1] for c in _calls(sbatch)] == ["heads_8b_16.sh", "heads_8b_24.sh"]
     assert "its 32-head row is table1's scale_8b run; if table1 has not run it: " \
            "`repro slurm submit slurm/scale_8b.sh`" in capsys.readouterr().out
+
+
+def test_submit_without_sbatch_names_the_fix(sbatch, capsys, monkeypatch):
+    """Off the cluster (no sbatch on PATH) a submit is a named error, not a FileNotFoundError traceback;
+    its dry run still works."""
+    no_slurm = sbatch.parent / "no_slurm"  # what sourcing cluster.env runs, and no Slurm client
+    no_slurm.mkdir()
+    for tool in ("bash", "env"):
+        (no_slurm / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(no_slurm))
+    assert main(["slurm", "submit", str(ROOT / "slurm/scale_1b.sh")]) == 2
+    err = capsys.readouterr().err
+    assert "`sbatch` is not on PATH" in err and "--dry-run" in err and "Traceback" not in err
+    assert main(["slurm", "submit", str(ROOT / "slurm/scale_1b.sh"), "--dry-run"]) == 0 and _calls(sbatch) == []
 
 
 @pytest.mark.parametrize("script, variable", [("race_finetune.sh", "REPRO_BERT_CHECKPOINT"),

@@ -57,6 +57,8 @@ def test_sustained_throughput_drops_the_warm_up_interval_of_every_launch():
     assert R.median_after_warmup(resumed, flags) == 11.0  # the resume's slow interval at step 20 is dropped too
     assert R.median_after_warmup(resumed) == 11.0 and R.median_after_warmup(resumed.iloc[:4]) == 10.0
     assert R.median_after_warmup(hist.iloc[:1], flags.iloc[:1]) == 1.0  # nothing but warm-up: kept
+    crossing = pd.DataFrame({"step": [20, 25, 30], "value": [1.0, 0.0, 0.0]})  # resumed at 15 by newer code
+    assert R.median_after_warmup(resumed, crossing) == 11.0  # the old launch's first (step 5) goes too
     assert math.isnan(R.median_after_warmup(hist.iloc[:0]))
 
 

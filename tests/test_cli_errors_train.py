@@ -292,3 +292,15 @@ def test_a_command_that_started_a_process_group_destroys_it(corpus, tmp_path, ca
 
     rc, out = _train(capfd, corpus, tmp_path / "run")
     assert rc == 0 and not dist.is_initialized(), out
+
+
+def test_a_failed_in_process_train_ends_the_group_it_started(corpus, tmp_path):
+    """train_rank's own group ends even when training fails (before, the next in-process call took the
+    leftover group for a caller's and trained in it)."""
+    import torch.distributed as dist
+
+    from repro.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="data.train_prefix is empty"):
+        train_rank(TINY, tiny_overrides(corpus, tmp_path, **{**DONE, "data.train_prefix": ""}))
+    assert not dist.is_initialized()

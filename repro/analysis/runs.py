@@ -141,12 +141,14 @@ WARMUP_METRIC = "warmup_interval"  # 1 on the first logged interval of each laun
 
 def median_after_warmup(history: pd.DataFrame, warmup: pd.DataFrame | None = None) -> float:
     """Median of a per-interval metric without its warm-up intervals: the steps `warmup` flags (the
-    first interval of every launch, resumes included), or for runs that predate that flag the first
-    logged interval only. NaN for an empty history; a run with nothing but warm-up keeps it all."""
+    first interval of every launch, resumes included), and for a launch that predates that flag its
+    first logged interval. NaN for an empty history; a run with nothing but warm-up keeps it all."""
     if not len(history):
         return float("nan")
     if warmup is not None and len(warmup):
         kept = history[~history["step"].isin(warmup.loc[warmup["value"] > 0, "step"])]
+        if history["step"].min() < warmup["step"].min():  # a launch from before the flag: its first too
+            kept = kept[kept["step"] != history["step"].min()]
     else:
         kept = history.iloc[1:]
     return float((kept if len(kept) else history)["value"].median())

@@ -120,7 +120,7 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
     print(" ".join(cmd))
     if dry_run:
         return ""
-    if not shutil.which(cmd[0], path=settings.get("PATH")):
+    if not shutil.which(cmd[0], path=settings.get("PATH", os.defpath)):  # where subprocess looks
         raise _user_error(f"`{cmd[0]}` is not on PATH: submit from a node of the Slurm cluster (a login node), or "
                           "load its Slurm module first; `--dry-run` prints the command without it")
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=script.parent.parent, env=settings)

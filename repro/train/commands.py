@@ -39,9 +39,11 @@ def _train_rank(config_path: str | None, overrides: list[str]) -> dict:
         return train(cfg, build_process_groups(ParallelDims.from_world(cfg.parallel.tp, dist.get_world_size())),
                      launch.local_rank)
     pg = init_distributed(cfg.parallel.tp, backend="gloo" if cfg.train.device == "cpu" else None)
-    final = train(cfg, pg, launch.local_rank)
-    dist.destroy_process_group()  # its own group ends with it (a caller's, above, stays with the caller)
-    return final
+    try:
+        return train(cfg, pg, launch.local_rank)
+    finally:  # its own group ends with it, failed or not (a caller's, above, stays with the caller)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 _ERROR_LINE = re.compile(rf"(?:[\w.]+\.)?(?:{'|'.join(USER_ERRORS)}): ")

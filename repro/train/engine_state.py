@@ -1,7 +1,8 @@
 """Saving and restoring a training engine: a run's complete checkpoint (model shards, optimizer,
 schedule, loss scale, RNG, DeepSpeed ZeRO state) and the checks a launch makes before resuming it.
 
-The on-disk format (atomic directories, `latest`, shard ownership, resharding) is repro.train.checkpoint's;
+The on-disk format (atomic directories, `latest`, shard ownership) is repro.train.checkpoint's (another TP
+degree: repro.train.reshard);
 this module decides what of an Engine goes into it and comes back out.
 """
 

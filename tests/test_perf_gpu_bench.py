@@ -133,3 +133,20 @@ def test_without_cuda_the_full_benchmark_refuses_and_names_tiny(tmp_path, capsys
         return  # on a GPU machine the full benchmark is the point
     assert gpu_bench.main(["--out", str(tmp_path / "b")]) == 2
     assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_timed_step_clips_gradients_as_the_trainer_does():
+    """The benchmark's step includes the trainer's clipping: with plain SGD at lr 1 the update is
+    the clipped gradient, whose global norm is the clip value (unclipped it is far larger)."""
+    def update_norm(clip: float) -> float:
+        model = gpu_bench.build_model(gpu_bench.TINY, torch.device("cpu"))
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        ids = torch.randint(0, gpu_bench.TINY.vocab_size, (2, gpu_bench.TINY.seq_length))
+        spec = gpu_bench.RunSpec("fp32", False, 2, clip=clip)
+        gpu_bench.timed_step(model, model.loss, opt, scaler, ids, spec, torch.device("cpu"))
+        return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]).norm().item()
+
+    assert abs(update_norm(1e-3) - 1e-3) < 1e-6
+    assert update_norm(0.0) > 0.1

@@ -4,7 +4,8 @@
     python -m repro.perf.gpu_bench --out /tmp/b --tiny                 # CPU smoke run, tiny model
 
 Each configuration (dtype x activation checkpointing x parameter dtype) times full training steps:
-forward, backward and a fused AdamW step. Two precision recipes: `params fp32` autocasts to bf16/fp16
+forward, backward, gradient clipping to norm 1.0 (the trainer's default, `--clip`) and a fused AdamW
+step. Two precision recipes: `params fp32` autocasts to bf16/fp16
 over fp32 weights; `params half` is Megatron's recipe, a bf16/fp16 model without autocast whose fp32
 master weights live in the optimizer (repro.train.mixed_precision), with the trainer's fp32 main
 grads (repro.train.main_grads: backward then includes adding each gradient into its fp32 buffer, the
@@ -33,6 +34,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
+from repro.parallel.grads import clip_grad_norm
 from repro.provenance import git_sha, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
@@ -51,6 +53,8 @@ class RunSpec:
     compile: bool = False
     params: str = "fp32"
     """fp32: autocast over fp32 weights; half: half-precision model, fp32 main grads and masters."""
+    clip: float = 1.0
+    """Gradient clipping to this global norm, as the trainer's `optim.clip_grad` (0: none)."""
 
 
 @dataclass
@@ -106,7 +110,7 @@ def build_model(cfg: ModelConfig, device: torch.device):
     return model.train()
 
 
-def _timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device,
+def timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device,
                 masters=None, main=None) -> tuple[dict[str, float], float]:
     """One training step; returns seconds per phase and the loss value."""
     t0 = time.perf_counter()
@@ -118,8 +122,10 @@ def _timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device,
     scaler.scale(loss).backward()
     _sync(device)
     t2 = time.perf_counter()
-    if main is not None:
-        main.finish()
+    stepped = main.finish() if main is not None else [p for p in model.parameters() if p.grad is not None]
+    if spec.clip > 0:  # the trainer's clip: the TP-aware norm, then one foreach scale per dtype
+        scaler.unscale_(opt)
+        clip_grad_norm(stepped, spec.clip)
     scaler.step(opt)
     scaler.update()
     if masters is not None:
@@ -196,7 +202,7 @@ def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline,
         if time.monotonic() > deadline:
             result.error = f"time budget reached after {len(phases)} timed steps"
             break
-        timing, loss = _timed_step(model, loss_fn, opt, scaler, ids, spec, device, masters, main)
+        timing, loss = timed_step(model, loss_fn, opt, scaler, ids, spec, device, masters, main)
         losses.append(loss)
         if i >= warmup:
             phases.append(timing)
@@ -287,6 +293,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checkpointing", default="off,on", help="comma list of on/off")
     parser.add_argument("--params", default="fp32,half",
                         help="comma list: fp32 (autocast over fp32 weights), half (half model, fp32 masters)")
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="clip gradients to this global norm as the trainer does (0: no clipping)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
@@ -308,9 +316,9 @@ def plan(args) -> list[RunSpec]:
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]
-    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p) for d, c, p in combos]
+    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, clip=args.clip) for d, c, p in combos]
     if args.compile or args.compile_only:
-        specs += [RunSpec(d, c, args.batch, compile=True, params=p) for d, c, p in combos]
+        specs += [RunSpec(d, c, args.batch, compile=True, params=p, clip=args.clip) for d, c, p in combos]
     return specs
 
 
@@ -338,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     report = {"model": name, "config": asdict(cfg), "provenance": provenance(device, argv),
               "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 main grads, "
-                           "fp32 masters in the optimizer (fp16: + dynamic GradScaler); fused AdamW on CUDA",
+                           "fp32 masters in the optimizer (fp16: + dynamic GradScaler); clipping to the global norm "
+                           f"{args.clip:g} (0: none); fused AdamW on CUDA",
               "flops_formula": "model = 72 B s l h^2 (1 + s/6h + V/12lh); hardware = 96 B s l h^2 "
                                "(1 + s/6h + V/16lh) with checkpointing (Narayanan et al. 2021), V = padded vocab",
               "peak_source": entry.source if entry else "measured fp32 matmul (CPU)",

@@ -4,9 +4,9 @@
     python -m repro.perf.gpu_profile --out /tmp/p --tiny                     # CPU smoke run
 
 Writes profile_<params>.txt (`--params fp32`: autocast over fp32 weights; `half`: a bf16 model with
-fp32 master weights and the trainer's fp32 main grads): the top kernels by device time and the share
-of matrix-multiply kernels (GEMM / attention) against everything else (element-wise, norms, softmax,
-optimizer, copies).
+fp32 master weights and the trainer's fp32 main grads; both the step gpu_bench times, gradient
+clipping included): the top kernels by device time and the share of matrix-multiply kernels (GEMM /
+attention) against everything else (element-wise, norms, softmax, optimizer, copies).
 """
 
 from __future__ import annotations
@@ -19,25 +19,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from repro.models.gpt import GPT
 from repro.models.sizes import get_size
-from repro.perf.gpu_bench import TINY
+from repro.perf.gpu_bench import TINY, RunSpec, timed_step
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 
 MATMUL_MARKERS = ("gemm", "matmul", "::mm", "::bmm", "addmm", "cutlass", "sm90", "flash", "attention",
                   "xmma", "nvjet", "scaled_dot")
-
-
-def _step(model, opt, ids, dtype, masters=None, main=None) -> None:
-    with torch.autocast(ids.device.type, dtype=dtype, enabled=masters is None):
-        loss = model.loss(ids, ids).float().mean()
-    loss.backward()
-    if main is not None:
-        main.finish()
-    opt.step()
-    if masters is not None:
-        masters.masters_to_model()
-    else:
-        opt.zero_grad(set_to_none=True)
 
 
 def _summary(prof, device_type: str, top: int) -> str:
@@ -67,17 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TINY if args.tiny else get_size(args.size).model_config()
     model = GPT(cfg, seed=0).to(device).train()
-    dtype = torch.bfloat16
-    masters = MasterWeights(model, dtype) if args.params == "half" else None
+    spec = RunSpec("bf16", checkpointing=False, batch=args.batch, params=args.params)
+    masters = MasterWeights(model, torch.bfloat16) if args.params == "half" else None
     main = MainGrads(masters.pairs()) if masters is not None else None
     opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, fused=device.type == "cuda")
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_length), device=device)
+
+    def step() -> None:  # gpu_bench's timed step: forward, backward, clipping, AdamW
+        timed_step(model, model.loss, opt, scaler, ids, spec, device, masters, main)
+
     for _ in range(3):
-        _step(model, opt, ids, dtype, masters, main)
+        step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
-            _step(model, opt, ids, dtype, masters, main)
+            step()
         if device.type == "cuda":
             torch.cuda.synchronize()
     args.out.mkdir(parents=True, exist_ok=True)

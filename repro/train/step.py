@@ -73,8 +73,8 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
     if eng.scaler:
         overflow = eng.scaler.unscale_and_check(params, eng.device, eng.pg.world_group)
     clip = eng.cfg.optim.clip_grad
-    norm = float("nan") if overflow else (
-        clip_grad_norm(params, clip, eng.pg.tp_group) if clip > 0 else global_grad_norm(params, eng.pg.tp_group)).item()
+    norm = None if overflow else (
+        clip_grad_norm(params, clip, eng.pg.tp_group) if clip > 0 else global_grad_norm(params, eng.pg.tp_group))
     lr = eng.optimizer.param_groups[0]["lr"]
     if not overflow:  # a skipped (overflow) step leaves the schedule where it is, as Megatron's and DeepSpeed's
         eng.optimizer.step()
@@ -83,7 +83,8 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
         eng.scheduler.step()
     if eng.scaler:
         eng.scaler.update(overflow)
-    return _result(sums, eng, norm, lr, scale, overflow)
+    # the norm is read after the optimizer's kernels are queued: no device sync between clip and step
+    return _result(sums, eng, float("nan") if norm is None else norm.item(), lr, scale, overflow)
 
 
 def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:

@@ -203,6 +203,28 @@ def test_a_model_loaded_for_eval_keeps_its_tp_markers(tmp_path):
         assert got["norms"][1] == pytest.approx(got["norms"][0], rel=1e-6)
 
 
+def test_resharding_streams_one_tensor_at_a_time_to_the_same_shards(tmp_path):
+    """resharded_state (memory-mapped shards, one full tensor at a time: what eval at another TP and
+    `repro checkpoint reshard` use) gives exactly the shards of merging everything first, and TP=2 ->
+    TP=1 gives back the serial model."""
+    from repro.train import reshard as rs
+
+    cfg = checks.tiny_config(4)
+    serial = GPT(cfg, seed=5).state_dict()
+    full = {k: v[:cfg.vocab_size] if k in rs.VOCAB_ROWS else v for k, v in serial.items()}
+    spec = rs.partition_spec(cfg)
+    for rank in range(2):
+        torch.save(rs.shard_state(full, spec, rank, 2, cfg.padded_vocab_size(2)), tmp_path / f"model_tp{rank:02d}.pt")
+    meta = {"tp": 2, "family": "gpt", "model": dataclasses.asdict(cfg)}
+    back = rs.resharded_state(tmp_path, meta, 0, 1)  # padding rows are zeros, the serial init's are not
+    back = {k: v[:cfg.vocab_size] if k in rs.VOCAB_ROWS else v for k, v in back.items()}
+    assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in full)
+    for rank in range(4):
+        want = rs.shard_state(full, spec, rank, 4, cfg.padded_vocab_size(4))
+        got = rs.resharded_state(tmp_path, meta, rank, 4)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 # --- the spawn harness and the RNG tracker -----------------------------------------------------------
 
 def test_spawning_more_nccl_ranks_than_gpus_is_refused_clearly():

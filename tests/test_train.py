@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -167,6 +168,8 @@ def test_deepspeed_zero_resume_is_exact(corpus, tmp_path):
     for run, flags in (("full", [1, 0, 0, 0]), ("part", [1, 0, 1, 0])):
         logged = [(r["step"], r["warmup_interval"]) for r in read_metrics(tmp_path / run) if "warmup_interval" in r]
         assert logged == list(zip((2, 4, 6, 8), flags)), (run, logged)
+        final = json.loads((tmp_path / run / "final_metrics.json").read_text())
+        assert "warmup_interval" not in final and final["iteration"] == 8  # a per-interval flag only
 
 
 def test_compile_with_deepspeed_and_overlap_without_it_are_refused_with_the_fix(corpus, tmp_path):

@@ -214,13 +214,14 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
-def load_file(path: Path) -> dict:
-    """torch.load(weights_only=True) with an error naming a missing or damaged file."""
+def load_file(path: Path, mmap: bool = False) -> dict:
+    """torch.load(weights_only=True) with an error naming a missing or damaged file; `mmap` maps the
+    tensors' bytes instead of reading them (pages load on first touch, shared by a node's processes)."""
     if not path.exists():
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; "
                               "use an earlier one or re-save it")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
         raise _damaged(path, err) from None
 

@@ -13,6 +13,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -72,6 +73,20 @@ def shard_state(full: dict, spec: dict[str, tuple[int, int]], rank: int, tp: int
     return shard
 
 
+def resharded_state(ckpt: Path, meta: dict, rank: int, tp: int) -> dict:
+    """TP rank `rank`'s state dict at degree `tp` from checkpoint `ckpt` saved at any TP degree, built
+    one tensor at a time from memory-mapped shards: besides the result, at most one full tensor is in
+    memory (an 8.3B model's ranks each hold their slice, not the 33 GB fp32 model)."""
+    cfg = ModelConfig(**meta["model"])
+    spec = partition_spec(cfg, meta.get("family", "gpt"))
+    shards = [load_file(ckpt / f"model_tp{r:02d}.pt", mmap=True) for r in range(meta["tp"])]
+    state = {}
+    for name in shards[0]:
+        full = merge_shards([{name: s[name]} for s in shards], spec, cfg.vocab_size)
+        state.update(shard_state(full, spec, rank, tp, cfg.padded_vocab_size(tp)))
+    return state
+
+
 def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
     """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree."""
     meta = read_meta(ckpt)
@@ -113,17 +128,17 @@ def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
     meta = read_meta(src)
     cfg = ModelConfig(**meta["model"])
     cfg.validate(tp)
-    _, full = load_full_model_state(src)
-    with new_directory(dst) as tmp:
-        _write_model_only(tmp, full, cfg, {**meta, "resharded_from": str(src)}, tp)
+    with new_directory(dst) as tmp:  # one output shard in memory at a time
+        shards = (resharded_state(src, meta, rank, tp) for rank in range(tp))
+        _write_model_only(tmp, shards, {**meta, "resharded_from": str(src)}, tp)
     return dst
 
 
-def _write_model_only(tmp: Path, full: dict, cfg: ModelConfig, meta: dict, tp: int) -> None:
-    """Shard full (TP=1, unpadded-vocab) tensors over `tp` ranks into `tmp`, with a model-only meta.json."""
-    spec = partition_spec(cfg, meta.get("family", "gpt"))
-    for rank in range(tp):
-        torch.save(shard_state(full, spec, rank, tp, cfg.padded_vocab_size(tp)), tmp / f"model_tp{rank:02d}.pt")
+def _write_model_only(tmp: Path, shards: Iterable[dict], meta: dict, tp: int) -> None:
+    """Save the `tp` ranks' state dicts (made one by one by `shards`) into `tmp`, with a model-only meta.json."""
+    for rank, state in enumerate(shards):
+        torch.save(state, tmp / f"model_tp{rank:02d}.pt")
+        del state
     meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "model_only": True}
     write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
 
@@ -146,8 +161,9 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
     meta = {"format": FORMAT_VERSION, "family": "gpt", "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
             "model": dataclasses.asdict(cfg), "git_sha": git_sha(),
             "imported_from": str(Path(source).resolve()) if Path(source).exists() else str(source)}
+    spec = partition_spec(cfg)
     with new_directory(dst) as tmp:
-        _write_model_only(tmp, full, cfg, meta, tp)
+        _write_model_only(tmp, (shard_state(full, spec, r, tp, cfg.padded_vocab_size(tp)) for r in range(tp)), meta, tp)
     return dst
 
 
@@ -179,9 +195,7 @@ def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):
     if meta["tp"] == pg.tp_size:
         state = load_file(ckpt / f"model_tp{pg.tp_rank:02d}.pt")
     else:
-        _, full = load_full_model_state(ckpt)
-        spec = partition_spec(cfg, meta.get("family", "gpt"))
-        state = shard_state(full, spec, pg.tp_rank, pg.tp_size, cfg.padded_vocab_size(pg.tp_size))
+        state = resharded_state(ckpt, meta, pg.tp_rank, pg.tp_size)
     with torch.device("meta"):
         model = _build(cfg, meta.get("family", "gpt"), tp_group=pg.tp_group)
     model = to_empty_keeping_markers(model, device)  # grad norm, ZeRO and resharding read the TP markers

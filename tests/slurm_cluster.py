@@ -94,7 +94,8 @@ class SlurmCluster:
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "SlurmdParameters=config_overrides", "ReturnToService=2", "MinJobAge=5",
-            "SchedulerParameters=batch_sched_delay=0,bf_interval=1",
+            "SchedulerParameters=batch_sched_delay=0,bf_interval=1,sched_interval=1",  # a requeued job
+            # waits out its BeginTime, then the main loop (default every 60 s) starts it
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={mem}",
             f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP", ""]))
 

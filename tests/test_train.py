@@ -178,6 +178,9 @@ def test_compile_with_deepspeed_and_overlap_without_it_are_refused_with_the_fix(
     cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **{"train.compile": "true", "train.zero_stage": 1}))
     with pytest.raises(RunConfigError, match="set train.zero_stage=0 or train.compile=false"):
         derive(cfg, 1)
+    cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **{"train.compile": "true", "train.compile_scope": "layers"}))
+    with pytest.raises(RunConfigError, match="compile_scope='layers': use auto, objective or blocks"):
+        derive(cfg, 1)
     cfg = load_config(TINY, tiny_overrides(corpus, tmp_path, **{"train.zero_overlap_comm": "true"}))
     with pytest.raises(RunConfigError, match="zero_overlap_comm is DeepSpeed's: set train.zero_stage=1 or 2"):
         derive(cfg, 1)

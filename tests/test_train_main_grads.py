@@ -214,3 +214,49 @@ def test_compiled_checkpointed_model_feeds_main_grads(corpus, tmp_path):
         losses[compiled] = [train_step(eng, batches()).loss for _ in range(6)]
         assert all(p.grad is None for p in eng.model.parameters())
     assert max(abs(a - b) for a, b in zip(losses["false"], losses["true"])) < 5e-3, losses
+
+
+def _overlap_rank(corpus: dict, run_dir: str, compile_: str, scope: str = "auto") -> dict:
+    """DP=2, bf16 model, fp32 main grads in small buckets: 3 steps; how many buckets had started
+    their all-reduce when backward reached the first layer's input (the embedding's output)."""
+    from repro.parallel.groups import ParallelDims, build_process_groups
+    from repro.train.engine import build_engine
+    from repro.data.gpt_dataset import GPTDataset, gpt_loader
+
+    pg = build_process_groups(ParallelDims(1, 2))
+    cfg = load_config(TINY, tiny_overrides(corpus, Path(run_dir), **HALF_BF16, **{"train.compile": compile_,
+                                                                             "train.compile_scope": scope}))
+    eng = build_engine(cfg, derive(cfg, 2), pg)
+    eng.main_grads.remove()
+    eng.main_grads = MainGrads(eng.masters.pairs(), pg.dp_group, bucket_numel=20_000)
+    started = []
+
+    def count_started(grad):
+        started.append(sum(b.launched for b in eng.main_grads.buckets))
+
+    def watch_the_grad(module, args, out) -> None:  # None: the output is left as it is
+        out.register_hook(count_started)
+
+    eng.model.transformer.drop.register_forward_hook(watch_the_grad)
+    data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=Path(run_dir) / f"cache{pg.rank}")
+    loader = iter(gpt_loader(data, cfg.train.micro_batch_size))
+    losses = [train_step(eng, [next(loader) for _ in range(2)]).loss for _ in range(3)]
+    compiled_layers = [layer._compiled_call_impl is not None for layer in eng.model.transformer.h]
+    return {"losses": losses, "started": started, "buckets": len(eng.main_grads.buckets),
+            "compiled_layers": compiled_layers}
+
+
+def test_compiled_per_layer_overlaps_the_dp_all_reduce_with_backward(corpus, tmp_path):
+    """train.compile at DP > 1 compiles each transformer layer (compile_scope auto -> blocks): the
+    buckets of the layers' gradients have started their all-reduces by the time backward reaches the
+    first layer's input, as in eager, and the losses follow eager's within 5e-3 nats (inductor rounds
+    fused bf16 element-wise work differently). A single compiled graph cannot do this: its gradients
+    all come out when its backward ends (measured on CPU, 12-layer GPT: the first gradient hook fires
+    at 100% of the backward's time, against 5% eager and 9% per layer)."""
+    eager = run_ranks(_overlap_rank, 2, corpus, str(tmp_path / "eager"), "false", timeout=600)
+    blocks = run_ranks(_overlap_rank, 2, corpus, str(tmp_path / "blocks"), "true", timeout=600)
+    for got in (*eager, *blocks):
+        # per step 2 micro batches: the first accumulates (no_sync, nothing starts), the last reduces
+        assert got["started"][0::2] == [0, 0, 0] and all(0 < n < got["buckets"] for n in got["started"][1::2]), got
+    assert all(blocks[0]["compiled_layers"]) and not any(eager[0]["compiled_layers"])
+    assert max(abs(a - b) for a, b in zip(eager[0]["losses"], blocks[0]["losses"])) < 5e-3

@@ -108,6 +108,12 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the training objective (model forward and loss; backward through AOTAutograd).
     Plain trainer only (zero_stage 0)."""
+    compile_scope: str = "auto"
+    """What train.compile compiles. objective: forward and loss as one graph (the most fusion, but
+    its backward hands every gradient over at its end, so the DP all-reduce cannot overlap it);
+    blocks: each transformer layer on its own (torchtitan's way: a layer's gradients reach the DP
+    all-reduce as its backward ends, overlapping the layers still to go); auto: blocks when DP > 1,
+    else objective."""
 
 
 @dataclass
@@ -328,6 +334,8 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
     if cfg.data.num_workers is not None and cfg.data.num_workers < 0:
         raise RunConfigError(f"data.num_workers={cfg.data.num_workers}: use 0 (batches built in the training "
                              "process) or more, e.g. --set data.num_workers=2")
+    if t.compile_scope not in ("auto", "objective", "blocks"):
+        raise RunConfigError(f"train.compile_scope={t.compile_scope!r}: use auto, objective or blocks")
     if t.compile and t.zero_stage:
         raise RunConfigError("train.compile is for the plain trainer: set train.zero_stage=0 or train.compile=false")
     if t.zero_stage not in (0, 1, 2):
@@ -349,7 +357,7 @@ def to_yaml(cfg: RunConfig) -> str:
 # files must hold the same data (the position in it is the checkpoint's consumed_samples).
 RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
                "train.eval_interval", "train.eval_iters", "train.exit_duration_minutes", "train.compile",
-               "train.zero_overlap_comm",
+               "train.compile_scope", "train.zero_overlap_comm",
                "model.activation_checkpointing",
                "tracking.", "data.")
 

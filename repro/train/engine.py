@@ -88,6 +88,27 @@ def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
     }
 
 
+def compile_scope(cfg: RunConfig, dp_size: int) -> str:
+    """`train.compile_scope` with auto resolved: per block when gradients are all-reduced over DP."""
+    scope = cfg.train.compile_scope
+    return scope if scope != "auto" else ("blocks" if dp_size > 1 else "objective")
+
+
+def transformer_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The GPT's or BERT's stack of transformer layers."""
+    return model.transformer.h if hasattr(model, "transformer") else model.layers
+
+
+def compiled(objective: torch.nn.Module, model: torch.nn.Module, scope: str) -> torch.nn.Module:
+    """The objective compiled as one graph, or (scope `blocks`) with each transformer layer compiled
+    in place, the embedding, head and loss between them eager."""
+    if scope == "objective":
+        return torch.compile(objective)
+    for layer in transformer_layers(model):
+        layer.compile()
+    return objective
+
+
 def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank: int = 0) -> Engine:
     """Seed, build the model at this TP rank, and wrap it for data parallelism."""
     device = pick_device(cfg.train.device, local_rank)
@@ -109,7 +130,7 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
             model=objective, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
             config=deepspeed_config(cfg, derived), dist_init_required=False)
         return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, None, rng, True)
-    wrapped = torch.compile(objective) if cfg.train.compile else objective
+    wrapped = compiled(objective, model, compile_scope(cfg, pg.dp_size)) if cfg.train.compile else objective
     main_grads = None
     if masters is not None and cfg.precision.main_grads == "fp32":
         main_grads = MainGrads(masters.pairs(), pg.dp_group)

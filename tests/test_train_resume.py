@@ -125,15 +125,32 @@ DAMAGED_SHARDS = [("parallel.tp=1", "optim_tp00.pt", 100), ("parallel.tp=2", "mo
                   (ZERO1, "deepspeed/zero/zero_pp_rank_0_mp_rank_00_optim_states.pt", None)]
 
 
+@pytest.fixture(scope="module")
+def trained_two_iterations(corpus, tmp_path_factory):
+    """layout -> a run dir trained 2 iterations on 2 ranks, made once per layout (tests copy it)."""
+    made: dict[str, Path] = {}
+
+    def run_dir(layout: str) -> Path:
+        if layout not in made:
+            made[layout] = tmp_path_factory.mktemp("two_iterations")
+            over = tiny_overrides(corpus, made[layout], **{"train.micro_batch_size": 2}) + [layout]
+            run_ranks(train_rank, 2, TINY, over + ["train.train_iters=2"])
+        return made[layout]
+    return run_dir
+
+
 @pytest.mark.parametrize("layout, damaged_file, keep", DAMAGED_SHARDS, ids=lambda v: str(v).split("/")[-1])
-def test_a_damaged_shard_stops_every_rank_with_the_file_named(corpus, tmp_path, layout, damaged_file, keep):
+def test_a_damaged_shard_stops_every_rank_with_the_file_named(corpus, tmp_path, trained_two_iterations, layout,
+                                                              damaged_file, keep):
     """At DP=2 only the owner replica reads the optimizer file and broadcasts it; at TP=2 each TP rank
     reads its own model file; each rank its RNG file; under ZeRO each DP rank its DeepSpeed optimizer
     partition. When one file is cut short (to `keep` bytes) or missing (None), every rank raises a
     CheckpointError naming it and the way back (the owner's peers and the other ranks too) instead of
     waiting in a collective, or, for ZeRO, a raw DeepSpeed traceback on one rank."""
+    import shutil
+
+    shutil.copytree(trained_two_iterations(layout), tmp_path, dirs_exist_ok=True)
     over = tiny_overrides(corpus, tmp_path, **{"train.micro_batch_size": 2}) + [layout]
-    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=2"])
     damaged = ck.latest_checkpoint(tmp_path / "checkpoints") / damaged_file
     if keep is None:
         damaged.unlink()

@@ -76,5 +76,6 @@ def read_bert(path: Path | str) -> tuple[BertConfig, dict[str, torch.Tensor]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert "
                                 "or a `repro train` BERT run directory")
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    # memory-mapped: each rank copies only its TP slices out; the file's pages are shared by a node's ranks
+    blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return BertConfig(**blob["config"]), blob["model"]

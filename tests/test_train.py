@@ -78,10 +78,12 @@ def test_eval_iters_counts_global_batches():
     assert [eval_micro_batches(cfg, dp, 3) for dp in (1, 2)] == [1, 0]
 
 
-def test_compiled_tp2_with_checkpointing_reproduces_serial_losses(serial_losses, corpus, tmp_path):
-    """train.compile at TP=2 (collectives inside the compiled graph) with activation checkpointing:
-    the serial eager losses within 1e-5 relative (the compiler fuses and reorders float32 sums)."""
-    _train(2, corpus, tmp_path, **{"parallel.tp": 2, "train.compile": "true",
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2-one-graph", "dp2-per-layer"])
+def test_compiled_with_checkpointing_reproduces_serial_losses(serial_losses, corpus, tmp_path, tp):
+    """train.compile with activation checkpointing, at TP=2 (collectives inside the compiled graph)
+    and at DP=2 (compile_scope auto: each layer compiled, inside torch DDP): the serial eager losses
+    within 1e-5 relative (the compiler fuses and reorders float32 sums)."""
+    _train(2, corpus, tmp_path, **{"parallel.tp": tp, "train.compile": "true",
                                    "model.activation_checkpointing": "true"})
     losses = _losses(tmp_path)
     assert len(losses) == len(serial_losses)

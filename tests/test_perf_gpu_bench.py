@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import torch
 
@@ -72,6 +73,10 @@ def test_compile_flag_adds_compiled_configurations():
     only = gpu_bench.plan(gpu_bench.parse_args(["--out", "x", "--compile-only", "--params", "half"]))
     assert [(s.dtype, s.checkpointing, s.compile) for s in only] == [
         (d, c, True) for d in ("bf16", "fp16") for c in (False, True)]
+    blocks = gpu_bench.plan(gpu_bench.parse_args(  # gpu_session.sh's last step
+        ["--out", "x", "--dtypes", "bf16", "--checkpointing", "off", "--params", "half", "--compile-only",
+         "--compile-scope", "blocks"]))
+    assert [(s.params, s.compile, s.compile_scope) for s in blocks] == [("half", True, "blocks")]
 
 
 def test_gpu_profile_tiny_writes_a_kernel_table(tmp_path):
@@ -150,3 +155,17 @@ def test_timed_step_clips_gradients_as_the_trainer_does():
 
     assert abs(update_norm(1e-3) - 1e-3) < 1e-6
     assert update_norm(0.0) > 0.1
+
+
+def test_per_layer_compiled_configuration_runs_and_leaves_the_model_eager():
+    """--compile-scope blocks times the trainer's DP > 1 compile (each layer compiled) and undoes it,
+    so the configurations after it time the eager model."""
+    model = gpu_bench.build_model(gpu_bench.TINY, torch.device("cpu"))
+    spec = gpu_bench.RunSpec("bf16", False, 2, compile=True, params="half", compile_scope="blocks")
+    result = gpu_bench.run_config(model, gpu_bench.TINY, spec, torch.device("cpu"), 1, 1, None, float("inf"))
+    assert result.status == "ok" and result.steps_timed == 1 and result.loss_last > 0
+    assert all(layer._compiled_call_impl is None for layer in model.transformer.h)
+    report = {"provenance": {k: "-" for k in ("device", "torch", "cuda", "date_utc", "git_sha", "command")},
+              "model": "tiny", "peak_source": "-", "precision": "-", "flops_formula": "-",
+              "results": [{**asdict(result), "spec": asdict(spec)}]}
+    assert "| bf16 | half | off | 2 | blocks | ok" in gpu_bench.markdown(report)

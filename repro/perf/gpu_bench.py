@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,8 @@ class RunSpec:
     """fp32: autocast over fp32 weights; half: half-precision model, fp32 main grads and masters."""
     clip: float = 1.0
     """Gradient clipping to this global norm, as the trainer's `optim.clip_grad` (0: none)."""
+    compile_scope: str = "objective"
+    """With compile: objective (model.loss as one graph) or blocks (each layer, the trainer at DP > 1)."""
 
 
 @dataclass
@@ -188,8 +191,31 @@ def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmu
     return result
 
 
+@contextmanager
+def compiled_loss(model, spec: RunSpec):
+    """model.loss as the configuration runs it: eager, compiled whole, or with each layer compiled
+    (undone on exit: the next configuration gets the eager model)."""
+    if not spec.compile:
+        yield model.loss
+    elif spec.compile_scope == "objective":
+        yield torch.compile(model.loss)
+    else:
+        from repro.train.engine import compiled, transformer_layers
+
+        compiled(model, model, "blocks")
+        try:
+            yield model.loss
+        finally:
+            for layer in transformer_layers(model):
+                layer._compiled_call_impl = None
+
+
 def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters, main) -> None:
-    loss_fn = torch.compile(model.loss) if spec.compile else model.loss
+    with compiled_loss(model, spec) as loss_fn:
+        _time_compiled(result, model, loss_fn, cfg, spec, device, steps, warmup, peak, deadline, masters, main)
+
+
+def _time_compiled(result, model, loss_fn, cfg, spec, device, steps, warmup, peak, deadline, masters, main) -> None:
     fused = device.type == "cuda"
     opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
     scaler = torch.amp.GradScaler(device.type, enabled=spec.dtype == "fp16")
@@ -261,6 +287,10 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None or x != x else format(x, spec)
 
 
+def _compiled(spec: dict) -> str:
+    return spec.get("compile_scope", "objective") if spec["compile"] else "-"
+
+
 def markdown(report: dict) -> str:
     """The results as a Markdown table with the provenance above it."""
     p, lines = report["provenance"], []
@@ -275,7 +305,7 @@ def markdown(report: dict) -> str:
         s, ph = r["spec"], r["phase_s_median"]
         phases = " / ".join(f"{ph[k]:.3f}" for k in ("forward", "backward", "optimizer")) if ph else "-"
         lines.append(
-            f"| {s['dtype']} | {s.get('params', 'fp32')} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {s['compile']} | "
+            f"| {s['dtype']} | {s.get('params', 'fp32')} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {_compiled(s)} | "
             f"{r['status']} {r['error'][:60]} | {_fmt(r['step_s_median'], '.4f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['model_tflops'], '.3g')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['hfu'], '.1%')} | "
             f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | "
@@ -300,6 +330,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(model.loss)")
     parser.add_argument("--compile-only", action="store_true", help="time only the compiled configurations")
+    parser.add_argument("--compile-scope", default="objective", choices=("objective", "blocks"),
+                        help="compile model.loss whole, or each transformer layer (the trainer's choice at DP > 1)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return parser.parse_args(argv)
 
@@ -318,7 +350,8 @@ def plan(args) -> list[RunSpec]:
               if not (d == "fp32" and p == "half")]
     specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, clip=args.clip) for d, c, p in combos]
     if args.compile or args.compile_only:
-        specs += [RunSpec(d, c, args.batch, compile=True, params=p, clip=args.clip) for d, c, p in combos]
+        specs += [RunSpec(d, c, args.batch, compile=True, params=p, clip=args.clip, compile_scope=args.compile_scope)
+                  for d, c, p in combos]
     return specs
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issue 9 in one command, for one lent GPU (5-10 minutes on an H200; the
-# benchmark budgets are 180 + 240 + 60 s):
+# Every GPU measurement of issue 9 in one command, for one lent GPU (8-11 minutes on an H200, estimated; the
+# benchmark budgets are 180 + 240 + 150 s; the last step may not fit one 10-minute device call):
 #
 #   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh        # `python` has torch
 #   PYTHON=.venv/bin/python OUT=... bash scripts/gpu_session.sh        # after `make setup`
@@ -9,7 +9,7 @@
 # compile/ (gpu_bench JSON + Markdown of the 1.2B config, batch 8: bf16/fp16 x activation
 # checkpointing x autocast-over-fp32 vs half-precision parameters); profile_fp32.txt and
 # profile_half.txt (kernel-level profiles of two eager bf16 steps of each recipe); compile_blocks/ (the
-# best recipe with each layer compiled, the trainer's train.compile at DP > 1). Works from a copy of
+# half recipe with each layer compiled, the trainer's train.compile at DP > 1). Works from a copy of
 # the tree without .git or an installed package: set REPRO_GIT_SHA to record the commit.
 # TINY=1 runs the same steps with a tiny model and COMPILE=0 leaves out the compiled runs (the CPU
 # dry run in tests/test_perf_gpu_bench.py uses both).
@@ -54,6 +54,6 @@ head -n 2 "$out/profile_half.txt"
 if [[ "${COMPILE:-1}" == 1 ]]; then  # last: what the trainer compiles at DP > 1, against compile/ above
   step "compiled per layer: bf16, half params, checkpointing off"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_blocks" --dtypes bf16 --checkpointing off \
-    --params half --compile-only --compile-scope blocks --budget-s 60
+    --params half --compile-only --compile-scope blocks --budget-s 150
 fi
 step "done"

@@ -77,6 +77,12 @@ def test_compile_flag_adds_compiled_configurations():
         ["--out", "x", "--dtypes", "bf16", "--checkpointing", "off", "--params", "half", "--compile-only",
          "--compile-scope", "blocks"]))
     assert [(s.params, s.compile, s.compile_scope) for s in blocks] == [("half", True, "blocks")]
+    try:
+        gpu_bench.plan(gpu_bench.parse_args(["--out", "x", "--compile-scope", "blocks"]))
+    except SystemExit as err:
+        assert "--compile-scope blocks needs --compile or --compile-only" in str(err)
+    else:
+        raise AssertionError("--compile-scope without --compile was accepted")
 
 
 def test_gpu_profile_tiny_writes_a_kernel_table(tmp_path):

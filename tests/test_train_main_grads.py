@@ -216,7 +216,7 @@ def test_compiled_checkpointed_model_feeds_main_grads(corpus, tmp_path):
     assert max(abs(a - b) for a, b in zip(losses["false"], losses["true"])) < 5e-3, losses
 
 
-def _overlap_rank(corpus: dict, run_dir: str, compile_: str, scope: str = "auto") -> dict:
+def _overlap_rank(corpus: dict, run_dir: str, compile_: str) -> dict:
     """DP=2, bf16 model, fp32 main grads in small buckets: 3 steps; how many buckets had started
     their all-reduce when backward reached the first layer's input (the embedding's output)."""
     from repro.parallel.groups import ParallelDims, build_process_groups
@@ -224,8 +224,7 @@ def _overlap_rank(corpus: dict, run_dir: str, compile_: str, scope: str = "auto"
     from repro.data.gpt_dataset import GPTDataset, gpt_loader
 
     pg = build_process_groups(ParallelDims(1, 2))
-    cfg = load_config(TINY, tiny_overrides(corpus, Path(run_dir), **HALF_BF16, **{"train.compile": compile_,
-                                                                             "train.compile_scope": scope}))
+    cfg = load_config(TINY, tiny_overrides(corpus, Path(run_dir), **HALF_BF16, **{"train.compile": compile_}))
     eng = build_engine(cfg, derive(cfg, 2), pg)
     eng.main_grads.remove()
     eng.main_grads = MainGrads(eng.masters.pairs(), pg.dp_group, bucket_numel=20_000)
@@ -241,9 +240,11 @@ def _overlap_rank(corpus: dict, run_dir: str, compile_: str, scope: str = "auto"
     data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=Path(run_dir) / f"cache{pg.rank}")
     loader = iter(gpt_loader(data, cfg.train.micro_batch_size))
     losses = [train_step(eng, [next(loader) for _ in range(2)]).loss for _ in range(3)]
+    from torch._dynamo.utils import counters
+
     compiled_layers = [layer._compiled_call_impl is not None for layer in eng.model.transformer.h]
     return {"losses": losses, "started": started, "buckets": len(eng.main_grads.buckets),
-            "compiled_layers": compiled_layers}
+            "compiled_layers": compiled_layers, "graphs": counters["stats"]["unique_graphs"]}
 
 
 def test_compiled_per_layer_overlaps_the_dp_all_reduce_with_backward(corpus, tmp_path):
@@ -259,4 +260,5 @@ def test_compiled_per_layer_overlaps_the_dp_all_reduce_with_backward(corpus, tmp
         # per step 2 micro batches: the first accumulates (no_sync, nothing starts), the last reduces
         assert got["started"][0::2] == [0, 0, 0] and all(0 < n < got["buckets"] for n in got["started"][1::2]), got
     assert all(blocks[0]["compiled_layers"]) and not any(eager[0]["compiled_layers"])
+    assert blocks[0]["graphs"] >= 1 and eager[0]["graphs"] == 0  # compiled for real, not fallen back to eager
     assert max(abs(a - b) for a, b in zip(eager[0]["losses"], blocks[0]["losses"])) < 5e-3

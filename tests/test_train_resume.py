@@ -131,10 +131,11 @@ def trained_two_iterations(corpus, tmp_path_factory):
     made: dict[str, Path] = {}
 
     def run_dir(layout: str) -> Path:
-        if layout not in made:
-            made[layout] = tmp_path_factory.mktemp("two_iterations")
-            over = tiny_overrides(corpus, made[layout], **{"train.micro_batch_size": 2}) + [layout]
+        if layout not in made:  # recorded once trained: a failed run is not handed to the next test
+            run_dir = tmp_path_factory.mktemp("two_iterations")
+            over = tiny_overrides(corpus, run_dir, **{"train.micro_batch_size": 2}) + [layout]
             run_ranks(train_rank, 2, TINY, over + ["train.train_iters=2"])
+            made[layout] = run_dir
         return made[layout]
     return run_dir
 

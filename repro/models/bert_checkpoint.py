@@ -8,6 +8,7 @@ checkpoint of any TP degree.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -54,11 +55,15 @@ def load_full_state_dict(model: BERT, state: dict[str, torch.Tensor], strict: bo
 
 
 def save_bert(model: BERT, path: Path | str) -> None:
-    """Every rank calls this (the TP gather is collective); global rank 0 writes the file."""
+    """Every rank calls this (the TP gather is collective); global rank 0 writes the file, through a
+    temporary sibling renamed into place (a reader mapping the old file keeps its own copy)."""
     state = full_state_dict(model)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"config": asdict(model.cfg), "model": state}, path)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"config": asdict(model.cfg), "model": state}, tmp)
+        os.replace(tmp, path)
 
 
 def read_bert(path: Path | str) -> tuple[BertConfig, dict[str, torch.Tensor]]:

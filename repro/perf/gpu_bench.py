@@ -202,8 +202,8 @@ def compiled_loss(model, spec: RunSpec):
     else:
         from repro.train.engine import compiled, transformer_layers
 
-        compiled(model, model, "blocks")
         try:
+            compiled(model, model, "blocks")
             yield model.loss
         finally:
             for layer in transformer_layers(model):
@@ -345,6 +345,8 @@ def plan(args) -> list[RunSpec]:
     for p in args.params.split(","):
         if p not in ("fp32", "half"):
             raise SystemExit(f"unknown --params {p!r}; choose from fp32, half")
+    if args.compile_scope != "objective" and not (args.compile or args.compile_only):
+        raise SystemExit(f"--compile-scope {args.compile_scope} needs --compile or --compile-only")
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]

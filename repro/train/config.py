@@ -112,8 +112,8 @@ class TrainConfig:
     """What train.compile compiles. objective: forward and loss as one graph (the most fusion, but
     its backward hands every gradient over at its end, so the DP all-reduce cannot overlap it);
     blocks: each transformer layer on its own (torchtitan's way: a layer's gradients reach the DP
-    all-reduce as its backward ends, overlapping the layers still to go); auto: blocks when DP > 1,
-    else objective."""
+    all-reduce as its backward ends, overlapping the layers still to go; under torch DDP dynamo also
+    cuts each layer's graph at DDP's bucket boundaries); auto: blocks when DP > 1, else objective."""
 
 
 @dataclass

@@ -348,8 +348,7 @@ def _save_unless_saved(eng: Engine, state: TrainState, run_id: str | None) -> No
 def _finish(eng, state, final, logger, valid, meta) -> dict:
     cfg = eng.cfg
     _save_unless_saved(eng, state, logger.run_id if logger else meta.get("mlflow_run_id"))
-    final = {**{k: v for k, v in final.items() if k != "warmup_interval"},  # a per-interval flag for the tables
-             "iteration": state.iteration, "consumed_samples": state.consumed_samples,
+    final = {**final, "iteration": state.iteration, "consumed_samples": state.consumed_samples,
              "optimizer_state_bytes": optimizer_state_bytes(eng),
              "local_parameters": sum(p.numel() for p in eng.model.parameters())}
     if valid:

@@ -73,13 +73,18 @@ def shard_state(full: dict, spec: dict[str, tuple[int, int]], rank: int, tp: int
     return shard
 
 
+def _model_shards(ckpt: Path, meta: dict, mmap: bool = False) -> list[dict]:
+    return [load_file(ckpt / f"model_tp{r:02d}.pt", mmap=mmap) for r in range(meta["tp"])]
+
+
 def resharded_state(ckpt: Path, meta: dict, rank: int, tp: int) -> dict:
     """TP rank `rank`'s state dict at degree `tp` from checkpoint `ckpt` saved at any TP degree, built
     one tensor at a time from memory-mapped shards: besides the result, at most one full tensor is in
-    memory (an 8.3B model's ranks each hold their slice, not the 33 GB fp32 model)."""
+    memory, two for the vocabulary rows (merged, then padded). An 8.3B model's ranks each hold their
+    slice, not the 33 GB fp32 model; the price is merging every tensor again for each rank."""
     cfg = ModelConfig(**meta["model"])
     spec = partition_spec(cfg, meta.get("family", "gpt"))
-    shards = [load_file(ckpt / f"model_tp{r:02d}.pt", mmap=True) for r in range(meta["tp"])]
+    shards = _model_shards(ckpt, meta, mmap=True)
     state = {}
     for name in shards[0]:
         full = merge_shards([{name: s[name]} for s in shards], spec, cfg.vocab_size)
@@ -91,8 +96,7 @@ def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
     """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree."""
     meta = read_meta(ckpt)
     cfg = ModelConfig(**meta["model"])
-    shards = [load_file(ckpt / f"model_tp{r:02d}.pt") for r in range(meta["tp"])]
-    return meta, merge_shards(shards, partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size)
+    return meta, merge_shards(_model_shards(ckpt, meta), partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size)
 
 
 def _check_new_dir(dst: Path) -> None:

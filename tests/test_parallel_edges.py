@@ -236,6 +236,21 @@ def test_spawning_more_nccl_ranks_than_gpus_is_refused_clearly():
         check_gpu_count(2, "nccl", visible=1)
 
 
+def _environment_and_directory(name: str) -> tuple[str | None, str]:
+    import os
+
+    return os.environ.get(name), os.getcwd()
+
+
+def test_ranks_see_the_callers_environment_and_directory_of_each_launch(tmp_path, monkeypatch):
+    """gloo ranks fork from a server started by the first launch: each launch still gives them the
+    caller's environment variables and working directory of that moment, as spawned ranks had."""
+    run_ranks(_environment_and_directory, 1, "REPRO_TEST_LAUNCH")  # the fork server is up
+    monkeypatch.setenv("REPRO_TEST_LAUNCH", "second")
+    monkeypatch.chdir(tmp_path)
+    assert run_ranks(_environment_and_directory, 2, "REPRO_TEST_LAUNCH") == [("second", str(tmp_path))] * 2
+
+
 def test_rng_tracker_seeds_its_own_state_and_leaves_the_default_one():
     from repro.parallel.random import TP_REGION_SEED_OFFSET, RNGTracker
 

@@ -1,7 +1,7 @@
 """Run a function on N local ranks (gloo on CPU, NCCL on GPU) with a hang timeout.
 
-Used by the tests and by `repro selftest --nproc N`. The function must be importable (defined at
-module level); its return value must be picklable (plain numbers, lists, dicts).
+Used by the tests, `repro train --nproc N` and `repro selftest --nproc N`. The function must be
+importable (defined at module level); its return value must be picklable (plain numbers, lists, dicts).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def check_gpu_count(world_size: int, backend: str, visible: int | None = None) -
                          "(--nproc), or use more GPUs (check CUDA_VISIBLE_DEVICES)")
 
 
-def _entry(rank, world_size, port, store, backend, fn, args, results) -> None:
+def _entry(rank, world_size, port, store, backend, fn, args, results, environ) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from its start
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one intra-op thread per rank: oversubscribed cores are ~10x slower
@@ -57,6 +59,21 @@ def _entry(rank, world_size, port, store, backend, fn, args, results) -> None:
             dist.destroy_process_group()
 
 
+# What a CPU rank imports anyway, loaded once by the fork server (the first launch), not by every rank
+# of every launch: about 2.5 s less per launch of the tiny test model on 2 cores
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "repro.train.loop"]
+
+
+def _start_context(backend: str):
+    """forkserver for gloo ranks (they fork from a server that has imported torch); spawn for NCCL,
+    whose ranks must not inherit a process that may have touched the CUDA driver."""
+    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return ctx
+
+
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
               backend: str = "gloo") -> list[Any]:
     """Spawn `world_size` ranks running fn(*args); return their results in rank order.
@@ -66,13 +83,14 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
     killed, so a hung collective never hangs the caller).
     """
     check_gpu_count(world_size, backend)
-    ctx = mp.get_context("spawn")
+    ctx = _start_context(backend)
     results = ctx.Queue()
     port, store_dir = free_port(), tempfile.mkdtemp(prefix="repro-ranks-")
     store = os.path.join(store_dir, "rendezvous")
     # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
     # kills any rank still alive
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results,
+                                                     dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -126,8 +126,6 @@ class RunLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Append to metrics.jsonl now; queue for MLflow, sent in batches every `FLUSH_SECONDS`
         (one request instead of one per step keeps tracking off the training step's hot path)."""
-        from mlflow.entities import Metric
-
         if step <= self.log_after_step:
             return
         clean = {clean_metric_name(k): float(v) for k, v in metrics.items() if v is not None}
@@ -135,6 +133,8 @@ class RunLogger:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "time": now, **clean}) + "\n")
         if self._live():
+            from mlflow.entities import Metric  # imported only here: a run without MLflow skips its 2 s import
+
             self._pending += [Metric(k, v, int(now * 1000), step) for k, v in clean.items()]
             if time.monotonic() - self._last_flush > self.FLUSH_SECONDS:
                 self.flush()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -258,3 +259,15 @@ def test_rng_tracker_seeds_its_own_state_and_leaves_the_default_one():
     tracker = RNGTracker(5, 1)
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(tracker.get_state(), torch.Generator().manual_seed(5 + TP_REGION_SEED_OFFSET + 1).get_state())
+
+
+def _unpicklable_result() -> object:
+    return lambda: None
+
+
+def test_a_result_that_cannot_be_sent_back_fails_at_once_naming_the_rank():
+    """Before, the queue's feeder thread dropped it and the caller waited out the whole timeout."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0 failed in _unpicklable_result.*Can.t pickle"):
+        run_ranks(_unpicklable_result, 1, timeout=120)
+    assert time.monotonic() - start < 60

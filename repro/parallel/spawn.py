@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_lib
 import shutil
 import socket
@@ -51,7 +52,9 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, environ) -
         # binds it (EADDRINUSE, seen on a busy CI machine); MASTER_PORT stays for code that reads it
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))
-        results.put((rank, True, fn(*args)))
+        # pickled here, by value: an error is the caller's to see (not lost in the queue's feeder
+        # thread), and a tensor is not handed over as a shared-memory fd that dies with this process
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -105,7 +108,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
                 raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
             if not ok:
                 raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{value}")
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import fields
 from pathlib import Path
+from typing import Mapping
 
 from repro.cli import UserError
 from repro.eval.race import RaceFormatError, encode_race, load_race, race_dir_from_env
@@ -26,7 +28,7 @@ def _tokenizer(args):
     return build_tokenizer("bert", Path(args.data_dir) if args.data_dir else data_dir_from_env())
 
 
-def model_config(args, vocab_size: int) -> tuple[BertConfig, dict | None]:
+def model_config(args, vocab_size: int) -> tuple[BertConfig, Mapping | None]:
     """From the checkpoint (its config), else a YAML model: block, else the named size (random init)."""
     if args.checkpoint:
         from repro.models.bert_checkpoint import read_bert
@@ -103,13 +105,13 @@ def size_label(name: str | None, cfg: BertConfig) -> str:
     return name
 
 
-def shorten(cfg: BertConfig, state: dict | None, seq_length: int) -> tuple[BertConfig, dict | None]:
+def shorten(cfg: BertConfig, state: Mapping | None, seq_length: int) -> tuple[BertConfig, Mapping | None]:
     """The model cut to at most seq_length positions, the checkpoint's position table with it (the
     first rows: the same model on inputs of that length)."""
     if seq_length < cfg.seq_length:
         cfg.seq_length = seq_length
         if state is not None:
-            state = {**state, POSITIONS: state[POSITIONS][:seq_length]}
+            state = ChainMap({POSITIONS: state[POSITIONS][:seq_length]}, state)  # the rest read lazily
     return cfg, state
 
 

@@ -200,8 +200,7 @@ def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: Finet
     seed_default_generators(opts.seed, device)
     model = MultipleChoiceBert(cfg, pg.tp_group, RNGTracker(opts.seed, pg.tp_rank, device), seed=opts.seed)
     if state is not None:
-        load_full_state_dict(model.bert, {k: v for k, v in state.items()
-                                          if not k.startswith(("lm_head.", "sop_head."))})
+        load_full_state_dict(model.bert, state, skip=("lm_head.", "sop_head."))
     model.to(device)
     result = FinetuneResult(opts.seed)
     result.losses = finetune(model, splits["train"], opts, pg, log, stop)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -38,11 +39,16 @@ def full_state_dict(model: BERT) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_full_state_dict(model: BERT, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Copy full tensors into a model of any TP degree (this rank's slice of each)."""
+def load_full_state_dict(model: BERT, state: Mapping[str, torch.Tensor], strict: bool = True,
+                         skip: tuple[str, ...] = ()) -> None:
+    """Copy full tensors into a model of any TP degree (this rank's slice of each), reading `state`
+    one tensor at a time; names starting with a `skip` prefix are not read."""
     tp, rank = group_size(model.tp_group), group_rank(model.tp_group)
     params, local = dict(model.named_parameters()), {}
-    for name, full in state.items():
+    for name in state:
+        if name.startswith(skip):
+            continue
+        full = state[name]
         if name in VOCAB_ROWS:
             full = pad_vocab_rows(full, model.padded_vocab)
         p = params.get(name)
@@ -66,18 +72,21 @@ def save_bert(model: BERT, path: Path | str) -> None:
         os.replace(tmp, path)
 
 
-def read_bert(path: Path | str) -> tuple[BertConfig, dict[str, torch.Tensor]]:
+def read_bert(path: Path | str) -> tuple[BertConfig, Mapping[str, torch.Tensor]]:
     """The config and full state dict of a checkpoint written by `save_bert`, or of a `repro train`
-    BERT checkpoint (a run directory, its checkpoints/ folder or an iter_XXXXXXX folder; any TP)."""
+    BERT checkpoint (a run directory, its checkpoints/ folder or an iter_XXXXXXX folder; any TP).
+    Both are memory-mapped; a run's TP shards are merged one tensor at a time as they are read, so a
+    rank loading its slice never holds the whole model."""
     path = Path(path)
     if path.is_dir():
-        from repro.train.checkpoint import resolve
-        from repro.train.reshard import load_full_model_state
+        from repro.train.checkpoint import read_meta, resolve
+        from repro.train.reshard import MergedModelState
 
-        meta, state = load_full_model_state(resolve(path))
+        ckpt = resolve(path)
+        meta = read_meta(ckpt)
         if meta.get("family") != "bert":
             raise FileNotFoundError(f"{path}: a {meta.get('family')} checkpoint, not BERT. Fix: pass a BERT run")
-        return BertConfig(**meta["model"]), state
+        return BertConfig(**meta["model"]), MergedModelState(ckpt, meta)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert "
                                 "or a `repro train` BERT run directory")

@@ -13,7 +13,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -77,26 +77,42 @@ def _model_shards(ckpt: Path, meta: dict, mmap: bool = False) -> list[dict]:
     return [load_file(ckpt / f"model_tp{r:02d}.pt", mmap=mmap) for r in range(meta["tp"])]
 
 
+class MergedModelState(Mapping):
+    """A checkpoint's TP=1 state dict (unpadded vocab), each tensor merged from the memory-mapped TP
+    shards when it is read: going through it holds one full tensor at a time, not the whole model."""
+
+    def __init__(self, ckpt: Path, meta: dict) -> None:
+        cfg = ModelConfig(**meta["model"])
+        self.spec, self.vocab_size = partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size
+        self.shards = _model_shards(ckpt, meta, mmap=True)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return merge_shards([{name: s[name]} for s in self.shards], self.spec, self.vocab_size)[name]
+
+    def __iter__(self):
+        return iter(self.shards[0])
+
+    def __len__(self) -> int:
+        return len(self.shards[0])
+
+
 def resharded_state(ckpt: Path, meta: dict, rank: int, tp: int) -> dict:
     """TP rank `rank`'s state dict at degree `tp` from checkpoint `ckpt` saved at any TP degree, built
     one tensor at a time from memory-mapped shards: besides the result, at most one full tensor is in
     memory, two for the vocabulary rows (merged, then padded). An 8.3B model's ranks each hold their
     slice, not the 33 GB fp32 model; the price is merging every tensor again for each rank."""
-    cfg = ModelConfig(**meta["model"])
-    spec = partition_spec(cfg, meta.get("family", "gpt"))
-    shards = _model_shards(ckpt, meta, mmap=True)
+    merged = MergedModelState(ckpt, meta)
+    padded_vocab = ModelConfig(**meta["model"]).padded_vocab_size(tp)
     state = {}
-    for name in shards[0]:
-        full = merge_shards([{name: s[name]} for s in shards], spec, cfg.vocab_size)
-        state.update(shard_state(full, spec, rank, tp, cfg.padded_vocab_size(tp)))
+    for name, full in merged.items():
+        state.update(shard_state({name: full}, merged.spec, rank, tp, padded_vocab))
     return state
 
 
 def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
-    """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree."""
+    """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree, in memory."""
     meta = read_meta(ckpt)
-    cfg = ModelConfig(**meta["model"])
-    return meta, merge_shards(_model_shards(ckpt, meta), partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size)
+    return meta, dict(MergedModelState(ckpt, meta))
 
 
 def _check_new_dir(dst: Path) -> None:

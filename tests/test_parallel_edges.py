@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 
 import pytest
@@ -239,17 +240,25 @@ def test_spawning_more_nccl_ranks_than_gpus_is_refused_clearly():
 
 def _environment_and_directory(name: str) -> tuple[str | None, str]:
     import os
+    import sys
 
+    print(f"out of {os.environ.get('RANK')}", flush=True)
+    print(f"err of {os.environ.get('RANK')}", file=sys.stderr, flush=True)
     return os.environ.get(name), os.getcwd()
 
 
-def test_ranks_see_the_callers_environment_and_directory_of_each_launch(tmp_path, monkeypatch):
+def test_ranks_see_the_callers_environment_directory_and_output_of_each_launch(tmp_path, monkeypatch, capfd):
     """gloo ranks fork from a server started by the first launch: each launch still gives them the
-    caller's environment variables and working directory of that moment, as spawned ranks had."""
-    run_ranks(_environment_and_directory, 1, "REPRO_TEST_LAUNCH")  # the fork server is up
+    caller's environment variables, working directory, stdout and stderr of that moment (here pytest's
+    capture of file descriptors 1 and 2), as spawned ranks had."""
+    with capfd.disabled():  # the fork server is up, started while fds 1 and 2 went elsewhere
+        run_ranks(_environment_and_directory, 1, "REPRO_TEST_LAUNCH")
     monkeypatch.setenv("REPRO_TEST_LAUNCH", "second")
     monkeypatch.chdir(tmp_path)
     assert run_ranks(_environment_and_directory, 2, "REPRO_TEST_LAUNCH") == [("second", str(tmp_path))] * 2
+    out, err = capfd.readouterr()
+    assert sorted(re.findall(r"out of \d", out)) == ["out of 0", "out of 1"]
+    assert sorted(re.findall(r"err of \d", err)) == ["err of 0", "err of 1"]
 
 
 def test_rng_tracker_seeds_its_own_state_and_leaves_the_default_one():

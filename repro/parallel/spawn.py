@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 
 def free_port() -> int:
@@ -39,9 +40,44 @@ def check_gpu_count(world_size: int, backend: str, visible: int | None = None) -
                          "(--nproc), or use more GPUs (check CUDA_VISIBLE_DEVICES)")
 
 
-def _entry(rank, world_size, port, store, backend, fn, args, results, environ) -> None:
-    os.environ.clear()  # the caller's environment now, not the fork server's from its start
-    os.environ.update(environ)
+class _CallerContext:
+    """What a rank takes from its caller at each launch: the environment variables and where stdout
+    and stderr go (a pytest capture, a redirect). Ranks forked from the fork server would otherwise
+    keep the server's, from the first launch."""
+
+    def __init__(self, environ: dict[str, str], fds: dict[int, int]) -> None:
+        self.environ, self.fds = environ, fds
+
+    @classmethod
+    def here(cls) -> "_CallerContext":
+        return cls(dict(os.environ), {})
+
+    def __reduce__(self):  # pickled while the rank starts: the caller's descriptors are sent with it
+        return _CallerContext._received, (self.environ, {fd: reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd)})
+
+    @staticmethod
+    def _received(environ: dict[str, str], dups: dict) -> "_CallerContext":
+        return _CallerContext(environ, {fd: dup.detach() for fd, dup in dups.items()})
+
+    def adopt(self) -> None:
+        """In the rank: take the caller's environment and output descriptors."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for fd, received in self.fds.items():
+            os.dup2(received, fd)
+            os.close(received)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _CallerContext) -> None:
+    caller.adopt()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one intra-op thread per rank: oversubscribed cores are ~10x slower
@@ -93,7 +129,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
     # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
     # kills any rank still alive
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results,
-                                                     dict(os.environ)))
+                                                     _CallerContext.here()))
              for r in range(world_size)]
     for p in procs:
         p.start()

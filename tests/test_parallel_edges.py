@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import sys
 import time
 
 import pytest
@@ -239,9 +241,6 @@ def test_spawning_more_nccl_ranks_than_gpus_is_refused_clearly():
 
 
 def _environment_and_directory(name: str) -> tuple[str | None, str]:
-    import os
-    import sys
-
     print(f"out of {os.environ.get('RANK')}", flush=True)
     print(f"err of {os.environ.get('RANK')}", file=sys.stderr, flush=True)
     return os.environ.get(name), os.getcwd()
@@ -252,7 +251,7 @@ def test_ranks_see_the_callers_environment_directory_and_output_of_each_launch(t
     caller's environment variables, working directory, stdout and stderr of that moment (here pytest's
     capture of file descriptors 1 and 2), as spawned ranks had."""
     with capfd.disabled():  # the fork server is up, started while fds 1 and 2 went elsewhere
-        run_ranks(_environment_and_directory, 1, "REPRO_TEST_LAUNCH")
+        run_ranks(os.getpid, 1)
     monkeypatch.setenv("REPRO_TEST_LAUNCH", "second")
     monkeypatch.chdir(tmp_path)
     assert run_ranks(_environment_and_directory, 2, "REPRO_TEST_LAUNCH") == [("second", str(tmp_path))] * 2

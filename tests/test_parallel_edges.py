@@ -279,3 +279,69 @@ def test_a_result_that_cannot_be_sent_back_fails_at_once_naming_the_rank():
     with pytest.raises(RuntimeError, match=r"(?s)rank 0 failed in _unpicklable_result.*Can.t pickle"):
         run_ranks(_unpicklable_result, 1, timeout=120)
     assert time.monotonic() - start < 60
+
+
+def _end_without_a_result(rank_to_die: int) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_die:
+        os._exit(3)
+    time.sleep(5)
+    return dist.get_rank()
+
+
+def test_a_rank_that_dies_without_a_result_fails_at_once_naming_it():
+    """Killed, out of memory, os._exit: before, the caller waited out the whole timeout."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 of _end_without_a_result ended without a result \(exit code 3\)"):
+        run_ranks(_end_without_a_result, 2, 1, timeout=120)
+    assert time.monotonic() - start < 20
+
+
+def _stop_the_fork_server_then(pid_dir: str, then_sleep: float) -> int:
+    import signal
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    Path(pid_dir, str(os.getpid())).touch()
+    if dist.get_rank() == 0:
+        os.kill(os.getppid(), signal.SIGTERM)  # what a TERM to every descendant does to the fork server
+    time.sleep(then_sleep)
+    return dist.get_rank()
+
+
+def test_ranks_outliving_their_fork_server_are_still_waited_for_and_killed(tmp_path):
+    """A stop signal to all of `repro train --nproc N`'s processes ends the fork server too: the ranks
+    it forked still deliver their results, a hung one is still killed at the timeout (through its
+    pidfd: the server that knew its exit status is gone), and the next launch starts a new server."""
+    import psutil
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    assert run_ranks(_stop_the_fork_server_then, 2, str(tmp_path / "a"), 2.0) == [0, 1]
+    with pytest.raises(TimeoutError):
+        run_ranks(_stop_the_fork_server_then, 2, str(tmp_path / "b"), 300.0, timeout=8)
+    pids = [int(p.name) for p in (tmp_path / "b").iterdir()]
+    assert len(pids) == 2
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"ranks left running after the timeout: {left}"
+    assert len(set(run_ranks(os.getpid, 2))) == 2
+
+
+def test_spawned_ranks_as_nccl_uses_them_keep_their_output(tmp_path, monkeypatch, capfd):
+    """The spawn start method (NCCL's, forced here on gloo): the ranks print to the caller's stdout
+    and stderr and see its environment; a rank that died without a result is still named at once."""
+    import torch.multiprocessing as mp
+
+    from repro.parallel import spawn
+
+    monkeypatch.setattr(spawn, "_start_context", lambda backend: mp.get_context("spawn"))
+    monkeypatch.setenv("REPRO_TEST_LAUNCH", "spawned")
+    monkeypatch.chdir(tmp_path)
+    assert run_ranks(_environment_and_directory, 2, "REPRO_TEST_LAUNCH") == [("spawned", str(tmp_path))] * 2
+    out, err = capfd.readouterr()
+    assert sorted(re.findall(r"out of \d", out)) == ["out of 0", "out of 1"]
+    assert sorted(re.findall(r"err of \d", err)) == ["err of 0", "err of 1"]
+    with pytest.raises(RuntimeError, match=r"rank 0 of _end_without_a_result ended without a result \(exit code 3\)"):
+        run_ranks(_end_without_a_result, 2, 0, timeout=120)

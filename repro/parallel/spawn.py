@@ -2,6 +2,11 @@
 
 Used by the tests, `repro train --nproc N` and `repro selftest --nproc N`. The function must be
 importable (defined at module level); its return value must be picklable (plain numbers, lists, dicts).
+
+gloo ranks fork from a fork server (multiprocessing's forkserver) that imported torch at the first
+launch; each launch hands them the caller's environment variables, stdout and stderr, and fresh NumPy
+entropy. What they still take from the first launch: ignored signals, the signal mask, resource
+limits and umask (none of which repro changes). NCCL ranks are spawned afresh.
 """
 
 from __future__ import annotations
@@ -10,9 +15,12 @@ import datetime
 import os
 import pickle
 import queue as queue_lib
+import select
 import shutil
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -41,19 +49,21 @@ def check_gpu_count(world_size: int, backend: str, visible: int | None = None) -
 
 
 class _CallerContext:
-    """What a rank takes from its caller at each launch: the environment variables and where stdout
-    and stderr go (a pytest capture, a redirect). Ranks forked from the fork server would otherwise
-    keep the server's, from the first launch."""
+    """What a forked rank takes from its caller at each launch: the environment variables and where
+    stdout and stderr go (a pytest capture, a redirect). Ranks forked from the fork server would
+    otherwise keep the server's, from the first launch. (Spawned ranks inherit both already.)"""
 
-    def __init__(self, environ: dict[str, str], fds: dict[int, int]) -> None:
+    def __init__(self, environ: dict[str, str], fds: dict[int, Any]) -> None:
         self.environ, self.fds = environ, fds
 
     @classmethod
     def here(cls) -> "_CallerContext":
-        return cls(dict(os.environ), {})
+        """The caller's context; call it before opening the rank's queue, so that a closed stdout or
+        stderr is seen closed, not as the number the queue's pipe took."""
+        return cls(dict(os.environ), {fd: fd for fd in (1, 2) if _is_open(fd)})
 
     def __reduce__(self):  # pickled while the rank starts: the caller's descriptors are sent with it
-        return _CallerContext._received, (self.environ, {fd: reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd)})
+        return _CallerContext._received, (self.environ, {fd: reduction.DupFd(fd) for fd in self.fds})
 
     @staticmethod
     def _received(environ: dict[str, str], dups: dict) -> "_CallerContext":
@@ -64,8 +74,9 @@ class _CallerContext:
         os.environ.clear()
         os.environ.update(self.environ)
         for fd, received in self.fds.items():
-            os.dup2(received, fd)
-            os.close(received)
+            if received != fd:
+                os.dup2(received, fd)
+                os.close(received)
 
 
 def _is_open(fd: int) -> bool:
@@ -76,8 +87,10 @@ def _is_open(fd: int) -> bool:
         return False
 
 
-def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _CallerContext) -> None:
-    caller.adopt()
+def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _CallerContext | None) -> None:
+    if caller is not None:
+        caller.adopt()
+        _reseed_numpy()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one intra-op thread per rank: oversubscribed cores are ~10x slower
@@ -98,6 +111,15 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
             dist.destroy_process_group()
 
 
+def _reseed_numpy() -> None:
+    """NumPy's global generator from fresh entropy, as in a new process (forked ranks would share the
+    fork server's state)."""
+    import sys
+
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
 # What a CPU rank imports anyway, loaded once by the fork server (the first launch), not by every rank
 # of every launch: about 2.5 s less per launch of the tiny test model on 2 cores
 FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "repro.train.loop"]
@@ -113,43 +135,102 @@ def _start_context(backend: str):
     return ctx
 
 
+class _Ranks:
+    """The started rank processes, watched and killed through pidfds where Linux has them: they keep
+    working when the fork server that forked the ranks has died (a TERM or USR1 sent to every
+    descendant of `repro train --nproc N` ends it too), when Process.is_alive() says False for live ranks."""
+
+    def __init__(self, procs: list) -> None:
+        self.procs = procs
+        self.pidfds = [_pidfd(p.pid) for p in procs]
+
+    def exited(self, rank: int, wait_s: float = 0.0) -> bool:
+        fd = self.pidfds[rank]
+        if fd is None:
+            self.procs[rank].join(wait_s)
+            return not self.procs[rank].is_alive()
+        return bool(select.select([fd], [], [], wait_s)[0])
+
+    def stop(self, grace_s: float) -> None:
+        """Give every rank until `grace_s` from now to end, then kill the rest."""
+        deadline = time.monotonic() + grace_s
+        for rank, (proc, fd) in enumerate(zip(self.procs, self.pidfds)):
+            if not self.exited(rank, max(deadline - time.monotonic(), 0.0)):
+                self._kill(rank)
+                self.exited(rank, 10.0)
+            proc.join(1.0)  # reaps a spawned rank; a forked one's status comes from the fork server
+            if fd is not None:
+                os.close(fd)
+
+
+    def _kill(self, rank: int) -> None:
+        if self.pidfds[rank] is None:
+            self.procs[rank].kill()
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfds[rank], signal.SIGKILL)
+        except ProcessLookupError:  # ended meanwhile
+            pass
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3, or the rank is already gone
+        return None
+
+
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
               backend: str = "gloo") -> list[Any]:
     """Spawn `world_size` ranks running fn(*args); return their results in rank order.
 
     Raises ValueError before spawning when NCCL ranks outnumber the visible GPUs, RuntimeError with
-    the failing rank's traceback, or TimeoutError after `timeout` seconds (the ranks are then
-    killed, so a hung collective never hangs the caller).
+    the failing rank's traceback (or naming a rank that died without one: killed, out of memory),
+    or TimeoutError after `timeout` seconds (the ranks are then killed, so a hung collective never
+    hangs the caller).
     """
     check_gpu_count(world_size, backend)
     ctx = _start_context(backend)
+    caller = _CallerContext.here() if ctx.get_start_method() == "forkserver" else None
     results = ctx.Queue()
     port, store_dir = free_port(), tempfile.mkdtemp(prefix="repro-ranks-")
     store = os.path.join(store_dir, "rendezvous")
     # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
     # kills any rank still alive
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results,
-                                                     _CallerContext.here()))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results, caller))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    collected: dict[int, Any] = {}
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    ranks, collected = _Ranks(procs), None
     try:
-        while len(collected) < world_size:
-            remaining = (deadline - datetime.datetime.now()).total_seconds()
-            try:
-                rank, ok, value = results.get(timeout=max(remaining, 0.01))
-            except queue_lib.Empty:
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{value}")
-            collected[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        collected = _collect(results, ranks, fn.__name__, timeout)
+    finally:  # ranks that delivered get 10 s to exit; after a failure or timeout the rest wait in vain
+        ranks.stop(grace_s=10.0 if collected is not None else 1.0)
         shutil.rmtree(store_dir, ignore_errors=True)
     return [collected[r] for r in range(world_size)]
+
+
+def _collect(results, ranks: _Ranks, name: str, timeout: float) -> dict[int, Any]:
+    """Every rank's result; a rank seen ended without one on two polls a second apart (its result,
+    put before it ended, would have arrived) fails at once instead of at the timeout."""
+    world_size, collected, suspects = len(ranks.procs), {}, set()
+    deadline = time.monotonic() + timeout
+    while len(collected) < world_size:
+        remaining = deadline - time.monotonic()
+        try:
+            rank, ok, value = results.get(timeout=min(max(remaining, 0.01), 1.0))
+        except queue_lib.Empty:
+            if remaining <= 0:
+                raise TimeoutError(f"{name} on {world_size} ranks did not finish in {timeout:.0f} s") from None
+            ended = {r for r in range(world_size) if r not in collected and ranks.exited(r)}
+            if ended & suspects:
+                rank = min(ended & suspects)
+                raise RuntimeError(f"rank {rank} of {name} ended without a result (exit code "
+                                   f"{ranks.procs[rank].exitcode}): killed, out of memory, or os._exit; "
+                                   "its output is above") from None
+            suspects = ended
+            continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed in {name}:\n{value}")
+        collected[rank] = pickle.loads(value)
+    return collected

@@ -89,6 +89,9 @@ class MergedModelState(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return merge_shards([{name: s[name]} for s in self.shards], self.spec, self.vocab_size)[name]
 
+    def __contains__(self, name: object) -> bool:  # without merging the tensor (Mapping's default reads it)
+        return name in self.shards[0]
+
     def __iter__(self):
         return iter(self.shards[0])
 
@@ -110,7 +113,9 @@ def resharded_state(ckpt: Path, meta: dict, rank: int, tp: int) -> dict:
 
 
 def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
-    """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree, in memory."""
+    """(meta, TP=1 state dict with the unpadded vocab) of a checkpoint of any TP degree. Merged tensors
+    are in memory; the others (layer norms, biases of row-parallel layers: one copy on every rank) are
+    the shard file's private memory map: writing to one changes this copy only, never the file."""
     meta = read_meta(ckpt)
     return meta, dict(MergedModelState(ckpt, meta))
 

@@ -246,18 +246,23 @@ def _environment_and_directory(name: str) -> tuple[str | None, str]:
     return os.environ.get(name), os.getcwd()
 
 
+def _launch_sees_the_caller(value: str, directory, monkeypatch, capfd) -> None:
+    """Two ranks launched now see this environment variable and directory, and print where fds 1 and 2 go."""
+    monkeypatch.setenv("REPRO_TEST_LAUNCH", value)
+    monkeypatch.chdir(directory)
+    assert run_ranks(_environment_and_directory, 2, "REPRO_TEST_LAUNCH") == [(value, str(directory))] * 2
+    out, err = capfd.readouterr()
+    assert sorted(re.findall(r"out of \d", out)) == ["out of 0", "out of 1"]
+    assert sorted(re.findall(r"err of \d", err)) == ["err of 0", "err of 1"]
+
+
 def test_ranks_see_the_callers_environment_directory_and_output_of_each_launch(tmp_path, monkeypatch, capfd):
     """gloo ranks fork from a server started by the first launch: each launch still gives them the
     caller's environment variables, working directory, stdout and stderr of that moment (here pytest's
     capture of file descriptors 1 and 2), as spawned ranks had."""
     with capfd.disabled():  # the fork server is up, started while fds 1 and 2 went elsewhere
         run_ranks(os.getpid, 1)
-    monkeypatch.setenv("REPRO_TEST_LAUNCH", "second")
-    monkeypatch.chdir(tmp_path)
-    assert run_ranks(_environment_and_directory, 2, "REPRO_TEST_LAUNCH") == [("second", str(tmp_path))] * 2
-    out, err = capfd.readouterr()
-    assert sorted(re.findall(r"out of \d", out)) == ["out of 0", "out of 1"]
-    assert sorted(re.findall(r"err of \d", err)) == ["err of 0", "err of 1"]
+    _launch_sees_the_caller("second", tmp_path, monkeypatch, capfd)
 
 
 def test_rng_tracker_seeds_its_own_state_and_leaves_the_default_one():
@@ -337,11 +342,6 @@ def test_spawned_ranks_as_nccl_uses_them_keep_their_output(tmp_path, monkeypatch
     from repro.parallel import spawn
 
     monkeypatch.setattr(spawn, "_start_context", lambda backend: mp.get_context("spawn"))
-    monkeypatch.setenv("REPRO_TEST_LAUNCH", "spawned")
-    monkeypatch.chdir(tmp_path)
-    assert run_ranks(_environment_and_directory, 2, "REPRO_TEST_LAUNCH") == [("spawned", str(tmp_path))] * 2
-    out, err = capfd.readouterr()
-    assert sorted(re.findall(r"out of \d", out)) == ["out of 0", "out of 1"]
-    assert sorted(re.findall(r"err of \d", err)) == ["err of 0", "err of 1"]
+    _launch_sees_the_caller("spawned", tmp_path, monkeypatch, capfd)
     with pytest.raises(RuntimeError, match=r"rank 0 of _end_without_a_result ended without a result \(exit code 3\)"):
         run_ranks(_end_without_a_result, 2, 0, timeout=120)

@@ -136,9 +136,9 @@ def _start_context(backend: str):
 
 
 class _Ranks:
-    """The started rank processes, watched and killed through pidfds where Linux has them: they keep
-    working when the fork server that forked the ranks has died (a TERM or USR1 sent to every
-    descendant of `repro train --nproc N` ends it too), when Process.is_alive() says False for live ranks."""
+    """The started rank processes, watched and killed through pidfds where Linux has them. These keep
+    working after the fork server that forked the ranks has died (a TERM or USR1 sent to every process
+    of `repro train --nproc N` ends it too), when Process.is_alive() would call live ranks ended."""
 
     def __init__(self, procs: list) -> None:
         self.procs = procs
@@ -161,7 +161,6 @@ class _Ranks:
             proc.join(1.0)  # reaps a spawned rank; a forked one's status comes from the fork server
             if fd is not None:
                 os.close(fd)
-
 
     def _kill(self, rank: int) -> None:
         if self.pidfds[rank] is None:
@@ -225,6 +224,7 @@ def _collect(results, ranks: _Ranks, name: str, timeout: float) -> dict[int, Any
             ended = {r for r in range(world_size) if r not in collected and ranks.exited(r)}
             if ended & suspects:
                 rank = min(ended & suspects)
+                ranks.procs[rank].join(1.0)  # its exit code
                 raise RuntimeError(f"rank {rank} of {name} ended without a result (exit code "
                                    f"{ranks.procs[rank].exitcode}): killed, out of memory, or os._exit; "
                                    "its output is above") from None

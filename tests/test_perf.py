@@ -171,3 +171,19 @@ def test_scaling_model_appendix_d_out_of_sample():
     assert strong[0]["predicted"] == pytest.approx(1.0)
     assert all(a["predicted"] < b["predicted"] for a, b in zip(strong, strong[1:]))
     assert all(math.isfinite(r["error"]) for r in rows)
+
+
+def test_scaling_model_gemm_efficiency_the_paper_implies():
+    """The diagnostic column: at the implied GEMM efficiency the model meets the paper's Table 8 speed-up
+    exactly; it is the calibrated one on one GPU and falls as the TP degree shrinks each GEMM."""
+    cl = scaling_model.DGX2H
+    rows = [r for r in scaling_model.appendix_d(cl) if r["table"] == "Table 8"]
+    cfg = scaling_model.get_size("scaling-1.2b").model_config()
+    base_t = scaling_model.iteration_time(cfg, 8, 1, 1, cl, rows[0]["gemm_efficiency"])["total"]
+    for r, tp in zip(rows, (1, 2, 4, 8)):
+        t = scaling_model.iteration_time(cfg, 8, tp, 1, cl, r["implied_gemm_efficiency"])["total"]
+        assert base_t / t == pytest.approx(r["paper"])
+    implied = [r["implied_gemm_efficiency"] for r in rows]
+    assert implied[0] == pytest.approx(rows[0]["gemm_efficiency"])
+    assert all(a > b for a, b in zip(implied, implied[1:]))
+    assert scaling_model.implied_gemm_efficiency(cfg, 8, 8, cl, target_s=1e-3) is None  # faster than comm alone

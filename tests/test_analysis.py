@@ -137,6 +137,10 @@ def test_appendix_d_heads_and_strong_scaling_from_runs(tmp_path):
     assert shown.loc["8.3B, 24 heads, 8-way TP", "measured"] == NOT_RUN
     assert shown.loc["1.2B, batch 8, 2-way TP", "measured"] == "1.60x"
     assert shown.loc["8.3B, 16 heads, 8-way TP", "measured"] == "82.0%"
+    # the analytic model beside them, as in Table 1 (same calibration; results/scaling_model/appendix_d.csv)
+    assert shown.loc["1.2B, batch 8, 8-way TP", "model DGX-2H"] == "4.99x"
+    assert shown.loc["8.3B, 16 heads, 8-way TP", "model DGX-2H"] == "88.1%"
+    assert shown.loc["1.2B, batch 8, 2-way TP", "model H200"] == "1.67x"
     scaling.report(uri, tmp_path / "out", bench_dir=tmp_path / "no-bench")
     text = (tmp_path / "out" / "scaling_appendix_d.md").read_text()
     assert "Table 7" in text and "2.98x" in text and "1.60x" in text

@@ -151,6 +151,19 @@ def predictions() -> dict[tuple[str, int], dict[str, float]] | None:
     return out
 
 
+def appendix_predictions() -> dict[str, dict[str, float]]:
+    """repro.perf.scaling_model's Appendix D predictions per setting ("1.2B, batch 8, 2-way TP", ...):
+    {"model_dgx2h": ..., "model_h200": ...}, efficiency for Table 7 and speed-up for Table 8."""
+    from repro.perf.scaling_model import DGX2H, H200_CLUSTER
+    from repro.perf.scaling_model import appendix_d as model_appendix_d
+
+    out: dict[str, dict[str, float]] = {}
+    for tag, cluster in (("model_dgx2h", DGX2H), ("model_h200", H200_CLUSTER)):
+        for row in model_appendix_d(cluster):
+            out.setdefault(row["setting"], {})[tag] = row["predicted"]
+    return out
+
+
 def _preferred_first(runs: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
     """The runs in the order a table point takes them: a logged throughput first, then (when given)
     runs on `device`, the table's baseline device, then full-length runs before test runs cut short
@@ -258,8 +271,10 @@ def appendix_d(paper: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         rows.append({"table": "Table 8", "setting": f"1.2B, batch 8, {gpus}-way TP", "gpus": gpus,
                      "metric": "speed-up", "paper": paper_value(paper, "appendix_d", f"strong-{gpus}gpu", "speedup"),
                      "measured": eff * gpus if eff is not None else None, "run": run})
+    predicted = appendix_predictions()
     for row in rows:
         run = row.pop("run")
+        row.update(predicted.get(row["setting"], {}))
         row.update(run_id=R.get(run, "run_id", "") if run is not None else "",
                    tflops_per_device=R.get(run, "tflops_per_device") if run is not None else None,
                    label=R.get(run, "label", "") if run is not None else "",
@@ -277,10 +292,11 @@ def appendix_display(table: pd.DataFrame) -> pd.DataFrame:
         return fmt(value, 1, pct=True) if metric == "efficiency" else f"{value:.2f}x"
 
     rows = [[r["table"], r["setting"], int(r["gpus"]), r["metric"], cell(r["paper"], r["metric"], "paper"),
+             cell(R.get(r, "model_dgx2h"), r["metric"], "model"), cell(R.get(r, "model_h200"), r["metric"], "model"),
              cell(r["measured"], r["metric"], r["run_id"], R.get(r, "tflops_per_device")),
              r["label"], r["provenance"]] for _, r in table.iterrows()]
-    return pd.DataFrame(rows, columns=["table", "setting", "GPUs", "metric", "paper", "measured", "measured on",
-                                       "provenance"])
+    return pd.DataFrame(rows, columns=["table", "setting", "GPUs", "metric", "paper", "model DGX-2H", "model H200",
+                                       "measured", "measured on", "provenance"])
 
 
 def bench_baseline(bench_dir: Path) -> pd.DataFrame:
@@ -367,7 +383,9 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
                                ["Table 7: weak-scaling efficiency of 8.3B at 8-way TP against config 1 on one device "
                                 "(slurm/heads_8b_{16,24}.sh, scale_8b.sh; `repro slurm sweep table7`). Table 8: "
                                 "speed-up of 1.2B at batch 8 over its one-device run = efficiency x devices "
-                                "(slurm/scale_1b.sh, strong_1b_tp{2,4,8}.sh; `repro slurm sweep table8`). Measured: "
+                                "(slurm/scale_1b.sh, strong_1b_tp{2,4,8}.sh; `repro slurm sweep table8`). 'model' columns: "
+                                "repro/perf/scaling_model.py with the Table 1 calibration, nothing refitted "
+                                "(results/scaling_model/). Measured: "
                                 "the preferred run of experiment `scaling` with that model and layout (on the baseline's device, "
                                 "full length, then the newest)."],
                                tracking_uri)

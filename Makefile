@@ -14,7 +14,7 @@ export DS_ACCELERATOR ?= cpu
 # takes the CPU build from PyTorch's own index.
 TORCH_INDEX ?=
 
-.PHONY: setup test demo data clean slurm-deps
+.PHONY: setup test demo data clean slurm-deps results
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,10 @@ slurm-deps:
 
 demo: setup
 	$(REPRO) demo
+
+# Rebuild results/ from reduced-size CPU runs in a fresh store (runs/cpu_results; about 15 minutes).
+results: setup
+	bash scripts/cpu_results.sh
 
 clean:
 	rm -rf $(VENV) mlruns runs checkpoints .pytest_cache

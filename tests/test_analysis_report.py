@@ -75,3 +75,18 @@ def test_report_executes_every_notebook_on_tiny_cpu_runs(store, capsys):
     bert = (out / "bert_table.md").read_text()
     assert "| bert-336m | 86.9 | not run |" in bert
     assert any(ln.startswith("| bert-tiny-cpu |") and "random init" in ln for ln in bert.splitlines())
+
+
+def test_cpu_results_script_refuses_a_store_that_already_holds_runs(tmp_path):
+    """scripts/cpu_results.sh (`make results`) picks runs by recency, so it starts only on a new store:
+    an existing one is named in the error and left as it was, and nothing is run."""
+    import subprocess
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "mlflow.db").write_bytes(b"earlier runs")
+    out = subprocess.run(["bash", str(ROOT / "scripts/cpu_results.sh")], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "STORE_DIR": str(store), "OUT": str(tmp_path / "out")})
+    assert out.returncode == 2 and f"{store}/mlflow.db already exists" in out.stderr
+    assert "set STORE_DIR to a new directory" in out.stderr
+    assert (store / "mlflow.db").read_bytes() == b"earlier runs" and not (tmp_path / "out").exists()

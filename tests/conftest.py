@@ -24,6 +24,18 @@ def require(condition: bool, what: str) -> None:
     pytest.skip(f"{what} is not available on this machine")
 
 
+@pytest.fixture(scope="session")
+def cpu_results(tmp_path_factory):
+    """`make results` at smoke length, run once per session (tests/results_fixtures.py); tests that
+    read it carry a timeout above its run time."""
+    from data_fixtures import mirror_path
+    from results_fixtures import run_smoke
+
+    mirror = mirror_path()
+    require(mirror is not None and mirror.is_dir(), f"the data mirror (REPRO_DATA_MIRROR={mirror})")
+    return run_smoke(tmp_path_factory.mktemp("cpu_results"), mirror)
+
+
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGINT is left to the libraries (Jupyter kernels, torch) and pytest
 
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
+import pytest
 
-from data_fixtures import data_mirror  # noqa: F401
 from repro.data.documents import is_wikitext_title
 from repro.data.indexed_dataset import IndexedDatasetWriter
 from repro.demo import unigram_baselines
 from repro.eval.detokenize import wikitext_detokenize
+from results_fixtures import SMOKE_TIMEOUT_S
 
 
 def _write(prefix, tokens):
@@ -31,15 +29,12 @@ def test_unigram_baselines_by_hand(tmp_path):
     assert math.isclose(held_out, -(math.log(smoothed[0]) + math.log(smoothed[2])) / 2)
 
 
-def test_demo_smoke_runs_the_whole_pipeline(data_mirror, tmp_path):
-    """`repro demo --smoke` (what `make demo` runs, shortened): fetch, prepare, TP=2 training on 2
-    processes, both zero-shot evaluations and the baseline summary, into the given directories."""
-    data_dir, run_dir = tmp_path / "data", tmp_path / "run"
-    env = {**os.environ, "REPRO_DATA_DIR": str(data_dir), "REPRO_DATA_MIRROR": str(data_mirror),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "repro.cli", "demo", "--smoke", "--run-dir", str(run_dir)],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)  # it may be the first to ask for the session's `cpu_results`
+def test_demo_smoke_runs_the_whole_pipeline(cpu_results):
+    """`repro demo --smoke` (what `make demo` runs, shortened; here the first step of `make results`
+    at smoke length): fetch, prepare, TP=2 training on 2 processes, both zero-shot evaluations and the
+    baseline summary, into the given directories."""
+    out, data_dir, run_dir = cpu_results, cpu_results.data_dir, cpu_results.demo_run
     assert "held-out loss" in out.stdout and "a unigram model on the same held-out text" in out.stdout
     assert "=== sample 1/1 (" in out.stdout and "The first season of the series" in out.stdout
     final = json.loads((run_dir / "final_metrics.json").read_text())

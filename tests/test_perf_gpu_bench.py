@@ -115,8 +115,8 @@ def test_fp32_has_no_half_params_configuration(tmp_path):
 
 
 def test_gpu_session_script_dry_run_on_cpu(tmp_path):
-    """scripts/gpu_session.sh (what a lent GPU runs) end to end with a tiny model, compile left out:
-    a wrong flag or path fails here instead of costing device time."""
+    """scripts/gpu_session.sh (what a lent GPU runs) end to end with a tiny model, the compiled runs
+    after the headline left out: a wrong flag or path fails here instead of costing device time."""
     import os
     import subprocess
     import sys
@@ -132,6 +132,9 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path):
     report = json.loads((tmp_path / "eager" / "bench.json").read_text())
     assert len(report["results"]) == 8 and all(r["status"] == "ok" for r in report["results"])
     assert report["provenance"]["git_sha"]
+    headline = json.loads((tmp_path / "headline" / "bench.json").read_text())["results"]
+    assert [(r["status"], r["spec"]["compile"], r["spec"]["params"], r["spec"]["checkpointing"])
+            for r in headline] == [("ok", True, "half", False)]
     for params in ("fp32", "half"):
         assert "matrix-multiply/attention kernels" in (tmp_path / f"profile_{params}.txt").read_text()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -39,3 +41,28 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def measurement_provenance(device, argv: list[str], prog: str = "python -m repro.perf.gpu_bench") -> dict:
+    """Where and how a benchmark's numbers were measured: device, versions, host, date, commit, command."""
+    import torch
+
+    cuda = device.type == "cuda"
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "python": platform.python_version(), "host": platform.node(), "threads": torch.get_num_threads(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(), "command": " ".join([prog, *argv]),
+    }
+
+
+def finite_json(obj):
+    """NaN -> None recursively, so the JSON is strict."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite_json(v) for v in obj]
+    return obj

@@ -540,6 +540,7 @@ def test_an_unwritable_output_prefix_is_named_before_the_tokenizer_loads(data_di
     --output-prefix and the fix, before the tokenizer loads, nothing written (before: a traceback)."""
     import os
 
+    import repro.data.prepare_checks as checks
     import repro.data.preprocess as pre
 
     (tmp_path / "notes.md").write_text("a file")
@@ -550,7 +551,7 @@ def test_an_unwritable_output_prefix_is_named_before_the_tokenizer_loads(data_di
     if where == "read_only" and os.geteuid() == 0:  # root writes anyway: fail the write as for a user
         def refuse(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
-        monkeypatch.setattr(pre.tempfile, "TemporaryFile", refuse)
+        monkeypatch.setattr(checks.tempfile, "TemporaryFile", refuse)
     monkeypatch.setattr(pre, "build_tokenizer", lambda *a: pytest.fail("the tokenizer was loaded"))
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     rc = main(["data", "prepare", "--input", str(data_dir / "wikitext" / "wikitext-2.valid.tokens"),

@@ -19,10 +19,8 @@ atomically after every configuration, with provenance (device, versions, date, g
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +34,7 @@ from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
 from repro.parallel.grads import clip_grad_norm
-from repro.provenance import git_sha, write_atomic
+from repro.provenance import finite_json, measurement_provenance, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 
@@ -260,29 +258,6 @@ def safe_run(model, cfg, spec, device, steps, warmup, peak, deadline) -> RunResu
     return result
 
 
-def provenance(device: torch.device, argv: list[str], prog: str = "python -m repro.perf.gpu_bench") -> dict:
-    """Where and how the numbers were measured."""
-    cuda = device.type == "cuda"
-    return {
-        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "python": platform.python_version(), "host": platform.node(), "threads": torch.get_num_threads(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": git_sha(), "command": " ".join([prog, *argv]),
-    }
-
-
-def _finite(obj):
-    """NaN -> None recursively, so the JSON is strict."""
-    if isinstance(obj, float) and obj != obj:
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _fmt(x, spec: str) -> str:
     return "-" if x is None or x != x else format(x, spec)
 
@@ -379,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     name, cfg = _model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    report = {"model": name, "config": asdict(cfg), "provenance": provenance(device, argv),
+    report = {"model": name, "config": asdict(cfg), "provenance": measurement_provenance(device, argv),
               "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 main grads, "
                            "fp32 masters in the optimizer (fp16: + dynamic GradScaler); clipping to the global norm "
                            f"{args.clip:g} (0: none); fused AdamW on CUDA",
@@ -399,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             result = safe_run(model, cfg, spec, device, args.steps, args.warmup, peak, deadline)
         report["results"].append(asdict(result))
         report["elapsed_s"] = time.monotonic() - start
-        write_atomic(args.out / "bench.json", json.dumps(_finite(report), indent=2, allow_nan=False))
+        write_atomic(args.out / "bench.json", json.dumps(finite_json(report), indent=2, allow_nan=False))
         write_atomic(args.out / "bench.md", markdown(report))
         print(markdown(report).splitlines()[-1], flush=True)
     return 0

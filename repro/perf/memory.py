@@ -11,7 +11,7 @@ state by dp; ZeRO-2 also the gradients; ZeRO-3 also the parameters.
 
 DeepSpeed's ZeRO-1/2 partitions one flat buffer of all parameters (in model.parameters() order), padded
 to a multiple of 2 dp, into dp equal slices; `zero_partition_numel` and `zero_staged_numel` give the
-sizes of its gradient buffers (see repro.perf.bench).
+sizes of its gradient buffers (see repro.perf.bench_zero).
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""What `repro data prepare` checks before any work: the --split weights, the input files (found,
+readable, their format decided) and the output prefix (free, writable), each failure a DataError
+that names the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from repro.data.documents import JSON_SUFFIXES, TEXT_SUFFIXES, check_gzip, detect_format, is_gzip, read_documents
+from repro.data.errors import DataError
+
+if TYPE_CHECKING:
+    from repro.data.preprocess import PrepareOptions
+
+SPLIT_NAMES = ("train", "valid", "test")
+CORPUS_SUFFIXES = JSON_SUFFIXES + TEXT_SUFFIXES  # also with .gz
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """'949,50,1' -> (949.0, 50.0, 1.0): train, valid, test weights."""
+    try:
+        weights = tuple(float(x) for x in split.split(","))
+    except ValueError:
+        weights = ()
+    if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise DataError(f"split {split!r} is not three non-negative weights with a positive sum. "
+                        "Fix: e.g. --split 949,50,1 (train,valid,test)")
+    return weights
+
+
+def output_files(prefix: str) -> list[Path]:
+    """Every file `prepare` writes for PREFIX."""
+    return [Path(f"{prefix}_{n}{x}") for n in SPLIT_NAMES for x in (".bin", ".idx")] + [Path(f"{prefix}_prepare.json")]
+
+
+def _is_corpus_file(path: Path) -> bool:
+    name = path.name.removesuffix(".gz")
+    return Path(name).suffix in CORPUS_SUFFIXES and not name.endswith("_prepare.json")
+
+
+def _directory_files(directory: Path) -> list[Path]:
+    """The corpus files under a directory, recursively, sorted by path; others are named in a warning."""
+    found = sorted(p for p in directory.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    kept = [p for p in found if _is_corpus_file(p)]
+    if len(kept) < len(found):
+        other = [p.name for p in found if not _is_corpus_file(p)]
+        warnings.warn(f"--input {directory}: {len(other)} files are not read, e.g. {', '.join(other[:3])} "
+                      f"(a directory contributes its {', '.join(CORPUS_SUFFIXES)} files and their .gz; "
+                      "name other files explicitly)", stacklevel=4)
+    if not kept:
+        raise DataError(f"--input {directory} is a directory without corpus files ({', '.join(CORPUS_SUFFIXES)} "
+                        "or their .gz). Fix: give the directory that holds the corpus, or the files themselves")
+    return kept
+
+
+def input_files(inputs: Path | str | Iterable[Path | str]) -> list[Path]:
+    """The files to read, in order: each given file, and each directory's corpus files (recursively,
+    sorted). An empty directory or a file given twice is a DataError."""
+    items = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+    files = [f for item in map(Path, items) for f in (_directory_files(item) if item.is_dir() else [item])]
+    if not files:
+        raise DataError("no --input given. Fix: give one or more JSON-lines or text files")
+    seen: dict[Path, Path] = {}
+    for path in files:
+        if path.resolve() in seen:
+            raise DataError(f"--input names {path} twice ({seen[path.resolve()]}): every document would be "
+                            "a near-duplicate of itself. Fix: give each file once")
+        seen[path.resolve()] = path
+    return files
+
+
+def describe_inputs(files: list[Path]) -> str:
+    return str(files[0]) if len(files) == 1 else f"{len(files)} input files ({files[0]}, ...)"
+
+
+def check_inputs(opts: PrepareOptions, files: list[Path]) -> list[str]:
+    """Every input file exists, is text (a gzip one decompresses whole), and its format (returned,
+    'jsonl' or 'text' each) is decided and holds for its first document, before any work starts."""
+    formats = []
+    for path in tqdm(files, desc="check inputs", unit="file", disable=not opts.progress or len(files) < 2):
+        bad = [] if opts.skip_bad_records else None
+        with contextlib.closing(read_documents(path, opts.input_format, opts.json_key, opts.layout, bad)) as docs:
+            next(docs, None)  # its first document: text read as JSON lines fails now, not hours into the run
+        formats.append(detect_format(path, opts.input_format, opts.json_key, opts.layout))
+        if is_gzip(path):
+            check_gzip(path)  # a cut-short download found now, not hours into the run
+    if len(files) > 1 and opts.split_order == "file" and parse_split(opts.split)[1:] != (0, 0):
+        warnings.warn(f"{len(files)} input files with --split-order file: valid and test are the last "
+                      f"documents read, so come from {files[-1].name} (and the files just before it) alone. "
+                      "--split-order random draws them from every file", stacklevel=3)
+    return formats
+
+
+def warn_stale_temporaries(prefix: str) -> None:
+    """A prepare killed outright (OOM, SIGKILL) leaves its temporary files; say so, with their size."""
+    path = Path(prefix)
+    stale = sorted({*path.parent.glob(f"{path.name}.unsplit-tmp*"), *path.parent.glob(f"{path.name}.tmp*")})
+    if stale:
+        size = sum(p.stat().st_size for p in stale if p.is_file())
+        warnings.warn(f"{len(stale)} temporary files of an earlier `prepare` of {prefix} ({size / 2**30:.1f} GiB, e.g. "
+                      f"{stale[0].name}) are still there; unless another prepare of this prefix is running, remove "
+                      f"them: rm {prefix}.unsplit-tmp* {prefix}.tmp*", stacklevel=3)
+
+
+def check_outputs(opts: PrepareOptions) -> None:
+    existing = [str(p) for p in output_files(opts.output_prefix) if p.exists()]
+    if existing and not opts.overwrite:
+        raise DataError(f"--output-prefix {opts.output_prefix}: a dataset is already there "
+                        f"({', '.join(existing)}). Fix: choose another --output-prefix, or pass "
+                        "--overwrite to replace it")
+
+
+def _unwritable(prefix: str, where: Path, why: str) -> DataError:
+    return DataError(f"--output-prefix {prefix}: cannot write there: {where} {why}. Fix: choose an "
+                     "--output-prefix in a directory you can write (e.g. data/corpus), or make that one writable")
+
+
+def check_output_dir(prefix: str) -> None:
+    """The directory of PREFIX can be written, or created in its nearest existing ancestor: a
+    DataError before the tokenizer loads, with nothing written (the probe is an unnamed file)."""
+    ancestor = Path(prefix).absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise _unwritable(prefix, ancestor, "is not a directory")
+    try:
+        tempfile.TemporaryFile(dir=ancestor).close()
+    except OSError as err:
+        raise _unwritable(prefix, ancestor, f"refuses a new file ({err.strerror or err})") from None
+
+
+def make_output_dir(prefix: str) -> None:
+    try:
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _unwritable(prefix, Path(prefix).parent, f"cannot be created ({err.strerror or err})") from None

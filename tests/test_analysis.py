@@ -565,13 +565,50 @@ def test_table_points_prefer_the_baselines_device():
 def test_one_device_baseline_counts_hardware_flops_like_the_papers_39(tmp_path):
     """The bench JSONs' hardware TFLOP/s and HFU (recomputation counted, as the paper's 39 TFLOP/s and
     30%) fill the compared columns; model TFLOP/s and MFU are extra columns."""
+    from repro.analysis import baseline
+
     result = {"spec": {"dtype": "bf16", "checkpointing": True, "compile": False, "batch": 8}, "status": "ok",
               "model_tflops": 251.0, "hardware_tflops": 330.0, "mfu": 0.254, "hfu": 0.334}
-    (tmp_path / "eager.json").write_text(json.dumps({"model": "scaling-1.2b", "provenance": {}, "results": [result]}))
-    shown = scaling.baseline_display(scaling.bench_baseline(tmp_path), paper_values())
+    (tmp_path / "eager.json").write_text(json.dumps({"model": "scaling-1.2b", "provenance": {"device": "NVIDIA H200"},
+                                                     "results": [result]}))
+    shown = baseline.baseline_display(baseline.bench_baseline(tmp_path), paper_values())
     assert shown.loc[0, "TFLOP/s per device"] == "39" and shown.loc[0, "fraction of peak"] == "30%"
     assert shown.loc[1, "TFLOP/s per device"] == "330" and shown.loc[1, "fraction of peak"] == "33.4%"
     assert shown.loc[1, "model TFLOP/s"] == "251" and shown.loc[1, "MFU"] == "25.4%"
+    assert shown.loc[1, "params"] == "fp32, autocast"  # a report from before `params` existed
+
+
+def test_one_device_baseline_reads_every_gpu_session_folder_and_names_the_recipe(tmp_path):
+    """A GPU session's output (results/bench/gpu_h200_<date>/headline/bench.json, ...) joins the table
+    without copying, with its parameter precision and compile scope; CPU smoke runs and other
+    benchmarks' JSON are left out; the note names the highest MFU."""
+    from repro.analysis import baseline
+
+    def report(device, specs):
+        results = [{"spec": {"dtype": "bf16", "checkpointing": False, "batch": 8, **spec}, "status": "ok",
+                    "model_tflops": 400.0 + i, "hardware_tflops": 400.0 + i, "mfu": mfu, "hfu": mfu}
+                   for i, (spec, mfu) in enumerate(specs)]
+        return json.dumps({"model": "scaling-1.2b", "provenance": {"device": device, "git_sha": "abc"},
+                           "results": results})
+
+    session = tmp_path / "gpu_h200_2026-12-02"
+    (session / "headline").mkdir(parents=True)
+    (session / "headline" / "bench.json").write_text(report("NVIDIA H200", [({"compile": True, "params": "half"}, 0.47)]))
+    (session / "compile_blocks").mkdir()
+    (session / "compile_blocks" / "bench.json").write_text(
+        report("NVIDIA H200", [({"compile": True, "params": "half", "compile_scope": "blocks"}, 0.44)]))
+    (tmp_path / "gpu_cpu_smoke").mkdir()
+    (tmp_path / "gpu_cpu_smoke" / "bench.json").write_text(report("cpu (x86_64)", [({"compile": False}, 0.9)]))
+    (tmp_path / "hf_compare.json").write_text(json.dumps({"provenance": {"device": "cpu"}, "hf_compare": {}}))
+    text = baseline.write_baseline(tmp_path, tmp_path / "out", paper_values(), "sqlite:///x.db")
+    shown = baseline.baseline_display(baseline.bench_baseline(tmp_path), paper_values())
+    assert list(shown["source"][1:]) == ["measured: gpu_h200_2026-12-02/compile_blocks/bench.json",
+                                         "measured: gpu_h200_2026-12-02/headline/bench.json"]
+    assert list(shown["params"][1:]) == ["half, fp32 masters"] * 2
+    assert list(shown["compile"][1:]) == ["per layer", "whole step"]
+    assert "Highest MFU measured: 47.0% (gpu_h200_2026-12-02/headline/bench.json" in text
+    assert (tmp_path / "out" / "scaling_baseline.csv").exists()
+    assert baseline.write_baseline(tmp_path / "gpu_cpu_smoke", tmp_path / "none", paper_values(), "x") == ""
 
 
 def test_report_prints_the_appendix_d_table():

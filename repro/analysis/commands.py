@@ -26,7 +26,7 @@ def run_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:
     from repro.analysis.notebook import TABLES, execute, notebook_path
     from repro.tracking.store import project_root
 
-    params = {"tracking_uri": uri, "out_dir": str(out), "bench_dir": str(project_root() / "results/bench/gpu_h200")}
+    params = {"tracking_uri": uri, "out_dir": str(out), "bench_dir": str(project_root() / "results/bench")}
     written = []
     for name in names:
         print(f"executing analysis/{name}.ipynb ...", flush=True)

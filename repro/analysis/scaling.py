@@ -13,7 +13,6 @@ a test run cut short, then the newest (_preferred_first).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -299,42 +298,6 @@ def appendix_display(table: pd.DataFrame) -> pd.DataFrame:
                                        "measured", "measured on", "provenance"])
 
 
-def bench_baseline(bench_dir: Path) -> pd.DataFrame:
-    """Single-device measurements of config 1 from results/bench/gpu_h200/*.json (not MLflow runs)."""
-    rows = []
-    for path in sorted(Path(bench_dir).glob("*.json")):
-        data = json.loads(path.read_text())
-        prov = data.get("provenance", {})
-        for res in data.get("results", []):
-            if res.get("status") != "ok":
-                continue
-            spec = res["spec"]
-            rows.append({"source": f"{path.parent.name}/{path.name}", "model": data.get("model", "?"),
-                         "device": prov.get("device", "?"), "dtype": spec["dtype"],
-                         "checkpointing": spec["checkpointing"], "compile": spec["compile"], "batch": spec["batch"],
-                         "hardware_tflops": res["hardware_tflops"], "hfu": res["hfu"],
-                         "model_tflops": res["model_tflops"], "mfu": res["mfu"], "torch": prov.get("torch", "?"),
-                         "date_utc": prov.get("date_utc", "?"), "git_sha": prov.get("git_sha", "?"),
-                         "flops_formula": data.get("flops_formula", "?")})
-    return pd.DataFrame(rows)
-
-
-def baseline_display(bench: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """The paper's one-V100 baseline beside the measured one-device numbers, both counted in hardware FLOPs
-    (recomputation included, as the paper's 39 TFLOP/s); model FLOP/s and MFU beside them."""
-    base = paper_value(paper, "scaling", "baseline", "tflops_per_gpu")
-    frac = paper_value(paper, "scaling", "baseline", "fraction_of_peak")
-    rows = [["paper (Section 5.1)", "scaling-1.2b", "V100 SXM3", "fp16", "on", "no", 8, fmt(base, 0),
-             fmt(frac, 0, pct=True), "—", "—", "paper value"]]
-    for _, b in bench.iterrows():
-        rows.append([f"measured: {b['source']}", b["model"], b["device"], b["dtype"], "on" if b["checkpointing"] else "off",
-                     "yes" if b["compile"] else "no", b["batch"], fmt(b["hardware_tflops"], 0), fmt(b["hfu"], 1, pct=True),
-                     fmt(b["model_tflops"], 0), fmt(b["mfu"], 1, pct=True), f"torch {b['torch']}, {b['date_utc']}, git {b['git_sha']}"])
-    return pd.DataFrame(rows, columns=["source", "config", "device", "dtype", "act. ckpt", "compile", "batch",
-                                       "TFLOP/s per device", "fraction of peak", "model TFLOP/s", "MFU",
-                                       "provenance"])
-
-
 def measured_runs(tracking_uri: str, experiment: str = "scaling") -> pd.DataFrame:
     """One row per run of `experiment`: throughput, aggregate PFLOP/s and efficiency."""
     runs = R.load_runs(tracking_uri, experiment)
@@ -389,17 +352,12 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
                                 "the preferred run of experiment `scaling` with that model and layout (on the baseline's device, "
                                 "full length, then the newest)."],
                                tracking_uri)
+    from repro.analysis.baseline import write_baseline
     from repro.tracking.store import project_root
 
-    bench_dir = Path(bench_dir) if bench_dir else project_root() / "results" / "bench" / "gpu_h200"
+    bench_dir = Path(bench_dir) if bench_dir else project_root() / "results" / "bench"
     if bench_dir.is_dir():
-        bench = bench_baseline(Path(bench_dir))
-        text += "\n" + write_table(baseline_display(bench, paper), bench, out_dir, "scaling_baseline",
-                                   "One-device baseline of Table 1 config 1: paper V100 vs measured",
-                                   [f"Measured rows from {bench_dir} (a benchmark, not an MLflow run; see its README). "
-                                    "TFLOP/s per device and fraction of peak count hardware FLOPs, as the paper's "
-                                    "39 TFLOP/s (30%) does: 96 B s l h^2 (1 + s/6h + V/16lh) with activation "
-                                    "recomputation (act. ckpt on), the 72 form without. Model TFLOP/s and MFU: "
-                                    "72 B s l h^2 (1 + s/6h + V/12lh), no recomputation."],
-                                   tracking_uri)
+        baseline = write_baseline(bench_dir, out_dir, paper, tracking_uri)
+        if baseline:
+            text += "\n" + baseline
     return text

@@ -1,68 +1,124 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issue 9 in one command, for one lent GPU (8-11 minutes on an H200, estimated; the
-# benchmark budgets are 120 + 180 + 120 + 80 + 150 s; the last step may not fit one 10-minute device call):
+# Every GPU measurement of issue 9 for one lent GPU, in two parts that each fit one 10-minute device call
+# (about 8 minutes each on an H200, estimated from the budgets below; part 2 is the optional extras):
 #
-#   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh        # `python` has torch
-#   PYTHON=.venv/bin/python OUT=... bash scripts/gpu_session.sh        # after `make setup`
+#   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh              # both parts; `python` has torch
+#   PART=1 OUT=/tmp/s PACK=$DEVICE_OUT/part1.tar.gz TRAIN_PREFIX=data/wt2_gpt_train bash scripts/gpu_session.sh
 #
-# Writes under $OUT: nvidia_smi.txt; headline/ (first, so that a device call cut short still has it:
-# the configuration expected to be fastest, compiled bf16 with half-precision parameters, no
-# activation checkpointing); selftest_nccl.txt (repro selftest on NCCL); eager/ (gpu_bench JSON +
-# Markdown of the 1.2B config, batch 8: bf16/fp16 x activation checkpointing x autocast-over-fp32 vs
-# half-precision parameters), compile/ (compiled, fp32 parameters) and
-# compile_ckpt_half/ (compiled, half parameters, checkpointing on);
-# profile_fp32.txt and profile_half.txt (kernel-level profiles of two eager bf16 steps of each recipe);
-# compile_blocks/ (the half recipe with each layer compiled, the trainer's train.compile at DP > 1).
-# Works from a copy of the tree without .git or an installed package: set REPRO_GIT_SHA to record the
-# commit. TINY=1 runs the same steps with a tiny model and COMPILE=0 leaves out the compiled runs after
-# the headline (the CPU dry run in tests/test_perf_gpu_bench.py uses both).
+# Part 1, most valuable first: nvidia_smi.txt; headline/ (the configuration expected to be fastest:
+# compiled bf16 with half-precision parameters, no activation checkpointing); trainer_eager/ (the
+# trainer itself, `repro train experiments/scaling/scale_1b.yaml`, Table 1 config 1 in the paper's fp16
+# recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which
+# `repro tracking sync` turns into an MLflow run; the checkpoint stays in $WORK); selftest_nccl.txt
+# (repro selftest on NCCL); eager/ (bf16/fp16 x activation checkpointing x autocast-over-fp32 vs
+# half-precision parameters). Part 2: compile/ (compiled, fp32 parameters), compile_ckpt_half/
+# (compiled, half parameters, checkpointing on), profile_fp32.txt and profile_half.txt (kernel-level
+# profiles of two eager bf16 steps), compile_blocks/ (each layer compiled, the trainer's choice at DP >
+# 1) and trainer_compiled/ (the trainer run again with train.compile). Each benchmark folder holds
+# gpu_bench's JSON + Markdown (1.2B config, batch 8).
+#
+# PACK=FILE.tar.gz packs all of $OUT into that one file before each step and at the end, so a device
+# call cut short still returns every finished step (the device tool returns at most 8 files).
+# TRAIN_PREFIX: a GPT-2 BPE indexed dataset (e.g. data/wt2_gpt_train from `make demo`, carried to the
+# device); without it the trainer steps are left out. `.device_pylib/` (pure-Python packages the
+# device image lacks: `pip install --target .device_pylib --no-deps omegaconf`) is put on PYTHONPATH
+# when present. Works from a copy of the tree without .git or an installed package: set REPRO_GIT_SHA
+# to record the commit. TINY=1 runs the same steps with a tiny model on the CPU and COMPILE=0 leaves
+# out the compiled runs after the headline (the CPU dry run in tests/test_perf_gpu_bench.py uses both).
 set -euo pipefail
 PY="${PYTHON:-python}"  # the interpreter with torch (PYTHON=.venv/bin/python from a checkout)
 out="${OUT:?set OUT to the output folder, e.g. OUT=results/bench/gpu_h200_new}"
+part="${PART:-all}"
+[[ "$part" =~ ^(all|1|2)$ ]] || { echo "PART=$part: choose 1, 2 or all" >&2; exit 2; }
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"  # OUT, PACK and TRAIN_PREFIX are relative to where the script is called from
+[[ -n "${PACK:-}" && "$PACK" != /* ]] && PACK="$PWD/$PACK"
+[[ -n "${TRAIN_PREFIX:-}" && "$TRAIN_PREFIX" != /* ]] && TRAIN_PREFIX="$PWD/$TRAIN_PREFIX"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+work="${WORK:-$(mktemp -d)}"  # trainer run dirs and their checkpoints (14 GB at 1.2B): not packed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[[ -d .device_pylib ]] && export PYTHONPATH="$PWD/.device_pylib:$PYTHONPATH"
 export REPRO_GIT_SHA="${REPRO_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 tiny=()
 [[ "${TINY:-0}" == 1 ]] && tiny=(--tiny --batch 2)
 bench=("${tiny[@]}")
 [[ "${TINY:-0}" == 1 ]] && bench+=(--steps 2 --warmup 1)
-step() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
+pack() {
+  if [[ -n "${PACK:-}" ]]; then tar -czf "$PACK.part" -C "$out" . && mv "$PACK.part" "$PACK"; fi
+}
+step() { pack; printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
-step "device"
-nvidia-smi > "$out/nvidia_smi.txt" 2>&1 || echo "nvidia-smi failed" >> "$out/nvidia_smi.txt"
-"$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+# trainer NAME [--set K=V ...]: Table 1 config 1 through `repro train` on one rank; the run's small
+# files go to $out/NAME. A failure is recorded in $out/NAME/FAILED and the session goes on.
+trainer() {
+  local name="$1" config=experiments/scaling/scale_1b.yaml
+  shift
+  local set=(--set "data.train_prefix=$TRAIN_PREFIX" --set "data.cache_dir=$work/cache" --set "run_dir=$work/$name"
+             --set tracking.enabled=false --set train.train_iters=40 --set train.log_interval=10)
+  if [[ "${TINY:-0}" == 1 ]]; then
+    config=experiments/tiny/gpt_tiny.yaml
+    set+=(--set train.train_iters=4 --set train.log_interval=2)
+  fi
+  mkdir -p "$out/$name"
+  if ! "$PY" -m repro.cli train "$config" --nproc 1 "${set[@]}" "$@" 2>&1 | tee "$out/$name/log.txt" | tail -n 4; then
+    echo "trainer $name FAILED (see $name/log.txt)" | tee "$out/$name/FAILED"
+  fi
+  for f in metrics.jsonl final_metrics.json params.json tags.json config.yaml; do
+    [[ -f "$work/$name/$f" ]] && cp "$work/$name/$f" "$out/$name/"
+  done
+  return 0
+}
 
-step "headline: compiled bf16, half params, checkpointing off"
-"$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline" --dtypes bf16 --checkpointing off \
-  --params half --compile-only --budget-s 120
+if [[ "$part" != 2 ]]; then
+  step "device"
+  nvidia-smi > "$out/nvidia_smi.txt" 2>&1 || echo "nvidia-smi failed" >> "$out/nvidia_smi.txt"
+  "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
 
-step "selftest on NCCL"
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m repro.parallel.selftest \
-  > "$out/selftest_nccl.txt" 2>&1 || echo "selftest FAILED (see selftest_nccl.txt)"
-tail -n 3 "$out/selftest_nccl.txt"
+  step "headline: compiled bf16, half params, checkpointing off"
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline" --dtypes bf16 --checkpointing off \
+    --params half --compile-only --budget-s 120
 
-step "eager: bf16/fp16 x checkpointing x params"
-"$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
-  --params fp32,half --budget-s 180
+  if [[ -n "${TRAIN_PREFIX:-}" ]]; then
+    step "trainer: repro train experiments/scaling/scale_1b.yaml (fp16, half params, checkpointing), eager"
+    trainer trainer_eager
+  else
+    step "trainer: left out (no TRAIN_PREFIX)"
+  fi
 
-if [[ "${COMPILE:-1}" == 1 ]]; then
-  step "compiled: bf16 x checkpointing x params, the headline's configuration left out"
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile" --dtypes bf16 --checkpointing off,on \
-    --params fp32 --compile-only --budget-s 120
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_ckpt_half" --dtypes bf16 --checkpointing on \
-    --params half --compile-only --budget-s 80
+  step "selftest on NCCL"
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m repro.parallel.selftest \
+    > "$out/selftest_nccl.txt" 2>&1 || echo "selftest FAILED (see selftest_nccl.txt)"
+  tail -n 3 "$out/selftest_nccl.txt"
+
+  step "eager: bf16/fp16 x checkpointing x params"
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
+    --params fp32,half --budget-s 180
 fi
 
-step "profiles"
-"$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params fp32 > /dev/null
-head -n 2 "$out/profile_fp32.txt"
-"$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half > /dev/null
-head -n 2 "$out/profile_half.txt"
+if [[ "$part" != 1 ]]; then
+  if [[ "${COMPILE:-1}" == 1 ]]; then
+    step "compiled: bf16 x checkpointing x params, the headline's configuration left out"
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile" --dtypes bf16 --checkpointing off,on \
+      --params fp32 --compile-only --budget-s 120
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_ckpt_half" --dtypes bf16 --checkpointing on \
+      --params half --compile-only --budget-s 80
+  fi
 
-if [[ "${COMPILE:-1}" == 1 ]]; then  # last: what the trainer compiles at DP > 1, against headline/ above
-  step "compiled per layer: bf16, half params, checkpointing off"
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_blocks" --dtypes bf16 --checkpointing off \
-    --params half --compile-only --compile-scope blocks --budget-s 150
+  step "profiles"
+  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params fp32 > /dev/null
+  head -n 2 "$out/profile_fp32.txt"
+  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half > /dev/null
+  head -n 2 "$out/profile_half.txt"
+
+  if [[ "${COMPILE:-1}" == 1 ]]; then  # what the trainer compiles at DP > 1, against headline/
+    step "compiled per layer: bf16, half params, checkpointing off"
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_blocks" --dtypes bf16 --checkpointing off \
+      --params half --compile-only --compile-scope blocks --budget-s 150
+    if [[ -n "${TRAIN_PREFIX:-}" ]]; then
+      step "trainer: the same run with train.compile"
+      trainer trainer_compiled --set train.compile=true
+    fi
+  fi
 fi
 step "done"
+pack

@@ -8,6 +8,7 @@ from dataclasses import asdict
 import torch
 
 from repro.perf import gpu_bench
+from train_fixtures import corpus, data_dir, data_mirror  # noqa: F401  (pytest fixtures)
 
 
 def _run(tmp_path, *extra: str) -> dict:
@@ -114,29 +115,42 @@ def test_fp32_has_no_half_params_configuration(tmp_path):
     assert [r["spec"]["params"] for r in report["results"]] == ["fp32"]
 
 
-def test_gpu_session_script_dry_run_on_cpu(tmp_path):
+def test_gpu_session_script_dry_run_on_cpu(tmp_path, corpus):  # noqa: F811
     """scripts/gpu_session.sh (what a lent GPU runs) end to end with a tiny model, the compiled runs
-    after the headline left out: a wrong flag or path fails here instead of costing device time."""
+    after the headline left out: a wrong flag or path fails here instead of costing device time. Both
+    parts, packed into the one file the device tool returns; the trainer runs through `repro train`."""
     import os
     import subprocess
     import sys
+    import tarfile
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OUT": str(tmp_path), "TINY": "1", "COMPILE": "0", "OMP_NUM_THREADS": "1",
-           "PYTHON": sys.executable}
-    out = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "19/19 checks passed" in (tmp_path / "selftest_nccl.txt").read_text()
-    report = json.loads((tmp_path / "eager" / "bench.json").read_text())
+    out, pack = tmp_path / "out", tmp_path / "session.tar.gz"
+    env = {**os.environ, "OUT": str(out), "PACK": str(pack), "TINY": "1", "COMPILE": "0", "OMP_NUM_THREADS": "1",
+           "PYTHON": sys.executable, "TRAIN_PREFIX": corpus["train"], "WORK": str(tmp_path / "work")}
+    done = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with tarfile.open(pack) as tar:
+        packed = {Path(name).as_posix().removeprefix("./") for name in tar.getnames()}
+    assert {"headline/bench.json", "eager/bench.json", "selftest_nccl.txt", "profile_fp32.txt", "profile_half.txt",
+            "trainer_eager/metrics.jsonl", "trainer_eager/final_metrics.json"} <= packed, packed
+    assert "19/19 checks passed" in (out / "selftest_nccl.txt").read_text()
+    report = json.loads((out / "eager" / "bench.json").read_text())
     assert len(report["results"]) == 8 and all(r["status"] == "ok" for r in report["results"])
     assert report["provenance"]["git_sha"]
-    headline = json.loads((tmp_path / "headline" / "bench.json").read_text())["results"]
+    headline = json.loads((out / "headline" / "bench.json").read_text())["results"]
     assert [(r["status"], r["spec"]["compile"], r["spec"]["params"], r["spec"]["checkpointing"])
             for r in headline] == [("ok", True, "half", False)]
+    assert not (out / "trainer_eager" / "FAILED").exists()
+    assert json.loads((out / "trainer_eager" / "final_metrics.json").read_text())["iteration"] == 4
+    assert not list(out.rglob("*.pt")), "a checkpoint was packed"
     for params in ("fp32", "half"):
-        assert "matrix-multiply/attention kernels" in (tmp_path / f"profile_{params}.txt").read_text()
+        assert "matrix-multiply/attention kernels" in (out / f"profile_{params}.txt").read_text()
+    bad = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env={**env, "PART": "3"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "PART=3: choose 1, 2 or all" in bad.stderr
 
 
 def test_without_cuda_the_full_benchmark_refuses_and_names_tiny(tmp_path, capsys):

@@ -3,7 +3,8 @@
 # (about 8 minutes each on an H200, estimated from the budgets below; part 2 is the optional extras):
 #
 #   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh              # both parts; `python` has torch
-#   PART=1 OUT=/tmp/s PACK=$DEVICE_OUT/part1.tar.gz TRAIN_PREFIX=data/wt2_gpt_train bash scripts/gpu_session.sh
+#   R=$OUT; PART=1 OUT=/tmp/gs PACK=$R/part1.tar.gz TRAIN_PREFIX=data/wt2_gpt_train bash scripts/gpu_session.sh
+#     (on a lent GPU: results/bench/gpu_h200/README.md gives the whole device call)
 #
 # Part 1, most valuable first: nvidia_smi.txt; headline/ (the configuration expected to be fastest:
 # compiled bf16 with half-precision parameters, no activation checkpointing); trainer_eager/ (the
@@ -33,6 +34,10 @@ part="${PART:-all}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"  # OUT, PACK and TRAIN_PREFIX are relative to where the script is called from
 [[ -n "${PACK:-}" && "$PACK" != /* ]] && PACK="$PWD/$PACK"
+if [[ -n "${PACK:-}" && "$PACK" == "$out"/* ]]; then
+  echo "PACK=$PACK lies inside OUT=$out, which it packs. Fix: put it elsewhere (on a device: R=\$OUT; OUT=/tmp/gs PACK=\$R/part1.tar.gz ...)" >&2
+  exit 2
+fi
 [[ -n "${TRAIN_PREFIX:-}" && "$TRAIN_PREFIX" != /* ]] && TRAIN_PREFIX="$PWD/$TRAIN_PREFIX"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 work="${WORK:-$(mktemp -d)}"  # trainer run dirs and their checkpoints (14 GB at 1.2B): not packed

@@ -151,6 +151,9 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, corpus):  # noqa: F811
     bad = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env={**env, "PART": "3"},
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "PART=3: choose 1, 2 or all" in bad.stderr
+    inside = subprocess.run(["bash", str(root / "scripts/gpu_session.sh")], env={**env, "PACK": str(out / "x.tar.gz")},
+                            capture_output=True, text=True, timeout=60)
+    assert inside.returncode == 2 and "lies inside OUT" in inside.stderr and not (out / "x.tar.gz").exists()
 
 
 def test_without_cuda_the_full_benchmark_refuses_and_names_tiny(tmp_path, capsys):

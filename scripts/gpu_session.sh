@@ -53,8 +53,9 @@ pack() {
 }
 step() { pack; printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
-# trainer NAME [--set K=V ...]: Table 1 config 1 through `repro train` on one rank; the run's small
-# files go to $out/NAME. A failure is recorded in $out/NAME/FAILED and the session goes on.
+# trainer NAME [--set K=V ...]: Table 1 config 1 through `repro train` under torchrun (as on a cluster:
+# NCCL on a GPU), one rank; the run's small files go to $out/NAME. A failure is recorded in
+# $out/NAME/FAILED and the session goes on.
 trainer() {
   local name="$1" config=experiments/scaling/scale_1b.yaml
   shift
@@ -65,7 +66,8 @@ trainer() {
     set+=(--set train.train_iters=4 --set train.log_interval=2)
   fi
   mkdir -p "$out/$name"
-  if ! "$PY" -m repro.cli train "$config" --nproc 1 "${set[@]}" "$@" 2>&1 | tee "$out/$name/log.txt" | tail -n 4; then
+  if ! "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m repro.cli train "$config" "${set[@]}" "$@" 2>&1 \
+      | tee "$out/$name/log.txt" | tail -n 4; then
     echo "trainer $name FAILED (see $name/log.txt)" | tee "$out/$name/FAILED"
   fi
   for f in metrics.jsonl final_metrics.json params.json tags.json config.yaml; do

@@ -40,7 +40,7 @@ if [[ -n "${PACK:-}" && "$PACK" == "$out"/* ]]; then
 fi
 [[ -n "${TRAIN_PREFIX:-}" && "$TRAIN_PREFIX" != /* ]] && TRAIN_PREFIX="$PWD/$TRAIN_PREFIX"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-work="${WORK:-$(mktemp -d)}"  # trainer run dirs and their checkpoints (14 GB at 1.2B): not packed
+work="${WORK:-$(mktemp -d)}"  # trainer run dirs (their checkpoints are removed once a run ends): not packed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [[ -d .device_pylib ]] && export PYTHONPATH="$PWD/.device_pylib:$PYTHONPATH"
 export REPRO_GIT_SHA="${REPRO_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
@@ -73,6 +73,7 @@ trainer() {
   for f in metrics.jsonl final_metrics.json params.json tags.json config.yaml; do
     [[ -f "$work/$name/$f" ]] && cp "$work/$name/$f" "$out/$name/"
   done
+  rm -rf "$work/$name/checkpoints"  # 14 GB at 1.2B: not needed, and the next trainer run writes its own
   return 0
 }
 

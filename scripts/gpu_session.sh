@@ -10,7 +10,7 @@
 # compiled bf16 with half-precision parameters, no activation checkpointing); trainer_eager/ (the
 # trainer itself, `repro train experiments/scaling/scale_1b.yaml`, Table 1 config 1 in the paper's fp16
 # recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which
-# `repro tracking sync` turns into an MLflow run; the checkpoint stays in $WORK); selftest_nccl.txt
+# `repro tracking sync` turns into an MLflow run; its checkpoint is deleted); selftest_nccl.txt
 # (repro selftest on NCCL); eager/ (bf16/fp16 x activation checkpointing x autocast-over-fp32 vs
 # half-precision parameters). Part 2: compile/ (compiled, fp32 parameters), compile_ckpt_half/
 # (compiled, half parameters, checkpointing on), profile_fp32.txt and profile_half.txt (kernel-level

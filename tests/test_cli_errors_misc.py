@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -203,8 +204,12 @@ def test_prepare_names_a_bad_threshold_or_a_directory_without_corpus(data_dir, t
     (tmp_path / "notes" / "README.md").write_text("not a corpus file")
     argv = ["data", "prepare", "--input", str(tmp_path / "notes" if bad == "dir" else src), "--output-prefix",
             str(tmp_path / "out" / "c"), "--data-dir", str(data_dir), "--no-progress"]
-    rc, _, err = _cli(capsys, *argv, *(["--dedup-threshold", "2"] if bad == "threshold" else []))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rc, _, err = _cli(capsys, *argv, *(["--dedup-threshold", "2"] if bad == "threshold" else []))
     assert rc == 2 and needle in err and "Fix:" in err and not (tmp_path / "out").exists()
+    if bad == "dir":  # the file it passes over is named too
+        assert any("1 files are not read, e.g. README.md" in str(w.message) for w in seen), seen
 
 
 # --- repro slurm submit / sweep --------------------------------------------------------------------

@@ -83,7 +83,7 @@ def write_baseline(bench_dir: Path, out_dir: Path, paper: pd.DataFrame, tracking
         return ""
     best = bench.loc[bench["mfu"].idxmax()]
     notes = [f"Measured rows: every `repro.perf.gpu_bench` JSON measured on a GPU below {_shown(bench_dir)} (benchmarks, "
-             "not MLflow runs; see the README of each folder). TFLOP/s per device and fraction of peak count hardware "
+             "not MLflow runs; results/README.md says what each folder holds). TFLOP/s per device and fraction of peak count hardware "
              "FLOPs, as the paper's 39 TFLOP/s (30%) does: 96 B s l h^2 (1 + s/6h + V/16lh) with activation "
              "recomputation (act. ckpt on), the 72 form without. Model TFLOP/s and MFU: 72 B s l h^2 (1 + s/6h + "
              "V/12lh), no recomputation. params: fp32 weights under autocast, or Megatron's half-precision model "

@@ -1,4 +1,5 @@
-"""environment.yml (conda, for clusters) and pyproject.toml list the same dependencies."""
+"""Packaging: environment.yml (conda, for clusters) and pyproject.toml list the same dependencies; CI
+and the README use the make targets; the docs' relative links resolve."""
 
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def test_ci_and_readme_use_the_make_targets():
     assert "make test" in (ROOT / ".ci/run").read_text()
     readme = (ROOT / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
+
+
+def test_relative_links_in_the_docs_point_at_files_that_exist():
+    """README.md's summaries link to docs/*.md; a moved or renamed file must not leave a dead link."""
+    pages = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("results/**/README.md"),
+             ROOT / "slurm" / "README.md", ROOT / "repro" / "eval" / "README.md"]
+    links = [(page, target) for page in pages
+             for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+             if not target.startswith(("http://", "https://", "mailto:"))]
+    assert any(target.startswith("docs/") for _, target in links)  # the README's summaries link out
+    dead = [f"{page.relative_to(ROOT)} -> {target}" for page, target in links if not (page.parent / target).exists()]
+    assert not dead, dead

@@ -560,3 +560,65 @@ def test_an_unwritable_output_prefix_is_named_before_the_tokenizer_loads(data_di
     assert rc == 2 and f"--output-prefix {prefix}: cannot write there" in err and "Fix:" in err, err
     assert ("is not a directory" if where != "read_only" else "Permission denied") in err
     assert "Traceback" not in err and sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+# --- pool workers and stop signals ------------------------------------------------------------------
+
+def _late_signal_setup() -> None:
+    """A pool worker whose TERM arrives before it has set up its signals (the race of a pool closed
+    right after it started): it then sets them up as every worker does, and would live on."""
+    import time
+
+    from repro.data.preprocess import worker_signal_defaults
+
+    time.sleep(0.5)
+    worker_signal_defaults()
+    time.sleep(30)
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_a_term_that_reaches_a_worker_before_its_signal_setup_still_ends_it(blocked):
+    """The CI hang of `repro data prepare` (pool.terminate() joining a worker forever): with a Python
+    TERM handler in the parent, a TERM that a fresh worker receives before its own setup can be lost
+    (here: a handler that does nothing stands for it). Forked under stop_signals_blocked, the worker
+    holds the TERM pending and dies of it once its setup unblocks it; without, it lives on."""
+    import contextlib
+    import multiprocessing as mp
+    import os
+    import signal
+
+    from repro.data.preprocess import stop_signals_blocked
+
+    previous = signal.signal(signal.SIGTERM, lambda *args: None)
+    child = None
+    try:
+        with stop_signals_blocked() if blocked else contextlib.nullcontext():
+            child = mp.get_context("fork").Process(target=_late_signal_setup)
+            child.start()
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(5)
+        assert (child.exitcode == -signal.SIGTERM) if blocked else child.is_alive()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join()
+
+
+def test_a_pool_prepare_restores_the_signal_mask_and_equals_one_process(data_dir, tmp_path):  # noqa: F811
+    """prepare with 2 workers leaves this process's signal mask as it was, and its output equals
+    the one-process output (the pool closes and joins its workers on success)."""
+    import signal
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document number {i} with a few words"}) + "\n" for i in range(40)))
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    outputs = []
+    for workers in (1, 2):
+        prefix = tmp_path / f"w{workers}"
+        prepare(PrepareOptions(input=src, output_prefix=str(prefix), data_dir=data_dir, workers=workers,
+                               split="1,0,0", progress=False, filters=FilterOptions(min_tokens=0, dedup=False,
+                                                                                     eval_overlap=False)))
+        outputs.append(Path(f"{prefix}_train.bin").read_bytes())
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    assert outputs[0] == outputs[1] and outputs[0]

@@ -24,6 +24,7 @@ in this process (~80 GB at 40M). What is checked before any work: repro.data.pre
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -139,11 +140,37 @@ class DocumentProcessor:
         return DocResult("ok", count, sequences, signature)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """TERM and USR1 blocked in this thread while the pool forks its workers, so each is born with
+    them blocked and takes them only after `worker_signal_defaults`. Without this, a TERM from the
+    pool's terminate() that reaches a worker between fork and Python's after-fork reset of pending
+    signals is lost when the parent has a Python handler (`repro data prepare` installs one), and
+    terminate() then waits on that worker forever (seen twice in CI, on a pool closed milliseconds
+    after it started). A blocked signal stays pending in the kernel instead."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def worker_signal_defaults() -> None:
+    """In a worker born under `stop_signals_blocked`: TERM kills (the pool stops its workers with it),
+    USR1 is ignored (srun delivers Slurm's warning to every process; the parent stops), then both are
+    unblocked, so a TERM already pending ends the worker now."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def _init_worker(processor: DocumentProcessor) -> None:
     # The only module-level state: set once in each pool worker process, never in the parent.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool stops its workers with SIGTERM
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # srun delivers Slurm's warning to every process: the parent stops
+    worker_signal_defaults()
     _process_chunk.processor = processor
 
 
@@ -167,7 +194,9 @@ def process_documents(docs: Iterable[str], processor: DocumentProcessor, workers
         yield from map(processor, docs)
         return
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(processor,)) as pool:
+    with stop_signals_blocked():
+        pool = context.Pool(workers, initializer=_init_worker, initargs=(processor,))
+    with pool:  # an error or an abandoned generator: terminate() (TERM to every worker)
         pending: collections.deque = collections.deque()
         for chunk in _chunks(docs, chunk_docs):
             pending.append(pool.apply_async(_process_chunk, (chunk,)))
@@ -175,6 +204,8 @@ def process_documents(docs: Iterable[str], processor: DocumentProcessor, workers
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
+        pool.close()  # done: the workers leave on their own, no signal needed
+        pool.join()
 
 
 def split_runs(weights: tuple[float, ...], num_docs: int, order: str = "file",

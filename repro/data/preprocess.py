@@ -49,6 +49,7 @@ from repro.data.prepare_checks import (SPLIT_NAMES, check_inputs, check_output_d
                                        warn_stale_temporaries)
 from repro.data.tokenizers import TextTokenizer, build_tokenizer
 
+
 def available_cpus() -> int:
     """The CPUs this process may run on (a Slurm or cgroup allocation), at least 1."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

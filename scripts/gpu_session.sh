@@ -12,7 +12,8 @@
 # recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which
 # `repro tracking sync` turns into an MLflow run; its checkpoint is deleted); selftest_nccl.txt
 # (repro selftest on NCCL); eager/ (bf16/fp16 x activation checkpointing x autocast-over-fp32 vs
-# half-precision parameters). Part 2: compile/ (compiled, fp32 parameters), compile_ckpt_half/
+# half-precision parameters). Part 2: headline_foreach_clip/ (the headline with the clip as its own
+# pass, the baseline of the trainer's folded step), compile/ (compiled, fp32 parameters), compile_ckpt_half/
 # (compiled, half parameters, checkpointing on), profile_fp32.txt and profile_half.txt (kernel-level
 # profiles of two eager bf16 steps), compile_blocks/ (each layer compiled, the trainer's choice at DP >
 # 1) and trainer_compiled/ (the trainer run again with train.compile). Each benchmark folder holds
@@ -25,7 +26,8 @@
 # device image lacks: `pip install --target .device_pylib --no-deps omegaconf`) is put on PYTHONPATH
 # when present. Works from a copy of the tree without .git or an installed package: set REPRO_GIT_SHA
 # to record the commit. TINY=1 runs the same steps with a tiny model on the CPU and COMPILE=0 leaves
-# out the compiled runs after the headline (the CPU dry run in tests/test_perf_gpu_bench.py uses both).
+# out the compiled runs after the headline (its baseline runs eager; the CPU dry run in
+# tests/test_perf_gpu_bench.py uses both).
 set -euo pipefail
 PY="${PYTHON:-python}"  # the interpreter with torch (PYTHON=.venv/bin/python from a checkout)
 out="${OUT:?set OUT to the output folder, e.g. OUT=results/bench/gpu_h200_new}"
@@ -104,6 +106,12 @@ if [[ "$part" != 2 ]]; then
 fi
 
 if [[ "$part" != 1 ]]; then
+  step "headline again with the unscale and clip as foreach passes (the baseline of the folded step)"
+  compiled_only=(--compile-only)
+  [[ "${COMPILE:-1}" == 1 ]] || compiled_only=()  # the dry run checks the flags eagerly
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_foreach_clip" --dtypes bf16 --checkpointing off \
+    --params half "${compiled_only[@]}" --foreach-clip --budget-s 90
+
   if [[ "${COMPILE:-1}" == 1 ]]; then
     step "compiled: bf16 x checkpointing x params, the headline's configuration left out"
     "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile" --dtypes bf16 --checkpointing off,on \

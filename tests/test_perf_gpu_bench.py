@@ -134,7 +134,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, corpus):  # noqa: F811
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with tarfile.open(pack) as tar:
         packed = {Path(name).as_posix().removeprefix("./") for name in tar.getnames()}
-    assert {"headline/bench.json", "eager/bench.json", "selftest_nccl.txt", "profile_fp32.txt", "profile_half.txt",
+    assert {"headline/bench.json", "headline_foreach_clip/bench.json", "eager/bench.json", "selftest_nccl.txt", "profile_fp32.txt", "profile_half.txt",
             "trainer_eager/metrics.jsonl", "trainer_eager/final_metrics.json"} <= packed, packed
     assert "19/19 checks passed" in (out / "selftest_nccl.txt").read_text()
     report = json.loads((out / "eager" / "bench.json").read_text())
@@ -143,6 +143,9 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, corpus):  # noqa: F811
     headline = json.loads((out / "headline" / "bench.json").read_text())["results"]
     assert [(r["status"], r["spec"]["compile"], r["spec"]["params"], r["spec"]["checkpointing"])
             for r in headline] == [("ok", True, "half", False)]
+    baseline = json.loads((out / "headline_foreach_clip" / "bench.json").read_text())["results"]
+    assert [(r["status"], r["spec"]["fold_clip"], r["spec"]["params"]) for r in baseline] == [("ok", False, "half")]
+    assert headline[0]["spec"]["fold_clip"]
     assert not (out / "trainer_eager" / "FAILED").exists()
     assert json.loads((out / "trainer_eager" / "final_metrics.json").read_text())["iteration"] == 4
     assert not list(out.rglob("*.pt")), "a checkpoint was packed"
@@ -173,10 +176,9 @@ def test_timed_step_clips_gradients_as_the_trainer_does():
         model = gpu_bench.build_model(gpu_bench.TINY, torch.device("cpu"))
         before = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
         ids = torch.randint(0, gpu_bench.TINY.vocab_size, (2, gpu_bench.TINY.seq_length))
         spec = gpu_bench.RunSpec("fp32", False, 2, clip=clip)
-        gpu_bench.timed_step(model, model.loss, opt, scaler, ids, spec, torch.device("cpu"))
+        gpu_bench.timed_step(model, model.loss, opt, None, ids, spec, torch.device("cpu"))
         return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]).norm().item()
 
     assert abs(update_norm(1e-3) - 1e-3) < 1e-6

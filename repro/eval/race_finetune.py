@@ -21,9 +21,10 @@ from torch import nn
 
 from repro.eval.race import RaceTensors, accuracy_by_level, format_accuracy
 from repro.models.bert import BERT, BertConfig
-from repro.parallel.grads import all_reduce_gradients, clip_grad_norm
+from repro.parallel.grads import all_reduce_gradients
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.random import RNGTracker, seed_default_generators
+from repro.train.optim import clip_and_step
 
 PAPER_BATCH_LR = {"bert-336m": (32, 2e-5), "bert-1.3b": (16, 1e-5), "bert-3.9b": (32, 2e-5)}
 
@@ -136,10 +137,9 @@ def _train_step(model, opt, sched, share, pg: ProcessGroups, clip: float, batch_
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
     all_reduce_gradients(model.parameters(), pg.dp_group)
-    overflow = scaler is not None and scaler.unscale_and_check(model.parameters(), labels.device, pg.world_group)
+    params = [p for p in model.parameters() if p.grad is not None]
+    _, overflow = clip_and_step(opt, params, clip, pg.tp_group, scaler, pg.world_group)
     if not overflow:
-        clip_grad_norm(model.parameters(), clip, pg.tp_group)
-        opt.step()
         sched.step()
     if scaler is not None:
         scaler.update(overflow)

@@ -52,11 +52,29 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> tor
 
 
 @torch.no_grad()
+def uncounted_sum_of_squares(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tensor:
+    """The sum of squares of the gradients `global_grad_norm` leaves out on this rank (the replicated
+    ones, off TP rank 0): an overflow check that reads the norm must read these too."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    grads = [] if group_rank(tp_group) == 0 else [p.grad for p in params if not is_tensor_parallel(p)]
+    sums = [sum_of_squares(group, dtype, foreach=dev.type != "cpu").float()
+            for (dev, dtype), group in _by_device_and_dtype(grads).items()]
+    return torch.stack(sums).sum() if sums else torch.zeros((), device=device)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor clipping multiplies the gradients by: max_norm / norm, at most 1 (Megatron's 1e-6
+    keeps a zero norm finite)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group=None) -> torch.Tensor:
     """Scale gradients so the TP-aware global norm is at most `max_norm`; return the norm before."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, tp_group)
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    scale = clip_coefficient(norm, max_norm)
     for (_, dtype), grads in _by_device_and_dtype(p.grad for p in params).items():
         torch._foreach_mul_(grads, scale.to(dtype))
     return norm

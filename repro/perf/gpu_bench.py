@@ -5,11 +5,12 @@
 
 Each configuration (dtype x activation checkpointing x parameter dtype) times full training steps:
 forward, backward, gradient clipping to norm 1.0 (the trainer's default, `--clip`) and a fused AdamW
-step. Two precision recipes: `params fp32` autocasts to bf16/fp16
+step that applies the clip as its gradient divisor, as the trainer does (`--foreach-clip`: a separate
+clip pass first, the baseline). Two precision recipes: `params fp32` autocasts to bf16/fp16
 over fp32 weights; `params half` is Megatron's recipe, a bf16/fp16 model without autocast whose fp32
 master weights live in the optimizer (repro.train.mixed_precision), with the trainer's fp32 main
 grads (repro.train.main_grads: backward then includes adding each gradient into its fp32 buffer, the
-optimizer phase rounding the masters back). fp16 adds a dynamic GradScaler; the
+optimizer phase rounding the masters back). fp16 adds the trainer's dynamic loss scaler; the
 cross-entropy is computed in fp32. Warm-up steps are excluded; every phase
 is timed between torch.cuda.synchronize() calls. A configuration that fails (OOM or other error) is
 recorded, not raised; after a total time budget the script stops. JSON and Markdown are rewritten
@@ -33,10 +34,10 @@ import torch
 from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
-from repro.parallel.grads import clip_grad_norm
 from repro.provenance import finite_json, measurement_provenance, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
+from repro.train.optim import DynamicLossScaler, clip_and_step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1000)
@@ -54,6 +55,8 @@ class RunSpec:
     """fp32: autocast over fp32 weights; half: half-precision model, fp32 main grads and masters."""
     clip: float = 1.0
     """Gradient clipping to this global norm, as the trainer's `optim.clip_grad` (0: none)."""
+    fold_clip: bool = True
+    """The trainer's fused step: unscale and clip as the fused AdamW's gradient divisor (False: foreach passes)."""
     compile_scope: str = "objective"
     """With compile: objective (model.loss as one graph) or blocks (each layer, the trainer at DP > 1)."""
 
@@ -111,25 +114,23 @@ def build_model(cfg: ModelConfig, device: torch.device):
     return model.train()
 
 
-def timed_step(model, loss_fn, opt, scaler, ids, spec: RunSpec, device,
+def timed_step(model, loss_fn, opt, scaler: DynamicLossScaler | None, ids, spec: RunSpec, device,
                 masters=None, main=None) -> tuple[dict[str, float], float]:
-    """One training step; returns seconds per phase and the loss value."""
+    """One training step as the trainer's (repro.train.step); returns seconds per phase and the loss value."""
     t0 = time.perf_counter()
     autocast = spec.dtype != "fp32" and masters is None
     with torch.autocast(device.type, dtype=DTYPES[spec.dtype], enabled=autocast):
         loss = loss_fn(ids, ids).float().mean()
     _sync(device)
     t1 = time.perf_counter()
-    scaler.scale(loss).backward()
+    (loss * scaler.scale if scaler is not None else loss).backward()
     _sync(device)
     t2 = time.perf_counter()
     stepped = main.finish() if main is not None else [p for p in model.parameters() if p.grad is not None]
-    if spec.clip > 0:  # the trainer's clip: the TP-aware norm, then one foreach scale per dtype
-        scaler.unscale_(opt)
-        clip_grad_norm(stepped, spec.clip)
-    scaler.step(opt)
-    scaler.update()
-    if masters is not None:
+    _, skipped = clip_and_step(opt, stepped, spec.clip, scaler=scaler, fold=spec.fold_clip)
+    if scaler is not None:
+        scaler.update(skipped)
+    if masters is not None and not skipped:
         masters.masters_to_model()
     if main is None:  # main grads are overwritten by the next step's first gradient
         opt.zero_grad(set_to_none=True)
@@ -214,9 +215,8 @@ def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline,
 
 
 def _time_compiled(result, model, loss_fn, cfg, spec, device, steps, warmup, peak, deadline, masters, main) -> None:
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
-    scaler = torch.amp.GradScaler(device.type, enabled=spec.dtype == "fp16")
+    opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, weight_decay=0.01, fused=True)
+    scaler = DynamicLossScaler(scale=2.0**16) if spec.dtype == "fp16" else None  # GradScaler's start
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (spec.batch, cfg.seq_length), generator=gen).to(device)
     if device.type == "cuda":
@@ -280,7 +280,7 @@ def markdown(report: dict) -> str:
         s, ph = r["spec"], r["phase_s_median"]
         phases = " / ".join(f"{ph[k]:.3f}" for k in ("forward", "backward", "optimizer")) if ph else "-"
         lines.append(
-            f"| {s['dtype']} | {s.get('params', 'fp32')} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {_compiled(s)} | "
+            f"| {s['dtype']} | {s.get('params', 'fp32')}{'' if s.get('fold_clip', True) else ', foreach clip'} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {_compiled(s)} | "
             f"{r['status']} {r['error'][:60]} | {_fmt(r['step_s_median'], '.4f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['model_tflops'], '.3g')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['hfu'], '.1%')} | "
             f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | "
@@ -300,6 +300,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma list: fp32 (autocast over fp32 weights), half (half model, fp32 masters)")
     parser.add_argument("--clip", type=float, default=1.0,
                         help="clip gradients to this global norm as the trainer does (0: no clipping)")
+    parser.add_argument("--foreach-clip", action="store_true",
+                        help="unscale and clip in foreach passes before the fused AdamW (the baseline of the "
+                             "trainer's folded step)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
@@ -325,10 +328,11 @@ def plan(args) -> list[RunSpec]:
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]
-    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, clip=args.clip) for d, c, p in combos]
+    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, clip=args.clip, fold_clip=not args.foreach_clip)
+                                          for d, c, p in combos]
     if args.compile or args.compile_only:
-        specs += [RunSpec(d, c, args.batch, compile=True, params=p, clip=args.clip, compile_scope=args.compile_scope)
-                  for d, c, p in combos]
+        specs += [RunSpec(d, c, args.batch, compile=True, params=p, clip=args.clip, compile_scope=args.compile_scope,
+                          fold_clip=not args.foreach_clip) for d, c, p in combos]
     return specs
 
 
@@ -356,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     report = {"model": name, "config": asdict(cfg), "provenance": measurement_provenance(device, argv),
               "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 main grads, "
-                           "fp32 masters in the optimizer (fp16: + dynamic GradScaler); clipping to the global norm "
-                           f"{args.clip:g} (0: none); fused AdamW on CUDA",
+                           "fp32 masters in the optimizer (fp16: + the trainer's dynamic loss scaler from 2^16); clipping to the "
+                           f"global norm {args.clip:g} (0: none); fused AdamW, the unscale and clip folded into "
+                           "it unless `params` says foreach clip",
               "flops_formula": "model = 72 B s l h^2 (1 + s/6h + V/12lh); hardware = 96 B s l h^2 "
                                "(1 + s/6h + V/16lh) with checkpointing (Narayanan et al. 2021), V = padded vocab",
               "peak_source": entry.source if entry else "measured fp32 matmul (CPU)",

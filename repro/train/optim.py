@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from repro.parallel.grads import clip_coefficient, clip_grad_norm, global_grad_norm, uncounted_sum_of_squares
 from repro.train.config import OptimConfig, PrecisionConfig
 
 
@@ -22,11 +23,52 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """torch AdamW (decoupled weight decay), also handed to DeepSpeed as its client optimizer.
-    Parameters on CUDA get the fused kernel (one launch for the whole step, as timed by gpu_bench)."""
+    Parameters on CUDA get the fused kernel (one launch for the whole step, as timed by gpu_bench)
+    unless `cfg.fused` says otherwise."""
     groups = param_groups(model, cfg.weight_decay)
-    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+    fused = cfg.fused if cfg.fused is not None else all(p.is_cuda for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=True if on_cuda else None)
+                             fused=True if fused else None)
+
+
+def uses_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(optimizer.defaults.get("fused"))
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], clip: float, tp_group=None,
+                  scaler: "DynamicLossScaler | None" = None, world_group=None,
+                  fold: bool = True) -> tuple[torch.Tensor | None, bool]:
+    """Unscale the gradients of `params` (fp16), clip them to the TP-aware global norm `clip` (0: no
+    clip) and step, unless a gradient overflowed on some rank of `world_group`. Returns the norm before
+    clipping (None on overflow) and whether the step was skipped.
+
+    A fused optimizer gets the loss scale and the clip coefficient as its kernel's gradient divisor
+    (`grad_scale`, the input GradScaler unscales through), so neither costs a pass over the gradients;
+    otherwise (or with `fold=False`, a benchmark's baseline) each is a foreach pass before the step.
+    Both round alike to within a few ulps."""
+    if fold and uses_fused_kernel(optimizer):
+        return _fused_clip_and_step(optimizer, params, clip, tp_group, scaler, world_group)
+    device = params[0].grad.device if params else torch.device("cpu")
+    if scaler is not None and scaler.unscale_and_check(params, device, world_group):
+        return None, True
+    norm = clip_grad_norm(params, clip, tp_group) if clip > 0 else global_grad_norm(params, tp_group)
+    optimizer.step()
+    return norm, False
+
+
+def _fused_clip_and_step(optimizer, params, clip, tp_group, scaler, world_group) -> tuple[torch.Tensor | None, bool]:
+    loss_scale = scaler.scale if scaler is not None else 1.0
+    norm = global_grad_norm(params, tp_group) / loss_scale  # inf/nan if a counted gradient overflowed
+    if scaler is not None and scaler.non_finite(torch.stack([norm.float(), uncounted_sum_of_squares(params, tp_group)]),
+                                                world_group):
+        return None, True
+    coefficient = clip_coefficient(norm, clip) if clip > 0 else torch.ones_like(norm)
+    optimizer.grad_scale = (loss_scale / coefficient).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+    return norm, False
 
 
 def lr_at(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
@@ -81,6 +123,13 @@ class DynamicLossScaler:
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale,
                                                                                      device=device))
+        if group is not None:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
+    def non_finite(self, values: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+        """True if any of `values` (gradient norms) is inf/nan on any rank of `group` (one host sync)."""
+        found = (~torch.isfinite(values)).any().float().reshape(1)
         if group is not None:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item())

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from repro.parallel.grads import clip_grad_norm, global_grad_norm
 from repro.train.engine import Engine
 from repro.train.objectives import to_device
+from repro.train.optim import clip_and_step
 
 
 @dataclass
@@ -68,16 +68,10 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
                 loss, parts = eng.wrapped(to_device(batch, eng.device))
             (loss / n * scale).backward()
         _accumulate(sums, loss, parts, n)
-    params = _stepped_grads(eng)
-    overflow = False
-    if eng.scaler:
-        overflow = eng.scaler.unscale_and_check(params, eng.device, eng.pg.world_group)
-    clip = eng.cfg.optim.clip_grad
-    norm = None if overflow else (
-        clip_grad_norm(params, clip, eng.pg.tp_group) if clip > 0 else global_grad_norm(params, eng.pg.tp_group))
     lr = eng.optimizer.param_groups[0]["lr"]
+    norm, overflow = clip_and_step(eng.optimizer, _stepped_grads(eng), eng.cfg.optim.clip_grad, eng.pg.tp_group,
+                                   eng.scaler, eng.pg.world_group)
     if not overflow:  # a skipped (overflow) step leaves the schedule where it is, as Megatron's and DeepSpeed's
-        eng.optimizer.step()
         if eng.masters is not None:
             eng.masters.masters_to_model()
         eng.scheduler.step()

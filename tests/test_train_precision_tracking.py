@@ -46,7 +46,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
 
 
 
-def _overflow_on_rank_1(corpus: dict, run_dir: str) -> tuple[bool, float, bool]:
+def _overflow_on_rank_1(corpus: dict, run_dir: str, fused: bool) -> tuple[bool, float, bool]:
     """TP=2 fp16 step with an inf gradient on TP rank 1 only: (skipped, new scale, weights untouched)."""
     import torch.distributed as dist
 
@@ -57,7 +57,8 @@ def _overflow_on_rank_1(corpus: dict, run_dir: str) -> tuple[bool, float, bool]:
 
     cfg = load_config(TINY, tiny_overrides(corpus, Path(run_dir), **{"parallel.tp": 2, "precision.precision": "fp16",
                                                                        "precision.initial_loss_scale": 1024,
-                                                                       "precision.hysteresis": 1}))
+                                                                       "precision.hysteresis": 1,
+                                                                       "optim.fused": fused}))
     eng = build_engine(cfg, derive(cfg, 2), build_process_groups(ParallelDims(2, 1)))
     loader = iter(gpt_loader(GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=run_dir), 2))
     weight = eng.model.transformer.wpe.weight  # replicated on both TP ranks
@@ -68,10 +69,12 @@ def _overflow_on_rank_1(corpus: dict, run_dir: str) -> tuple[bool, float, bool]:
     return result.skipped, eng.scaler.scale, torch.equal(weight, before)
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(corpus, tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(corpus, tmp_path, fused):
     """Ranks agree over the world group: TP rank 0 saw finite gradients but skips too, with the same
-    halved scale (hysteresis 1), so the replicated weights stay identical."""
-    results = run_ranks(_overflow_on_rank_1, 2, corpus, str(tmp_path))
+    halved scale (hysteresis 1), so the replicated weights stay identical. The fused step finds the
+    overflow too, although the global norm counts replicated gradients on TP rank 0 only."""
+    results = run_ranks(_overflow_on_rank_1, 2, corpus, str(tmp_path), fused)
     assert results == [(True, 512.0, True), (True, 512.0, True)]
 
 class _MegatronScaler:

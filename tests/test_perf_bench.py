@@ -22,10 +22,12 @@ def test_repro_bench_tiny_writes_results(tmp_path):
     half = [r for r in report["memory"] if "fp32 main grads" in r["layout"]]
     assert len(half) == 3 and all(r["rel_error_grads"] == 0 for r in half), half
     assert half[0]["measured_params"] * 2 == half[0]["measured_grads"]  # bf16 weights, fp32 grads
-    for name in ("hf_compare", "tp_comm", "memory"):
+    d = report["optimizer_step"]
+    assert d["parameters"] > 0 and d["ratio_foreach_over_fused"] > 0 and set(d["median_s"]) == {"fused", "foreach"}
+    for name in ("hf_compare", "tp_comm", "memory", "optimizer_step"):
         assert name in json.loads((tmp_path / f"{name}.json").read_text())
     md = (tmp_path / "bench_cpu.md").read_text()
-    assert "HF / ours" in md and "Exactly equal on every rank: **True**" in md
+    assert "HF / ours" in md and "Exactly equal on every rank: **True**" in md and "foreach / fused: **" in md
 
 
 def test_zero_gradient_bytes_equal_analytic_and_deepspeed_buffers_their_formulas():

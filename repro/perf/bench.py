@@ -9,7 +9,9 @@ b. TP=2 collectives and bytes of one forward+backward, intercepted, against the 
 c. parameters, gradients and Adam state per rank at TP=1/2 (and ZeRO-1/2 at DP=2 through
    DeepSpeed on gloo), measured against repro.perf.memory's analytic numbers, and DeepSpeed's
    gradient buffers through one ZeRO step against zero_grad_lifecycle's formulas
-   (repro.perf.bench_zero).
+   (repro.perf.bench_zero);
+d. the trainer's optimizer step (fused AdamW, the clip folded in) against foreach AdamW after a clip
+   pass, interleaved, and the ratio.
 """
 
 from __future__ import annotations
@@ -92,6 +94,34 @@ def bench_vs_hf(st: BenchSettings) -> dict:
     return {"config": asdict(cfg), "batch": st.batch, "threads": st.threads, "dtype": "fp32",
             "rounds": st.rounds, "median_s": med,
             "ratio_hf_over_ours": {k: med["hf"][k] / med["ours"][k] for k in med["ours"]}}
+
+
+def bench_optimizer_step(st: BenchSettings) -> dict:
+    """The trainer's optimizer step (torch's fused AdamW, the clip folded into it: `clip_and_step`)
+    against torch's default foreach AdamW after a separate clip pass, interleaved round by round on two
+    copies of this GPT holding the same gradients; ratio > 1 means the fused step is faster."""
+    from repro.models.gpt import GPT
+    from repro.train.config import OptimConfig
+    from repro.train.optim import build_optimizer, clip_and_step
+
+    torch.set_num_threads(st.threads)
+    runs = {}
+    for name in ("fused", "foreach"):
+        model = GPT(st.model_config(), seed=0)
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        runs[name] = (list(model.parameters()), build_optimizer(model, OptimConfig(fused=name == "fused")))
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(st.warmup + st.rounds):
+        for name in (["fused", "foreach"] if r % 2 == 0 else ["foreach", "fused"]):
+            t0 = time.perf_counter()
+            clip_and_step(runs[name][1], runs[name][0], clip=1.0)
+            if r >= st.warmup:
+                times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"parameters": sum(p.numel() for p in runs["fused"][0]), "threads": st.threads, "rounds": st.rounds,
+            "median_s": med, "ratio_foreach_over_fused": med["foreach"] / med["fused"]}
 
 
 def _half_recipe_memory(model, ids) -> dict:
@@ -214,6 +244,16 @@ def _md_hf(a: dict) -> list[str]:
     return lines
 
 
+def _md_optimizer(d: dict) -> list[str]:
+    return ["\n## d. Optimizer step: fused AdamW with the clip folded in (the trainer's) vs foreach AdamW\n",
+            f"fp32 AdamW and clipping to norm 1.0 over this GPT's {d['parameters']:,} parameters, {d['threads']} "
+            f"thread(s), median of {d['rounds']} interleaved rounds.\n",
+            "| step | seconds |", "|---|---|",
+            f"| fused AdamW, clip as its gradient divisor (`optim.fused: true`, the default) | {d['median_s']['fused']:.4f} |",
+            f"| foreach AdamW after a foreach clip pass (`optim.fused: false`) | {d['median_s']['foreach']:.4f} |",
+            f"\nforeach / fused: **{d['ratio_foreach_over_fused']:.2f}x**."]
+
+
 def _shape(c: dict) -> str:
     return f"l={c['num_layers']} h={c['hidden_size']} heads={c['num_attention_heads']} s={c['seq_length']} V={c['vocab_size']}"
 
@@ -252,18 +292,19 @@ def _md_memory(rows: list[dict]) -> list[str]:
 
 
 def run_bench(out: Path, st: BenchSettings, argv: list[str]) -> dict:
-    """Run parts a-c, write out/{hf_compare,tp_comm,memory}.json, out/bench_cpu.json and out/bench_cpu.md."""
+    """Run parts a-d, write out/{hf_compare,tp_comm,memory,optimizer_step}.json, out/bench_cpu.json and out/bench_cpu.md."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     prov = measurement_provenance(torch.device("cpu"), argv, prog="repro")
     a = bench_vs_hf(st)
     b, c = bench_comm_and_memory(st)
+    d = bench_optimizer_step(st)
     report = {"provenance": prov, "settings": asdict(st), "elapsed_s": time.monotonic() - start,
-              "hf_compare": a, "tp_comm": b, "memory": c}
-    for name, part in (("hf_compare", a), ("tp_comm", b), ("memory", c)):
+              "hf_compare": a, "tp_comm": b, "memory": c, "optimizer_step": d}
+    for name, part in (("hf_compare", a), ("tp_comm", b), ("memory", c), ("optimizer_step", d)):
         write_atomic(out / f"{name}.json", json.dumps(finite_json({"provenance": prov, name: part}), indent=2))
     write_atomic(out / "bench_cpu.json", json.dumps(finite_json(report), indent=2))
     head = ["# repro bench (CPU)\n", f"Machine {prov['device']} ({prov['host']}); torch {prov['torch']}; "
             f"{prov['date_utc']}; git {prov['git_sha']}; `{prov['command']}`; {report['elapsed_s']:.0f} s.\n"]
-    write_atomic(out / "bench_cpu.md", "\n".join(head + _md_hf(a) + _md_comm(b) + _md_memory(c)) + "\n")
+    write_atomic(out / "bench_cpu.md", "\n".join(head + _md_hf(a) + _md_comm(b) + _md_memory(c) + _md_optimizer(d)) + "\n")
     return report

@@ -6,7 +6,7 @@ Memory per rank, in two phases of a training step (plain trainer; n = parameters
     optimizer step:    weights + masters + optimizer + gradient buffers + gradients
 
 - weights: n x 4 (fp32, autocast) or n x 2 (`precision.params: half`); masters: n x 4 (half only);
-  optimizer: Adam's m and v, n x 8 (fused AdamW on CUDA: no temporaries).
+  optimizer: Adam's m and v, n x 8 (the trainer's fused AdamW: no temporaries).
 - gradients: `.grad` in the parameter dtype, set to None when a step starts, so they exist in the
   forward only when accumulating over micro batches; a half model's step gives its masters fp32
   `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (dp > 1; the `.grad` are

@@ -22,13 +22,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW (decoupled weight decay), also handed to DeepSpeed as its client optimizer.
-    Parameters on CUDA get the fused kernel (one launch for the whole step, as timed by gpu_bench)
-    unless `cfg.fused` says otherwise."""
-    groups = param_groups(model, cfg.weight_decay)
-    fused = cfg.fused if cfg.fused is not None else all(p.is_cuda for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=True if fused else None)
+    """torch AdamW (decoupled weight decay), also handed to DeepSpeed as its client optimizer: the
+    fused kernel (one launch for the whole step, as timed by gpu_bench) unless `cfg.fused` is off."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps, fused=True if cfg.fused else None)
 
 
 def uses_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:

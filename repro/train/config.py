@@ -54,9 +54,9 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clipping (TP-aware); 0 disables."""
     fused: bool = True
-    """torch's fused AdamW kernel (CPU and CUDA; false: its foreach implementation, 5x slower on a
-    CPU). It also applies the fp16 unscale and the clip: both go in as its gradient divisor, with no
-    pass over the gradients of their own."""
+    """torch's fused AdamW kernel (CPU and CUDA; false: its foreach implementation, with the clip
+    2.7x slower on a CPU, results/bench/bench_cpu.md part d). It also applies the fp16 unscale and the
+    clip: both go in as its gradient divisor, with no pass over the gradients of their own."""
 
 
 @dataclass

@@ -12,7 +12,8 @@
 # recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which
 # `repro tracking sync` turns into an MLflow run; its checkpoint is deleted); selftest_nccl.txt
 # (repro selftest on NCCL); eager/ (bf16/fp16 x activation checkpointing x autocast-over-fp32 vs
-# half-precision parameters). Part 2: headline_foreach_clip/ (the headline with the clip as its own
+# half-precision parameters); eager_foreach_clip/ (eager bf16 half with the clip as its own pass, the
+# baseline of the trainer's clip folded into the fused AdamW). Part 2: headline_foreach_clip/ (the headline with the clip as its own
 # pass, the baseline of the trainer's folded step), compile/ (compiled, fp32 parameters), compile_ckpt_half/
 # (compiled, half parameters, checkpointing on), profile_fp32.txt and profile_half.txt (kernel-level
 # profiles of two eager bf16 steps), compile_blocks/ (each layer compiled, the trainer's choice at DP >
@@ -103,6 +104,10 @@ if [[ "$part" != 2 ]]; then
   step "eager: bf16/fp16 x checkpointing x params"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
     --params fp32,half --budget-s 180
+
+  step "eager bf16, half params, the clip as its own pass: the baseline of eager/'s folded step"
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_foreach_clip" --dtypes bf16 --checkpointing off \
+    --params half --foreach-clip --budget-s 40
 fi
 
 if [[ "$part" != 1 ]]; then

@@ -134,7 +134,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, corpus):  # noqa: F811
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with tarfile.open(pack) as tar:
         packed = {Path(name).as_posix().removeprefix("./") for name in tar.getnames()}
-    assert {"headline/bench.json", "headline_foreach_clip/bench.json", "eager/bench.json", "selftest_nccl.txt", "profile_fp32.txt", "profile_half.txt",
+    assert {"headline/bench.json", "headline_foreach_clip/bench.json", "eager/bench.json", "eager_foreach_clip/bench.json", "selftest_nccl.txt", "profile_fp32.txt", "profile_half.txt",
             "trainer_eager/metrics.jsonl", "trainer_eager/final_metrics.json"} <= packed, packed
     assert "19/19 checks passed" in (out / "selftest_nccl.txt").read_text()
     report = json.loads((out / "eager" / "bench.json").read_text())

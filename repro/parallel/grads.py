@@ -30,6 +30,12 @@ def sum_of_squares(grads: list[torch.Tensor], dtype: torch.dtype, foreach: bool)
     return torch.stack(torch._foreach_norm(grads, 2, dtype=acc)).pow(2).sum()
 
 
+def _sums_of_squares(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`sum_of_squares` of each (device, dtype) group of `grads`."""
+    return [sum_of_squares(group, dtype, foreach=device.type != "cpu")
+            for (device, dtype), group in _by_device_and_dtype(grads).items()]
+
+
 @torch.no_grad()
 def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tensor:
     """L2 norm of all gradients of the model, counting each sharded parameter once and each
@@ -37,9 +43,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> tor
     gradients are reduced in fp32, fp32 and fp64 in their own precision (sum_of_squares)."""
     params = [p for p in params if p.grad is not None]
     count_replicated = group_rank(tp_group) == 0
-    grads = [p.grad for p in params if is_tensor_parallel(p) or count_replicated]
-    sums = [sum_of_squares(group, dtype, foreach=device.type != "cpu")
-            for (device, dtype), group in _by_device_and_dtype(grads).items()]
+    sums = _sums_of_squares([p.grad for p in params if is_tensor_parallel(p) or count_replicated])
     device = params[0].grad.device if params else torch.device("cpu")
     if sums:
         wide = functools.reduce(torch.promote_types, (t.dtype for t in sums))
@@ -58,8 +62,7 @@ def uncounted_sum_of_squares(params: Iterable[torch.nn.Parameter], tp_group=None
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     grads = [] if group_rank(tp_group) == 0 else [p.grad for p in params if not is_tensor_parallel(p)]
-    sums = [sum_of_squares(group, dtype, foreach=dev.type != "cpu").float()
-            for (dev, dtype), group in _by_device_and_dtype(grads).items()]
+    sums = [t.float() for t in _sums_of_squares(grads)]
     return torch.stack(sums).sum() if sums else torch.zeros((), device=device)
 
 

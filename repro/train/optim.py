@@ -68,6 +68,13 @@ def _fused_clip_and_step(optimizer, params, clip, tp_group, scaler, world_group)
     return norm, False
 
 
+def _on_any_rank(found: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """True if the one-element flag `found` is nonzero on any rank of `group` (one host sync)."""
+    if group is not None:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return bool(found.item())
+
+
 def lr_at(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
     """Linear warm-up to lr, then cosine/linear decay to min_lr over lr_decay_iters."""
     if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
@@ -120,16 +127,11 @@ class DynamicLossScaler:
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale,
                                                                                      device=device))
-        if group is not None:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
+        return _on_any_rank(found, group)
 
     def non_finite(self, values: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
         """True if any of `values` (gradient norms) is inf/nan on any rank of `group` (one host sync)."""
-        found = (~torch.isfinite(values)).any().float().reshape(1)
-        if group is not None:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
+        return _on_any_rank((~torch.isfinite(values)).any().float().reshape(1), group)
 
     def update(self, overflow: bool) -> None:
         """Advance the scale after a step (skipped or not)."""

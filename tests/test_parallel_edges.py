@@ -289,6 +289,7 @@ def test_a_result_that_cannot_be_sent_back_fails_at_once_naming_the_rank():
 def _end_without_a_result(rank_to_die: int) -> int:
     import torch.distributed as dist
 
+    dist.barrier()  # the gloo mesh is complete: a rank that leaves during its handshake fails its peer first
     if dist.get_rank() == rank_to_die:
         os._exit(3)
     time.sleep(5)

@@ -31,8 +31,11 @@ data: setup
 	$(REPRO) data fetch
 
 # Without a mirror the tests read the data `make data` just downloaded and checked (same layout).
+# pytest-xdist runs the modules on TEST_WORKERS processes (default: the CPU count, at most 4), one
+# module per worker at a time, so a module's fixtures are built once (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: setup data slurm-deps
-	REPRO_DATA_MIRROR="$${REPRO_DATA_MIRROR:-$(REPRO_DATA_DIR)}" $(PY) -m pytest -q
+	REPRO_DATA_MIRROR="$${REPRO_DATA_MIRROR:-$(REPRO_DATA_DIR)}" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The Slurm tests start a real single-node cluster (tests/slurm_cluster.py): Debian packages, root.
 SLURM_DEPS := slurmctld slurmd slurm-client munge shellcheck

@@ -52,3 +52,22 @@ def _signal_handlers_are_given_back():
     for name in changed:
         signal.signal(getattr(signal, name), before[name])
     assert not changed, f"signal handlers left changed (before, after): {changed}"
+
+
+# Session fixtures that take minutes or hold a machine-wide resource. `make test` runs pytest-xdist
+# with --dist loadscope (one module per worker at a time), which builds a session fixture once in every
+# worker whose modules ask for it: each must therefore be read by a single module.
+ONE_MODULE_FIXTURES = ("cpu_results", "slurm_cluster")
+
+
+def pytest_collection_modifyitems(items):
+    """Fail collection when a fixture of ONE_MODULE_FIXTURES is read from more than one module."""
+    readers: dict[str, set[str]] = {name: set() for name in ONE_MODULE_FIXTURES}
+    for item in items:
+        for name in set(getattr(item, "fixturenames", ())) & set(ONE_MODULE_FIXTURES):
+            readers[name].add(item.module.__name__)
+    shared = {name: sorted(modules) for name, modules in readers.items() if len(modules) > 1}
+    if shared:
+        raise pytest.UsageError(f"session fixtures read from several test modules: {shared}; under "
+                                "--dist loadscope each worker would build its own copy: move the tests "
+                                "that read one of them into a single module")

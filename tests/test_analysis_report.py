@@ -1,14 +1,20 @@
 """Issue 8, end to end: `make results` (scripts/cpu_results.sh) at smoke length fills a fresh MLflow
 store with real tiny CPU runs of every family (the demo, scaling at TP=1, TP=2 and DP=2, a GPT with its
 zero-shot evaluations, a BERT pretrained then fine-tuned on RACE, the Fig. 7 pair), and `repro report`
-executes every notebook and writes the tables and figures, measured CPU numbers labelled as such."""
+executes every notebook and writes the tables and figures, measured CPU numbers labelled as such.
+Every reader of the session's `cpu_results` lives in this module: `make test` runs pytest-xdist
+with --dist loadscope, which builds a session fixture once per worker that asks for it."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 
 import pytest
 
+from repro.data.documents import is_wikitext_title
+from repro.eval.detokenize import wikitext_detokenize
 from results_fixtures import SCRIPT, SMOKE_TIMEOUT_S
 
 # the first test to ask for the session's `cpu_results` waits for the whole script
@@ -66,3 +72,27 @@ def test_cpu_results_script_refuses_a_store_that_already_holds_runs(tmp_path):
     assert out.returncode == 2 and f"{store}/mlflow.db already exists" in out.stderr
     assert "set STORE_DIR to a new directory" in out.stderr
     assert (store / "mlflow.db").read_bytes() == b"earlier runs" and not (tmp_path / "out").exists()
+
+
+def test_demo_smoke_runs_the_whole_pipeline(cpu_results):
+    """`repro demo --smoke` (what `make demo` runs, shortened; here the first step of `make results`
+    at smoke length): fetch, prepare, TP=2 training on 2 processes, both zero-shot evaluations and the
+    baseline summary, into the given directories."""
+    out, data_dir, run_dir = cpu_results, cpu_results.data_dir, cpu_results.demo_run
+    assert "held-out loss" in out.stdout and "a unigram model on the same held-out text" in out.stdout
+    assert "=== sample 1/1 (" in out.stdout and "The first season of the series" in out.stdout
+    final = json.loads((run_dir / "final_metrics.json").read_text())
+    assert final["iteration"] == 2 and math.isfinite(final["valid_loss"])
+    records = {r["task"]: r for r in map(json.loads, (run_dir / "zero_shot.jsonl").read_text().splitlines())}
+    assert records["lambada"]["params"]["max_examples"] == 64 and records["lambada"]["metrics"]["num_examples"] == 64
+    assert records["wikitext"]["params"]["max_lines"] == 40 and records["wikitext"]["params"]["window"] == 128
+    assert {records[t]["training_run_id"] for t in records} == {(run_dir / "mlflow_run_id").read_text()}
+    assert (data_dir / "wt2_gpt_train.idx").is_file() and (data_dir / "wt2_gpt_valid.idx").is_file()
+    # the training text went through the evaluation's detokenizer; titles (document boundaries) did not
+    source = (data_dir / "wikitext" / "wikitext-2.valid.tokens").read_text(encoding="utf-8").splitlines(keepends=True)
+    copied = (data_dir / "wt2_valid_detok.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+    assert len(copied) == len(source)
+    titles = [i for i, line in enumerate(source) if is_wikitext_title(line)]
+    assert len(titles) > 50 and all(copied[i] == source[i] for i in titles)
+    body = next(i for i, line in enumerate(source) if " @-@ " in line and not is_wikitext_title(line))
+    assert copied[body] == wikitext_detokenize(source[body]) != source[body]

@@ -27,6 +27,14 @@ ITERS = 12  # smoke iterations; ~0.6 s each at TP=2 on a shared 2-core machine
 SMOKE = ["-p", "debug", "-N1", "-n2", "--gres=none"]
 
 
+def _activation() -> dict[str, str]:
+    """REPRO_ENV_ACTIVATE for the venv running the tests when it is not launch.sh's default, REPO/.venv
+    (`make test VENV=...`, e.g. a venv with your cluster's torch); empty otherwise, so the default is tested."""
+    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
+        return {}
+    return {"REPRO_ENV_ACTIVATE": str(Path(sys.prefix) / "bin" / "activate")}
+
+
 @pytest.fixture(scope="module")
 def site(slurm_cluster, data_dir, tmp_path_factory) -> dict:  # noqa: F811
     """Cluster settings the way a user gives them (variables), and a fresh MLflow store made once."""
@@ -36,7 +44,7 @@ def site(slurm_cluster, data_dir, tmp_path_factory) -> dict:  # noqa: F811
     uri = f"sqlite:///{root / 'mlflow.db'}"
     mlflow.MlflowClient(uri).search_experiments()  # creates the store before any rank starts
     env = slurm_cluster.env(REPRO_RUNS_DIR=str(root / "runs"), REPRO_DATA_DIR=str(data_dir),
-                            MLFLOW_TRACKING_URI=uri, REPRO_CLUSTER_ENV=str(root / "cluster.env"))
+                            MLFLOW_TRACKING_URI=uri, REPRO_CLUSTER_ENV=str(root / "cluster.env"), **_activation())
     (root / "cluster.env").write_text("# the test passes everything as variables\n")
     return {"env": env, "runs": root / "runs", "uri": uri, "out": root}
 

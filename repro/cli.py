@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from repro.versions import installed_torch, torch_version_problem
+
 # Modules exposing `register(subparsers)`, in the order `repro --help` lists their commands.
 COMMAND_MODULES = (
     "repro.models.commands",
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a command may say where such arguments belong (`unknown_hint`)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{getattr(args, 'unknown_hint', '')}")
+    problem = torch_version_problem(installed_torch())  # metadata only: `repro plan` imports no torch
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     started_with_a_group = _has_process_group()
     try:
         code = int(args.func(args) or 0)

@@ -1,12 +1,15 @@
-"""Named sizes round to the paper's counts; `repro selftest` and `repro sizes` run end to end."""
+"""Named sizes round to the paper's counts; `repro selftest` and `repro sizes` run end to end; `repro`
+refuses a torch older than the oldest tested one."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+from repro.versions import torch_version_problem
 from repro.models.sizes import SIZES, count_parameters
 
 PAPER_COUNTS = {"1.2B": 1.2e9, "2.5B": 2.5e9, "4.2B": 4.2e9, "8.3B": 8.3e9, "355M": 355e6,
@@ -44,3 +47,28 @@ def test_sizes_cli_prints_every_size():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "scaling-8.3b" in out.stdout and "8.3B" in out.stdout
+
+
+@pytest.mark.parametrize("installed", ["2.6.0+cu124", "2.11.0+cu130", "2.13.0+cpu", "2.6.0a0+ecf3bae40a.nv25.01"])
+def test_tested_torch_versions_are_accepted(installed):
+    """The versions the suite has passed with, and an NGC container's development build of 2.6."""
+    assert torch_version_problem(installed) is None
+
+
+@pytest.mark.parametrize("installed", ["2.5.1+cu121", "2.4.0", "1.13.1"])
+def test_older_torch_is_refused_naming_the_fix(installed):
+    problem = torch_version_problem(installed)
+    assert problem is not None and installed in problem and "torch>=2.6" in problem
+
+
+def test_repro_refuses_an_older_torch_before_running_the_command(tmp_path):
+    """End to end: a torch 2.5.1 distribution first on the path (metadata only: `repro` reads the
+    installed version without importing torch) stops `repro sizes` with exit code 2 and the fix."""
+    dist = tmp_path / "torch-2.5.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.5.1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "sizes", "--family", "gpt"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "torch 2.5.1 is older than 2.6" in out.stderr and "scaling-8.3b" not in out.stdout

@@ -167,8 +167,9 @@ def test_tasks_get_the_batch_environment_when_the_job_exports_only_its_settings(
     with only that variable and SLURM_*, and srun inherits that export setting, so without launch.sh's
     `srun --export=ALL` the tasks would lack the venv, MASTER_ADDR/PORT and REPRO_*: the run fails."""
     settings = tmp_path / "cluster.env"
+    venv = "".join(f"{k}={v}\n" for k, v in _activation().items())  # a venv elsewhere, as the user's file names it
     settings.write_text(f"REPRO_RUNS_DIR={site['runs']}\nREPRO_DATA_DIR={site['env']['REPRO_DATA_DIR']}\n"
-                        f"MLFLOW_TRACKING_URI={site['uri']}\n")
+                        f"MLFLOW_TRACKING_URI={site['uri']}\n{venv}")
     job = _submit(slurm_cluster, site, f"--export=REPRO_CLUSTER_ENV={settings}", "slurm/scale_1b.sh", "--smoke",
                   "--set", "train.train_iters=2")
     record = slurm_cluster.wait_job(job, timeout=240)

@@ -23,6 +23,7 @@ from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 from repro.train.objectives import build_model, build_objective
 from repro.train.optim import DynamicLossScaler, build_optimizer, lr_lambda
+from repro.versions import WHOLE_TP_GRAPH_TORCH, release
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,10 +89,14 @@ def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
     }
 
 
-def compile_scope(cfg: RunConfig, dp_size: int) -> str:
-    """`train.compile_scope` with auto resolved: per block when gradients are all-reduced over DP."""
+def compile_scope(cfg: RunConfig, dp_size: int, tp_size: int = 1, torch_version: str = torch.__version__) -> str:
+    """`train.compile_scope` with auto resolved: per block when gradients are all-reduced over DP, and
+    at TP > 1 on a torch too old to compile the whole TP step (repro.versions.WHOLE_TP_GRAPH_TORCH)."""
     scope = cfg.train.compile_scope
-    return scope if scope != "auto" else ("blocks" if dp_size > 1 else "objective")
+    if scope != "auto":
+        return scope
+    old_for_tp = tp_size > 1 and release(torch_version) < WHOLE_TP_GRAPH_TORCH
+    return "blocks" if dp_size > 1 or old_for_tp else "objective"
 
 
 def transformer_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -130,7 +135,7 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
             model=objective, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
             config=deepspeed_config(cfg, derived), dist_init_required=False)
         return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, None, rng, True)
-    wrapped = compiled(objective, model, compile_scope(cfg, pg.dp_size)) if cfg.train.compile else objective
+    wrapped = compiled(objective, model, compile_scope(cfg, pg.dp_size, pg.tp_size)) if cfg.train.compile else objective
     main_grads = None
     if masters is not None and cfg.precision.main_grads == "fp32":
         main_grads = MainGrads(masters.pairs(), pg.dp_group)

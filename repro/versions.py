@@ -20,13 +20,15 @@ def release(version: str) -> tuple[int, int]:
 
 
 def installed_torch() -> str | None:
-    """The installed torch's version from its metadata (no import), None when it is not installed."""
+    """The installed torch's version from its metadata (no import); "" for a torch importable without
+    metadata (a source tree on PYTHONPATH: not checked), None when there is none."""
     from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
 
     try:
         return version("torch")
     except PackageNotFoundError:
-        return None
+        return "" if find_spec("torch") is not None else None
 
 
 def torch_version_problem(installed: str | None) -> str | None:
@@ -36,6 +38,6 @@ def torch_version_problem(installed: str | None) -> str | None:
            "https://download.pytorch.org/whl/ (make setup installs the pinned CPU build)")
     if installed is None:
         return f"torch is not installed. Fix: {fix}"
-    if release(installed) < MIN_TORCH:
+    if installed and release(installed) < MIN_TORCH:
         return f"torch {installed} is older than {want}, the oldest this project is tested with. Fix: {fix}"
     return None

@@ -49,9 +49,10 @@ def test_sizes_cli_prints_every_size():
     assert "scaling-8.3b" in out.stdout and "8.3B" in out.stdout
 
 
-@pytest.mark.parametrize("installed", ["2.6.0+cu124", "2.11.0+cu130", "2.13.0+cpu", "2.6.0a0+ecf3bae40a.nv25.01"])
+@pytest.mark.parametrize("installed", ["2.6.0+cu124", "2.11.0+cu130", "2.13.0+cpu", "2.6.0a0+ecf3bae40a.nv25.01", ""])
 def test_tested_torch_versions_are_accepted(installed):
-    """The versions the suite has passed with, and an NGC container's development build of 2.6."""
+    """The versions the suite has passed with, an NGC container's development build of 2.6, and a
+    torch without metadata (a source tree on the path: importable, its version unread)."""
     assert torch_version_problem(installed) is None
 
 
@@ -59,6 +60,7 @@ def test_tested_torch_versions_are_accepted(installed):
 def test_older_torch_is_refused_naming_the_fix(installed):
     problem = torch_version_problem(installed)
     assert problem is not None and installed in problem and "torch>=2.6" in problem
+    assert "not installed" in torch_version_problem(None)
 
 
 def test_repro_refuses_an_older_torch_before_running_the_command(tmp_path):

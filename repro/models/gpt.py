@@ -9,7 +9,6 @@ the forward; f before attention and before MLP in the backward).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +48,19 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2)
                    for t in qkv.chunk(3, dim=-1))  # (b, nh_local, s, hs)
         dropout_p = self.dropout_p if self.training else 0.0
-        in_tp_region = self.rng.fork() if (self.rng is not None and dropout_p > 0) else nullcontext()
-        with in_tp_region:  # attention dropout: a different stream on every TP rank
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                               is_causal=self.causal and attn_mask is None)
+        if self.rng is not None and dropout_p > 0:
+            # attention dropout: a different stream on every TP rank. The context manager is entered
+            # where it is made: torch 2.9's dynamo refuses one held in a variable first
+            with self.rng.fork():
+                y = self._attend(q, k, v, attn_mask, dropout_p)
+        else:
+            y = self._attend(q, k, v, attn_mask, dropout_p)
         y = y.transpose(1, 2).reshape(b, s, self.heads_per_rank * self.head_dim)  # (b, s, h/tp)
         return self.c_proj(y)
+
+    def _attend(self, q, k, v, attn_mask, dropout_p: float) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=self.causal and attn_mask is None)
 
 
 class ParallelMLP(nn.Module):

@@ -9,7 +9,6 @@ the forward; f before attention and before MLP in the backward).
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

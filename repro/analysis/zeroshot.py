@@ -162,14 +162,17 @@ def _trained_row(tracking_uri: str, train_id: str, w, l) -> dict | None:
 
 
 def _imported_row(source: str, w, l) -> dict:
-    """A row for weights imported with `repro checkpoint import-hf` (OpenAI's GPT-2, say)."""
+    """A row for weights imported with `repro checkpoint import-hf` (OpenAI's GPT-2, say) or
+    `import-megatron` (NVIDIA's GPT-2 345M, say)."""
     acc = R.get(l, "metrics.lambada/accuracy") if l is not None else None
+    command = R.get(w if w is not None else l, "params.imported_with") or "import-hf"
+    origin = "Megatron-LM" if command == "import-megatron" else "Hugging Face"
     return {"model": f"{source} (imported)", "paper_size": False,
             "wikitext_word_ppl": R.get(w, "metrics.wikitext/word_ppl") if w is not None else None,
             "lambada_acc": 100 * acc if acc is not None else None,
-            "label": "imported Hugging Face weights, not trained here",
+            "label": f"imported {origin} weights, not trained here",
             "protocol": "; ".join(p for p in (_protocol(w), _protocol(l)) if p),
-            "provenance": f"`repro checkpoint import-hf {source}`; eval runs "
+            "provenance": f"`repro checkpoint {command} {source}`; eval runs "
             + ", ".join(str(e["run_id"])[:8] for e in (w, l) if e is not None),
             "training_run_id": ""}
 

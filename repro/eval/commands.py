@@ -186,8 +186,9 @@ def _handle(args) -> int:
     record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
     record.params["checkpoint_iteration"] = read_meta(ckpt).get("iteration", "?")  # a mid-training one ranks lower
     imported = read_meta(ckpt).get("imported_from")
-    if imported:  # weights from `repro checkpoint import-hf`: no training run (even inside a run's directory)
+    if imported:  # weights from `repro checkpoint import-hf/-megatron`: no training run (even inside a run's directory)
         record.params["imported_from"], record.training_run_id = imported, None
+        record.params["imported_with"] = read_meta(ckpt).get("imported_with", "import-hf")
     if pg.rank == 0:
         print(format_table(record))
         write_json(record, out)

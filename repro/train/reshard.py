@@ -182,10 +182,36 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
     cfg.validate(tp)
-    full = _hf_weights(source)
+    imported_from = str(Path(source).resolve()) if Path(source).exists() else str(source)
+    return _write_imported(_hf_weights(source), cfg, dst, tp, {"imported_from": imported_from,
+                                                                "imported_with": "import-hf"})
+
+
+def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, make_vocab_size_divisible_by: int = 1024,
+                    num_attention_heads: int | None = None) -> Path:
+    """Write a Megatron-LM GPT checkpoint (`torch` format, any TP x PP layout; `repro.models.megatron`)
+    as a model-only GPT checkpoint at TP degree `tp` into the new directory `dst`."""
+    from repro.models.megatron import MegatronFormatError, read_megatron_gpt
+
+    dst = Path(dst)
+    _check_new_dir(dst)
+    try:
+        megatron = read_megatron_gpt(source, num_attention_heads, make_vocab_size_divisible_by)
+    except MegatronFormatError as err:
+        raise CheckpointError(str(err)) from None
+    cfg = megatron.config
+    cfg.validate(tp)
+    full = merge_shards(megatron.shards, partition_spec(cfg), cfg.vocab_size)
+    megatron.shards.clear()  # the merged copy is all that is needed from here
+    full = {name: tensor.float().contiguous() for name, tensor in full.items()}
+    return _write_imported(full, cfg, dst, tp, {"imported_from": str(Path(source).resolve()),
+                                                "imported_with": "import-megatron", **megatron.provenance})
+
+
+def _write_imported(full: dict, cfg: ModelConfig, dst: Path, tp: int, provenance: dict) -> Path:
+    """Write full (TP=1, unpadded-vocab) weights as a model-only checkpoint at TP degree `tp`, atomically."""
     meta = {"format": FORMAT_VERSION, "family": "gpt", "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
-            "model": dataclasses.asdict(cfg), "git_sha": git_sha(),
-            "imported_from": str(Path(source).resolve()) if Path(source).exists() else str(source)}
+            "model": dataclasses.asdict(cfg), "git_sha": git_sha(), **provenance}
     spec = partition_spec(cfg)
     with new_directory(dst) as tmp:
         _write_model_only(tmp, (shard_state(full, spec, r, tp, cfg.padded_vocab_size(tp)) for r in range(tp)), meta, tp)

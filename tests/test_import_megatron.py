@@ -137,7 +137,7 @@ def _fake_megatron_module():
 
 
 def write_megatron(root, model, *, version=3.0, tp=1, pp=1, names=LEGACY, args=True, legacy_pickle=False,
-                   release=True, edit=None, **arg_overrides):
+                   release=True, tracker=True, edit=None, **arg_overrides):
     """Save `model` as Megatron-LM does: ROOT/latest_checkpointed_iteration.txt, ROOT/{release,iter_N}/mp_rank_*;
     `edit(saved, rank, stage)` may change a rank file's contents first."""
     cfg, hf_state = model.config, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -172,7 +172,8 @@ def write_megatron(root, model, *, version=3.0, tp=1, pp=1, names=LEGACY, args=T
                 torch.save(saved, path, _use_new_zipfile_serialization=not legacy_pickle)
     finally:
         del sys.modules[module.__name__], sys.modules[package.__name__]
-    (root / "latest_checkpointed_iteration.txt").write_text("release" if release else "500")
+    if tracker:
+        (root / "latest_checkpointed_iteration.txt").write_text("release" if release else "500")
     return root
 
 
@@ -190,6 +191,8 @@ LAYOUTS = {  # name: (write_megatron keywords, import keywords)
     "2019 release: version 0, no arguments, pre-1.6 pickle": (
         dict(version=0, args=False, legacy_pickle=True), dict(num_attention_heads=4)),
     "version 0 at TP=2": (dict(version=0, tp=2, args=False, release=False), dict(num_attention_heads=4)),
+    "NVIDIA's 345M zip, unzipped: release/ without a tracker file": (
+        dict(version=0, args=False, tracker=False), dict(num_attention_heads=4)),
     "version 1.0 at TP=2": (dict(version=1.0, tp=2), {}),
     "version 2.0 at TP=2 x PP=2": (dict(version=2.0, tp=2, pp=2), {}),
     "megatron-core at TP=2 x PP=2": (dict(version=3.0, tp=2, pp=2, names=CORE), {}),
@@ -298,6 +301,9 @@ def test_damaged_incomplete_or_foreign_checkpoints_are_refused(hf, tmp_path):
     (tmp_path / "megatron.zip").write_bytes(b"PK")
     refused(tmp_path / "megatron.zip", "unzip")
     refused(tmp_path / "nowhere", "does not exist")
+    write_megatron(tmp_path / "iters", hf, release=False)
+    (tmp_path / "iters" / "latest_checkpointed_iteration.txt").unlink()
+    refused(tmp_path / "iters", "import one of iter_0000500")
     write_megatron(tmp_path / "bert", hf,
                    edit=lambda saved, rank, stage: saved["model"].update(lm_head={"dense": {"weight": torch.zeros(32, 32)}}))
     refused(tmp_path / "bert", "lm_head.dense.weight", "BERT")

@@ -89,10 +89,7 @@ def locate(path: str | Path) -> MegatronFiles:
     if not path.is_dir():
         raise MegatronFormatError(f"{path} does not exist: give a Megatron-LM checkpoint directory (the --save "
                                   f"directory holding {TRACKER}) or one model_optim_rng.pt")
-    iteration = ""
-    if (path / TRACKER).is_file():
-        iteration = (path / TRACKER).read_text().strip()
-        path = path / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+    path, iteration = _iteration_folder(path)
     _refuse_distributed(path)
     files = {}
     for folder in path.iterdir() if path.is_dir() else ():
@@ -109,6 +106,24 @@ def locate(path: str | Path) -> MegatronFiles:
         raise MegatronFormatError(f"{path} lacks {', '.join(missing)} of a TP={found.tp} x PP={found.pp} "
                                   "checkpoint: copy every rank's folder")
     return found
+
+
+def _iteration_folder(path: Path) -> tuple[Path, str]:
+    """The folder of rank folders that PATH's tracker file names (else PATH, or its lone release/)."""
+    if (path / TRACKER).is_file():
+        iteration = (path / TRACKER).read_text().strip()
+        if iteration != "release" and not iteration.isdigit():
+            raise MegatronFormatError(f"{path / TRACKER} holds {iteration!r}, neither 'release' nor an iteration")
+        return path / ("release" if iteration == "release" else f"iter_{int(iteration):07d}"), iteration
+    if any(_RANK_DIR.match(p.name) for p in path.iterdir()):
+        return path, ""
+    if (path / "release").is_dir():  # NVIDIA's release zips hold release/mp_rank_00/ only
+        return path / "release", "release"
+    saved = sorted(p.name for p in path.glob("iter_*"))
+    if saved:
+        raise MegatronFormatError(f"{path} has no {TRACKER} naming one of its iterations: import one of "
+                                  f"{', '.join(saved[-3:])} (e.g. {path / saved[-1]})")
+    return path, ""
 
 
 def _refuse_distributed(path: Path) -> None:

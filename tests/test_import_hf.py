@@ -188,3 +188,25 @@ def test_zero_shot_table_names_an_imported_model_by_its_source(hf_dir, tmp_path,
     assert row["model"] == f"{hf_dir.resolve()} (imported)" and not row["paper_size"]
     assert 0 <= row["lambada_acc"] <= 100 and row["wikitext_word_ppl"] > 1
     assert "import-hf" in row["provenance"] and "first 16 passages" in row["protocol"]
+
+
+def test_an_erf_gelu_gpt2_imports_with_its_form_and_exports_it_back(tmp_path):
+    """activation_function='gelu' (erf) becomes model.gelu='erf': Hugging Face's logits on import (MLP
+    inputs of order 1, where the forms differ by ~1e-4 relative) and 'gelu' again on export."""
+    from transformers import GPT2Config
+
+    model = _hf_model(activation_function="gelu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.c_fc.weight"):
+                p.mul_(30)
+    model.save_pretrained(tmp_path / "hf")
+    rs.import_hf(str(tmp_path / "hf"), tmp_path / "ck")
+    assert ck.read_meta(tmp_path / "ck")["model"]["gelu"] == "erf"
+    ref = _hf_logits(tmp_path / "hf")
+    with torch.no_grad():
+        ours = rs.load_model_for_eval(tmp_path / "ck", ProcessGroups.single())(IDS)[..., :VOCAB]
+    assert (ours - ref).abs().max() / ref.abs().max() < 1e-5
+    proc = _cli("checkpoint", "export-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert GPT2Config.from_pretrained(tmp_path / "back").activation_function == "gelu"

@@ -40,16 +40,19 @@ ROW_PARALLEL = ("attn.c_proj.weight", "mlp.c_proj.weight")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
-def _hf_model(n_layer: int = 4):
+def _hf_model(n_layer: int = 4, activation_function: str = "gelu_new"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=n_layer, n_head=4)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=n_layer, n_head=4,
+                     activation_function=activation_function)
     model = GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # non-trivial layer norms and biases, so a mapping error cannot hide in 1s and 0s
         for name, p in model.named_parameters():
             if name.endswith("bias") or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.c_fc.weight"):  # GeLU inputs of order 1, where tanh and erf forms differ
+                p.mul_(30)
     return model
 
 
@@ -200,6 +203,24 @@ LAYOUTS = {  # name: (write_megatron keywords, import keywords)
 }
 
 
+def test_gelu_form_follows_the_saved_arguments(tmp_path):
+    """Without bias-GeLU fusion or --openai-gelu Megatron-LM computes the erf GeLU: the import keeps it
+    and gives an erf GPT-2's logits; --gelu sets the form where no arguments were saved."""
+    erf = _hf_model(activation_function="gelu")
+    ref = _hf_logits(erf)
+    write_megatron(tmp_path / "args", erf, bias_gelu_fusion=False, openai_gelu=False)
+    rs.import_megatron(tmp_path / "args", tmp_path / "a")
+    assert ck.read_meta(tmp_path / "a")["model"]["gelu"] == "erf"
+    assert (_logits(tmp_path / "a") - ref).abs().max() / ref.abs().max() < 1e-5
+    write_megatron(tmp_path / "no_args", erf, args=False)
+    proc = _cli("checkpoint", "import-megatron", str(tmp_path / "no_args"), "--out", str(tmp_path / "b"),
+                "--num-attention-heads", "4", "--gelu", "erf")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (_logits(tmp_path / "b") - ref).abs().max() / ref.abs().max() < 1e-5
+    rs.import_megatron(tmp_path / "no_args", tmp_path / "c", num_attention_heads=4)  # tanh assumed: not erf's logits
+    assert (_logits(tmp_path / "c") - ref).abs().max() / ref.abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_megatron_layout_imports_to_hugging_faces_logits(hf, tmp_path, layout):
     written, options = LAYOUTS[layout]
@@ -257,7 +278,6 @@ def test_rank_files_load_without_megatron_and_without_running_pickled_code(hf, t
 
 
 REFUSALS = {  # name: (write_megatron keywords, import CLI flags, words the error must hold)
-    "erf GeLU": (dict(bias_gelu_fusion=False), [], "erf GeLU"),
     "SwiGLU": (dict(swiglu=True), [], "swiglu=True"),
     "rotary positions": (dict(position_embedding_type="rope"), [], "position_embedding_type='rope'"),
     "another tokenizer": (dict(tokenizer_type="SentencePieceTokenizer"), [], "tokenizer_type='SentencePieceTokenizer'"),

@@ -13,7 +13,8 @@ Name mapping (ours -> Hugging Face), per layer i::
     sop_head                            -> cls.seq_relationship
 
 Differences: HF has no padded vocabulary (the first vocab_size rows and bias entries are kept);
-GeLU is the tanh form (HF `hidden_act="gelu_new"`; BERT's release uses the erf form); HF's
+GeLU is the config's form (HF `hidden_act` "gelu_new" for tanh, "gelu" for erf; one for the MLP and
+the head, so the two must agree here); HF's
 `seq_relationship` head is trained for next-sentence prediction, ours for sentence order (the same
 Linear(h, 2) on the pooled [CLS], only the labels differ). The pre-LN order has no HF counterpart.
 """
@@ -45,13 +46,19 @@ _TOP_MAP = {
 
 
 def hf_bert_config(cfg: BertConfig):
-    """The transformers.BertConfig of a model config (tanh GeLU, our layer-norm epsilon)."""
+    """The transformers.BertConfig of a model config (its GeLU form, our layer-norm epsilon)."""
     from transformers import BertConfig as HFBertConfig
+
+    from repro.models.hf import HF_ACTIVATION
+
+    if cfg.gelu != cfg.lm_head_gelu:
+        raise ValueError(f"gelu={cfg.gelu!r} but lm_head_gelu={cfg.lm_head_gelu!r}: Hugging Face's BERT has one "
+                         "hidden_act for both")
 
     return HFBertConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, intermediate_size=4 * cfg.hidden_size,
-        hidden_act="gelu_new", hidden_dropout_prob=cfg.hidden_dropout,
+        hidden_act=HF_ACTIVATION[cfg.gelu], hidden_dropout_prob=cfg.hidden_dropout,
         attention_probs_dropout_prob=cfg.attention_dropout, max_position_embeddings=cfg.seq_length,
         type_vocab_size=cfg.num_tokentypes, layer_norm_eps=cfg.layernorm_epsilon,
         initializer_range=cfg.init_method_std, tie_word_embeddings=True,

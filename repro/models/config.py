@@ -11,6 +11,16 @@ class ConfigError(ValueError):
     """A model configuration that cannot work; the message names the numbers and the fix."""
 
 
+GELU_FORMS = {"tanh": "tanh", "erf": "none"}
+"""GeLU form -> torch.nn.functional.gelu's `approximate` argument."""
+
+
+def check_gelu(name: str, value: str) -> None:
+    """ConfigError unless `value` is a GeLU form."""
+    if value not in GELU_FORMS:
+        raise ConfigError(f"{name}={value!r} is not one of {tuple(GELU_FORMS)}: use 'tanh' (GPT-2's) or 'erf'")
+
+
 @dataclass
 class ModelConfig:
     """Transformer hyper-parameters (paper Table 1/2/4 names)."""
@@ -35,6 +45,9 @@ class ModelConfig:
     """Std of the N(0, std) weight init; output projections use std / sqrt(2 num_layers)."""
     layernorm_epsilon: float = 1e-5
     """Layer-norm epsilon (GPT-2 and Hugging Face use 1e-5)."""
+    gelu: str = "tanh"
+    """The MLP's GeLU: "tanh" (GPT-2's approximation, which Megatron-LM's fused bias-GeLU also
+    computes) or "erf" (the exact form; imported models trained with it)."""
     activation_checkpointing: bool = False
     """Recompute each transformer layer in the backward pass (paper: after every layer)."""
     num_tokentypes: int = 0
@@ -62,6 +75,7 @@ class ModelConfig:
                 f"num_attention_heads={nh} is not divisible by tp={tp}: every TP rank must own whole "
                 f"heads; use a tp that divides {nh}"
             )
+        check_gelu("gelu", self.gelu)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repro.models.config import ModelConfig
+from repro.models.config import GELU_FORMS, ModelConfig
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.layers import (
     ColumnParallelLinear,
@@ -72,9 +72,10 @@ class ParallelMLP(nn.Module):
                                          init=normal_init(cfg.init_method_std))
         self.c_proj = RowParallelLinear(4 * h, h, tp_group=tp_group, generator=generator, device=device,
                                         init=scaled_init(cfg.init_method_std, cfg.num_layers))
+        self.approximate = GELU_FORMS[cfg.gelu]  # F.gelu's name for the form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 class Block(nn.Module):

@@ -10,17 +10,19 @@ import torch
 
 from repro.models.config import ModelConfig
 
+HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}
+"""Our GeLU form -> transformers' activation name (`gelu_pytorch_tanh` is the tanh form too)."""
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def hf_gpt2_config(cfg: ModelConfig):
-    """The transformers.GPT2Config of a model config (tanh GeLU, as GPT-2)."""
+    """The transformers.GPT2Config of a model config."""
     from transformers import GPT2Config
 
     return GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.seq_length, n_embd=cfg.hidden_size,
         n_layer=cfg.num_layers, n_head=cfg.num_attention_heads, n_inner=4 * cfg.hidden_size,
-        activation_function="gelu_new", resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+        activation_function=HF_ACTIVATION[cfg.gelu], resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
         attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
         initializer_range=cfg.init_method_std, tie_word_embeddings=True,
         bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
@@ -55,7 +57,8 @@ def to_hf_gpt2(model) -> "torch.nn.Module":
 # ---- import: transformers.GPT2LMHeadModel -> our model ---------------------------------------------
 
 GPT2_VOCAB_SIZE = 50257
-_SUPPORTED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+_GELU_OF = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
+_SUPPORTED = {"activation_function": tuple(_GELU_OF), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
               "tie_word_embeddings": (True,)}
 
@@ -79,7 +82,8 @@ def config_from_hf(hf_config, make_vocab_size_divisible_by: int = 1024) -> Model
                        num_attention_heads=hf_config.n_head, seq_length=hf_config.n_positions,
                        vocab_size=hf_config.vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                        hidden_dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
-                       init_method_std=hf_config.initializer_range, layernorm_epsilon=hf_config.layer_norm_epsilon)
+                       init_method_std=hf_config.initializer_range, layernorm_epsilon=hf_config.layer_norm_epsilon,
+                       gelu=_GELU_OF[getattr(hf_config, "activation_function", "gelu_new")])
 
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

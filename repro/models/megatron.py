@@ -13,7 +13,8 @@ Both model generations' names are read: the legacy `language_model.{embedding, t
 TP rank's fused query/key/value rows are ordered by the file's `checkpoint_version`: 0 (2019) as
 [3, np, hn] (this GPT's order), 1.0 as [np, hn, 3], 2.0 and 3.0 as [np, 3, hn] (np: that rank's
 heads, hn: the head size). The weights are the model's own (fp16/bf16 when trained so), as Megatron
-evaluates them; optimizer state is not read. Architectures this GPT lacks are refused by name.
+evaluates them; optimizer state is not read. The GeLU form (tanh or erf) follows the saved arguments.
+Architectures this GPT lacks are refused by name.
 """
 
 from __future__ import annotations
@@ -212,17 +213,20 @@ def architecture_problems(args) -> list[str]:
         problems.append(f"normalization={args.normalization!r} (this GPT uses LayerNorm)")
     if getattr(args, "num_experts", None):
         problems.append(f"num_experts={args.num_experts} (a mixture of experts)")
-    if _erf_gelu(args):
-        problems.append("openai_gelu=False with bias_gelu_fusion=False (the erf GeLU; this GPT uses GPT-2's tanh "
-                        "GeLU, which Megatron-LM's fused bias-GeLU and --openai-gelu compute)")
     return problems
 
 
-def _erf_gelu(args) -> bool:
-    """Trained with erf GeLU: arguments that know the switches and set none of the tanh forms."""
-    switches = ("openai_gelu", "bias_gelu_fusion", "bias_activation_fusion")
-    known = [getattr(args, s) for s in switches if getattr(args, s, None) is not None]
-    return bool(known) and not any(known)
+def gelu_forms(args, override: str | None = None) -> tuple[str, str]:
+    """(the MLP's, BERT's masked-LM head's) GeLU form as Megatron-LM computed them: its fused bias-GeLU
+    and --openai-gelu compute the tanh form, plain F.gelu the erf form (the LM head never fuses). Without
+    saved arguments, or without these switches in them, tanh (2019's code used OpenAI's GeLU)."""
+    if override:
+        return override, override
+    openai = getattr(args, "openai_gelu", None)
+    fused = [getattr(args, s) for s in ("bias_gelu_fusion", "bias_activation_fusion") if getattr(args, s, None) is not None]
+    if openai is None and not fused:
+        return "tanh", "tanh"
+    return ("tanh" if openai or any(fused) else "erf"), ("tanh" if openai else "erf")
 
 
 def _arg(args, *names: str, default=None):
@@ -231,7 +235,7 @@ def _arg(args, *names: str, default=None):
 
 
 def model_config(args, state: dict, num_layers: int, num_attention_heads: int | None,
-                 make_vocab_size_divisible_by: int) -> ModelConfig:
+                 make_vocab_size_divisible_by: int, gelu: str | None = None) -> ModelConfig:
     """Our ModelConfig from TP rank 0's (merged-stage) state and the saved arguments, if any."""
     saved_heads = _arg(args, "num_attention_heads")
     heads = num_attention_heads or saved_heads
@@ -256,7 +260,8 @@ def model_config(args, state: dict, num_layers: int, num_attention_heads: int | 
                        hidden_dropout=_arg(args, "hidden_dropout", default=0.1),
                        attention_dropout=_arg(args, "attention_dropout", default=0.1),
                        init_method_std=_arg(args, "init_method_std", default=0.02),
-                       layernorm_epsilon=_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5))
+                       layernorm_epsilon=_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5),
+                       gelu=gelu_forms(args, gelu)[0])
 
 
 # ---- parameters -------------------------------------------------------------------------------------
@@ -309,7 +314,7 @@ class MegatronGPT:
 
 
 def read_megatron_gpt(path: str | Path, num_attention_heads: int | None = None,
-                      make_vocab_size_divisible_by: int = 1024) -> MegatronGPT:
+                      make_vocab_size_divisible_by: int = 1024, gelu: str | None = None) -> MegatronGPT:
     """Read every rank file of a Megatron-LM GPT checkpoint; MegatronFormatError names what does not fit."""
     found = locate(path)
     first = load_rank_file(found.files[(0, 0)])
@@ -334,7 +339,7 @@ def read_megatron_gpt(path: str | Path, num_attention_heads: int | None = None,
             raise MegatronFormatError(f"{path}: the output layer's weight differs from the word embedding's: this GPT "
                                       "ties them, as GPT-2 and Megatron-LM's default do")
         shards.append(state)
-    cfg = model_config(args, shards[0], layers, num_attention_heads, make_vocab_size_divisible_by)
+    cfg = model_config(args, shards[0], layers, num_attention_heads, make_vocab_size_divisible_by, gelu)
     _check_shapes(cfg, shards, found.tp)
     for state in shards:
         for name in [n for n in state if ".attn.c_attn." in n]:

@@ -157,7 +157,7 @@ def _import_megatron(args) -> int:
     from repro.train.reshard import import_megatron
 
     out = import_megatron(args.checkpoint, args.out, args.tp, args.make_vocab_size_divisible_by,
-                          args.num_attention_heads)
+                          args.num_attention_heads, args.gelu)
     print(f"wrote {out} at tp={args.tp} (model only): evaluate it with `repro eval ... --checkpoint {out}`")
     return 0
 
@@ -212,4 +212,6 @@ def register(sub) -> None:
                    help="needed only when the checkpoint saved no training arguments (16 for the GPT-2 345M release)")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=1024,
                    help="vocab padding unit here (Megatron's own padded rows are dropped on import)")
+    m.add_argument("--gelu", choices=("tanh", "erf"), default=None,
+                   help="the GeLU form, where the checkpoint's arguments do not say it (default: from them, else tanh)")
     m.set_defaults(func=_wrap(_import_megatron))

@@ -188,7 +188,7 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
 
 
 def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, make_vocab_size_divisible_by: int = 1024,
-                    num_attention_heads: int | None = None) -> Path:
+                    num_attention_heads: int | None = None, gelu: str | None = None) -> Path:
     """Write a Megatron-LM GPT checkpoint (`torch` format, any TP x PP layout; `repro.models.megatron`)
     as a model-only GPT checkpoint at TP degree `tp` into the new directory `dst`."""
     from repro.models.megatron import MegatronFormatError, read_megatron_gpt
@@ -196,7 +196,7 @@ def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, make_vocab
     dst = Path(dst)
     _check_new_dir(dst)
     try:
-        megatron = read_megatron_gpt(source, num_attention_heads, make_vocab_size_divisible_by)
+        megatron = read_megatron_gpt(source, num_attention_heads, make_vocab_size_divisible_by, gelu)
     except MegatronFormatError as err:
         raise CheckpointError(str(err)) from None
     cfg = megatron.config

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from repro.models.megatron import load_rank_file
+from repro.models.megatron import ImportOptions
+from repro.models.megatron_files import load_rank_file
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
@@ -217,7 +218,7 @@ def test_gelu_form_follows_the_saved_arguments(tmp_path):
                 "--num-attention-heads", "4", "--gelu", "erf")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (_logits(tmp_path / "b") - ref).abs().max() / ref.abs().max() < 1e-5
-    rs.import_megatron(tmp_path / "no_args", tmp_path / "c", num_attention_heads=4)  # tanh assumed: not erf's logits
+    rs.import_megatron(tmp_path / "no_args", tmp_path / "c", options=ImportOptions(num_attention_heads=4))  # tanh assumed: not erf's logits
     assert (_logits(tmp_path / "c") - ref).abs().max() / ref.abs().max() > 1e-4
 
 
@@ -225,7 +226,7 @@ def test_gelu_form_follows_the_saved_arguments(tmp_path):
 def test_every_megatron_layout_imports_to_hugging_faces_logits(hf, tmp_path, layout):
     written, options = LAYOUTS[layout]
     write_megatron(tmp_path / "megatron", hf, **written)
-    rs.import_megatron(tmp_path / "megatron", tmp_path / "ck", tp=2, **options)
+    rs.import_megatron(tmp_path / "megatron", tmp_path / "ck", tp=2, options=ImportOptions(**options))
     meta = ck.read_meta(tmp_path / "ck")
     assert meta["tp"] == 2 and meta["model_only"] and meta["imported_with"] == "import-megatron"
     assert (meta["megatron_tp"], meta["megatron_pp"]) == (written.get("tp", 1), written.get("pp", 1))
@@ -324,9 +325,11 @@ def test_damaged_incomplete_or_foreign_checkpoints_are_refused(hf, tmp_path):
     write_megatron(tmp_path / "iters", hf, release=False)
     (tmp_path / "iters" / "latest_checkpointed_iteration.txt").unlink()
     refused(tmp_path / "iters", "import one of iter_0000500")
-    write_megatron(tmp_path / "bert", hf,
-                   edit=lambda saved, rank, stage: saved["model"].update(lm_head={"dense": {"weight": torch.zeros(32, 32)}}))
-    refused(tmp_path / "bert", "lm_head.dense.weight", "BERT")
+    def add_qk_norm(saved, rank, stage):
+        saved["model"]["language_model"]["transformer"]["layers.0.attention.q_layernorm.weight"] = torch.ones(8)
+
+    write_megatron(tmp_path / "qk", hf, version=1.0, edit=add_qk_norm)
+    refused(tmp_path / "qk", "no counterpart", "layers.0.attention.q_layernorm.weight")
 
 
 def test_zero_shot_table_names_megatron_weights_as_imported_from_megatron(hf, tmp_path, monkeypatch):

@@ -26,18 +26,21 @@ FIXTURE = Path(__file__).parent / "fixtures" / "race"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def vocab_file(tmp_path_factory) -> Path:
-    """A WordPiece vocab of the fixture's words (small, so a tiny BERT is fast)."""
+def write_fixture_vocab(vocab: Path) -> Path:
+    """A WordPiece vocab of the fixture's words (small, so a tiny BERT is fast), written to `vocab`."""
     words = set()
     pre = pre_tokenizers.BertPreTokenizer()
     for path in FIXTURE.rglob("*.txt"):
         doc = json.loads(path.read_text())
         texts = [doc["article"], *doc["questions"], *(o for opts in doc["options"] for o in opts)]
         words |= {w.lower() for t in texts for w, _ in pre.pre_tokenize_str(t)}
-    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(words)]) + "\n")
     return vocab
+
+
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory) -> Path:
+    return write_fixture_vocab(tmp_path_factory.mktemp("vocab") / "vocab.txt")
 
 
 @pytest.fixture(scope="module")

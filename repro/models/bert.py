@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repro.models.config import GELU_FORMS, ConfigError, ModelConfig, check_gelu
+from repro.models.config import GELU_FORMS, ConfigError, ModelConfig
 from repro.models.gpt import ParallelAttention, ParallelMLP
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.layers import VocabParallelEmbedding, mark_tensor_parallel, normal_init
@@ -51,14 +51,10 @@ class BertConfig(ModelConfig):
     """Segment A / B embeddings."""
     layernorm_order: str = "pre"
     """"pre": the paper's rearranged order (LN on the sublayer input); "post": original BERT."""
-    lm_head_gelu: str = "tanh"
-    """The masked-LM head's GeLU, "tanh" or "erf" (Megatron-LM computes erf there unless --openai-gelu,
-    even when its fused MLP computes tanh; imported models keep theirs)."""
 
     def validate(self, tp: int = 1) -> None:
-        """ModelConfig's checks plus the layer-norm order, the head's GeLU and token types."""
+        """ModelConfig's checks plus the layer-norm order and token types."""
         super().validate(tp)
-        check_gelu("lm_head_gelu", self.lm_head_gelu)
         if self.layernorm_order not in LAYERNORM_ORDERS:
             raise ConfigError(f"layernorm_order={self.layernorm_order!r} is not one of "
                               f"{LAYERNORM_ORDERS}: use 'pre' (the paper's) or 'post' (original BERT)")

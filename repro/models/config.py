@@ -54,6 +54,9 @@ class ModelConfig:
     """Token-type (segment) embeddings: 0 for GPT, 2 for BERT."""
     layernorm_order: str = "pre"
     """BERT only: "pre" (the paper's rearranged order, GPT-2 style) or "post" (original BERT)."""
+    lm_head_gelu: str = "tanh"
+    """BERT only: the masked-LM head's GeLU, "tanh" or "erf" (Megatron-LM computes erf there unless
+    --openai-gelu, even where its fused MLP computes tanh; an imported BERT keeps its own)."""
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError for a layout these sizes cannot be split into."""
@@ -76,6 +79,7 @@ class ModelConfig:
                 f"heads; use a tp that divides {nh}"
             )
         check_gelu("gelu", self.gelu)
+        check_gelu("lm_head_gelu", self.lm_head_gelu)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")

@@ -154,11 +154,15 @@ def _import_hf(args) -> int:
 
 
 def _import_megatron(args) -> int:
+    from repro.models.megatron import ImportOptions
+    from repro.train.checkpoint import read_meta
     from repro.train.reshard import import_megatron
 
-    out = import_megatron(args.checkpoint, args.out, args.tp, args.make_vocab_size_divisible_by,
-                          args.num_attention_heads, args.gelu)
-    print(f"wrote {out} at tp={args.tp} (model only): evaluate it with `repro eval ... --checkpoint {out}`")
+    options = ImportOptions(args.num_attention_heads, args.vocab_size, args.gelu, args.make_vocab_size_divisible_by)
+    out = import_megatron(args.checkpoint, args.out, args.tp, options)
+    use = ("fine-tune it with `repro finetune race --checkpoint {}`" if read_meta(out)["family"] == "bert" else
+           "evaluate it with `repro eval ... --checkpoint {}`").format(out)
+    print(f"wrote {out} at tp={args.tp} (model only): {use}")
     return 0
 
 
@@ -202,14 +206,17 @@ def register(sub) -> None:
     i.add_argument("--make-vocab-size-divisible-by", type=int, default=1024,
                    help="vocab padding unit (1024: the paper's 51,200 rows for GPT-2's 50,257 tokens)")
     i.set_defaults(func=_wrap(_import_hf))
-    m = csub.add_parser("import-megatron", help="write a Megatron-LM GPT checkpoint (torch format, any TP x PP, "
-                        "e.g. NVIDIA's GPT-2 345M release) as a model-only checkpoint at a TP degree")
+    m = csub.add_parser("import-megatron", help="write a Megatron-LM GPT or BERT checkpoint (torch format, any "
+                        "TP x PP, e.g. NVIDIA's 345M releases) as a model-only checkpoint at a TP degree")
     m.add_argument("checkpoint", help="Megatron-LM's --save directory (with latest_checkpointed_iteration.txt), "
                    "one iteration's folder of mp_rank_* folders, or one model_optim_rng.pt")
     m.add_argument("--out", required=True, help="a new directory")
     m.add_argument("--tp", type=int, default=1)
     m.add_argument("--num-attention-heads", type=int, default=None,
-                   help="needed only when the checkpoint saved no training arguments (16 for the GPT-2 345M release)")
+                   help="needed only when the checkpoint saved no training arguments (16 for the 345M releases)")
+    m.add_argument("--vocab-size", type=int, default=None,
+                   help="the real vocabulary under Megatron's padded rows (default: the tokenizer's: 50257 for "
+                   "GPT-2's BPE; BERT's from its saved tokenizer type or its padded row count)")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=1024,
                    help="vocab padding unit here (Megatron's own padded rows are dropped on import)")
     m.add_argument("--gelu", choices=("tanh", "erf"), default=None,

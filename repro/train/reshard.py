@@ -187,32 +187,34 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
                                                                 "imported_with": "import-hf"})
 
 
-def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, make_vocab_size_divisible_by: int = 1024,
-                    num_attention_heads: int | None = None, gelu: str | None = None) -> Path:
-    """Write a Megatron-LM GPT checkpoint (`torch` format, any TP x PP layout; `repro.models.megatron`)
-    as a model-only GPT checkpoint at TP degree `tp` into the new directory `dst`."""
-    from repro.models.megatron import MegatronFormatError, read_megatron_gpt
+def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, options=None) -> Path:
+    """Write a Megatron-LM GPT or BERT checkpoint (`torch` format, any TP x PP layout;
+    `repro.models.megatron`; `options`: its ImportOptions) as a model-only checkpoint at TP degree `tp`
+    into the new directory `dst`."""
+    from repro.models.megatron import read_megatron
+    from repro.models.megatron_files import MegatronFormatError
 
     dst = Path(dst)
     _check_new_dir(dst)
     try:
-        megatron = read_megatron_gpt(source, num_attention_heads, make_vocab_size_divisible_by, gelu)
+        megatron = read_megatron(source, options)
     except MegatronFormatError as err:
         raise CheckpointError(str(err)) from None
     cfg = megatron.config
     cfg.validate(tp)
-    full = merge_shards(megatron.shards, partition_spec(cfg), cfg.vocab_size)
+    full = merge_shards(megatron.shards, partition_spec(cfg, megatron.family), cfg.vocab_size)
     megatron.shards.clear()  # the merged copy is all that is needed from here
     full = {name: tensor.float().contiguous() for name, tensor in full.items()}
     return _write_imported(full, cfg, dst, tp, {"imported_from": str(Path(source).resolve()),
-                                                "imported_with": "import-megatron", **megatron.provenance})
+                                                "imported_with": "import-megatron", **megatron.provenance},
+                           megatron.family)
 
 
-def _write_imported(full: dict, cfg: ModelConfig, dst: Path, tp: int, provenance: dict) -> Path:
+def _write_imported(full: dict, cfg: ModelConfig, dst: Path, tp: int, provenance: dict, family: str = "gpt") -> Path:
     """Write full (TP=1, unpadded-vocab) weights as a model-only checkpoint at TP degree `tp`, atomically."""
-    meta = {"format": FORMAT_VERSION, "family": "gpt", "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
+    meta = {"format": FORMAT_VERSION, "family": family, "iteration": 0, "consumed_samples": 0, "zero_stage": 0,
             "model": dataclasses.asdict(cfg), "git_sha": git_sha(), **provenance}
-    spec = partition_spec(cfg)
+    spec = partition_spec(cfg, family)
     with new_directory(dst) as tmp:
         _write_model_only(tmp, (shard_state(full, spec, r, tp, cfg.padded_vocab_size(tp)) for r in range(tp)), meta, tp)
     return dst

@@ -180,7 +180,11 @@ def test_vocabulary_comes_from_the_tokenizer_type_or_the_padded_rows(tmp_path):
 
 def test_finetune_race_starts_from_an_imported_megatron_bert(tmp_path):
     """The RACE fixture with its own small WordPiece vocab: one epoch from the imported weights runs
-    to the end and reports accuracies."""
+    to the end, and the BERT table gives it a row of its own, as Megatron-LM weights pretrained
+    elsewhere (never a paper row, never one of our MLM runs' perplexities)."""
+    import os
+
+    from repro.analysis import bert as bert_table
     import json
 
     from test_race import FIXTURE, write_fixture_vocab
@@ -191,9 +195,17 @@ def test_finetune_race_starts_from_an_imported_megatron_bert(tmp_path):
     rs.import_megatron(tmp_path / "m", tmp_path / "ck", options=ImportOptions(vocab_size=size))
     cmd = [sys.executable, "-m", "repro.cli", "finetune", "race", "--race-dir", str(FIXTURE), "--vocab", str(vocab_file),
            "--checkpoint", str(tmp_path / "ck"), "--epochs", "1", "--batch-size", "5", "--seq-length", "64",
-           "--seeds", "1", "--run-dir", str(tmp_path / "run"), "--no-mlflow"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+           "--seeds", "1", "--run-dir", str(tmp_path / "run")]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": uri})
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert [s["seed"] for s in results["seeds"]] == [1]
     assert all(0 <= results["median"][split]["total"] <= 100 for split in ("dev", "test"))
+    table = bert_table.build(uri)
+    row = table[table["model"] == f"{(tmp_path / 'm').resolve()} (imported)"].iloc[0]
+    assert "fine-tuned from Megatron-LM weights pretrained elsewhere" in row["label"]
+    assert row["race_total"] == results["median"]["test"]["total"] and row["mlm_valid_ppl"] is None
+    shown = bert_table.display(table)
+    assert (shown[shown["model"] == row["model"]]["measured MLM val ppl"] == "pretrained elsewhere").all()

@@ -37,7 +37,17 @@ def _mlm_ppl(run) -> float | None:
 
 def _race_label(run) -> str:
     label = R.run_label(run)
+    if R.get(run, "params.imported_from"):
+        origin = "Megatron-LM" if R.get(run, "params.imported_with") == "import-megatron" else "imported"
+        return label + f", fine-tuned from {origin} weights pretrained elsewhere"
     return label + ("" if R.get(run, "params.checkpoint") else ", random init (no pretrained checkpoint)")
+
+
+def _race_model(run) -> str:
+    """The row's model: its paper size (or `?`), or `SOURCE (imported)` for imported weights, which
+    never fill a paper row (the paper's rows are models pretrained here)."""
+    imported = R.get(run, "params.imported_from")
+    return f"{imported} (imported)" if imported else R.size_name(run) or "?"
 
 
 def race_runs(runs: pd.DataFrame) -> list[dict]:
@@ -52,8 +62,9 @@ def race_runs(runs: pd.DataFrame) -> list[dict]:
     seeds = race["params.seeds"].fillna("").astype(str).str.split().str.len() if "params.seeds" in race else 0
     out: dict[str, dict] = {}
     for _, run in race.assign(_seeds=seeds).sort_values("_seeds", ascending=False, kind="stable").iterrows():
-        size = R.size_name(run) or "?"
-        out.setdefault(size, {"model": size, **{f"race_{lv}": R.get(run, f"metrics.test/acc_{lv}") for lv in LEVELS},
+        size = _race_model(run)
+        out.setdefault(size, {"model": size, "imported": bool(R.get(run, "params.imported_from")),
+                              **{f"race_{lv}": R.get(run, f"metrics.test/acc_{lv}") for lv in LEVELS},
                               "seeds": R.get(run, "params.seeds", "?"), "label": _race_label(run),
                               "provenance": R.provenance(run) + f"; tp={R.get(run, 'params.tp', '?')}"
                               f" dp={R.get(run, 'params.dp', '?')}; seeds {R.get(run, 'params.seeds', '?')}",
@@ -64,6 +75,8 @@ def race_runs(runs: pd.DataFrame) -> list[dict]:
 def _pretraining_mlm(runs: pd.DataFrame, row: dict, by_size: dict) -> tuple[float, str] | None:
     """The MLM perplexity of the pretraining run the RACE run fine-tuned (its training_run_id tag),
     else of the newest pretraining run of its size (runs logged before the tag)."""
+    if row.get("imported"):  # pretrained elsewhere: no MLM run of ours belongs to it
+        return None
     trained = row.get("training_run_id")
     if trained and "run_id" in runs:
         match = runs[runs["run_id"] == trained]
@@ -125,7 +138,8 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
                       fmt(R.get(r, f"race_{lv}"), 1) if ran else NOT_RUN]
         ppl = R.get(r, "mlm_valid_ppl")
         cells += [fmt(R.get(r, "paper_mlm_valid_ppl")) if paper else "—",
-                  fmt(ppl) if ppl is not None else ("not logged" if ran else NOT_RUN),
+                  fmt(ppl) if ppl is not None else
+                  ("pretrained elsewhere" if R.get(r, "imported") else "not logged" if ran else NOT_RUN),
                   R.get(r, "label", ""), R.get(r, "provenance", "")]
         rows.append(cells)
     cols = ["model"] + [f"{w} {lv}" for lv in LEVELS for w in ("paper", "measured")]

@@ -306,10 +306,15 @@ def checkpoint_run_id(ckpt: str | Path) -> str | None:
 
 def training_provenance(path: str | Path) -> dict[str, str]:
     """What an evaluation or fine-tuning records of the `repro train` checkpoint it read: its iteration
-    and training run id ({} for another kind of file, e.g. a `save_bert` .pt)."""
+    and training run id; the source and command of imported weights ({} for another kind of file, e.g.
+    a `save_bert` .pt)."""
     try:
         ckpt = resolve(path)
-        iteration, run_id = read_meta(ckpt).get("iteration"), checkpoint_run_id(ckpt)
+        meta = read_meta(ckpt)
+        run_id = None if meta.get("imported_from") else checkpoint_run_id(ckpt)
     except (CheckpointError, OSError):
         return {}
-    return {k: str(v) for k, v in (("checkpoint_iteration", iteration), ("training_run_id", run_id)) if v is not None}
+    if meta.get("imported_from"):  # `repro checkpoint import-*` weights: pretrained elsewhere, no training run
+        return {"imported_from": meta["imported_from"], "imported_with": meta.get("imported_with", "import-hf")}
+    return {k: str(v) for k, v in (("checkpoint_iteration", meta.get("iteration")), ("training_run_id", run_id))
+            if v is not None}

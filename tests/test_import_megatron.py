@@ -95,7 +95,8 @@ def _stage_state(hf_state: dict, cfg, *, version, tp, pp, rank, stage, names, co
     """Megatron's model state of TP rank `rank`, pipeline stage `stage`: legacy nested or core flat."""
     per_stage = cfg.n_layer // pp
     rows = -(-VOCAB // (128 * tp)) * 128 * tp  # Megatron pads to a multiple of 128 x tp (rows it never uses)
-    wte = torch.cat([hf_state["transformer.wte.weight"], torch.randn(rows - VOCAB, cfg.n_embd, generator=torch.Generator().manual_seed(1))]).chunk(tp)[rank]
+    pad = torch.randn(rows - VOCAB, cfg.n_embd, generator=torch.Generator().manual_seed(1))
+    wte = torch.cat([hf_state["transformer.wte.weight"], pad]).chunk(tp)[rank]
     layers = {}
     for i in range(per_stage):
         prefix = f"transformer.h.{stage * per_stage + i}."
@@ -218,7 +219,8 @@ def test_gelu_form_follows_the_saved_arguments(tmp_path):
                 "--num-attention-heads", "4", "--gelu", "erf")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (_logits(tmp_path / "b") - ref).abs().max() / ref.abs().max() < 1e-5
-    rs.import_megatron(tmp_path / "no_args", tmp_path / "c", options=ImportOptions(num_attention_heads=4))  # tanh assumed: not erf's logits
+    # without arguments or --gelu, tanh is assumed: not the erf model's logits
+    rs.import_megatron(tmp_path / "no_args", tmp_path / "c", options=ImportOptions(num_attention_heads=4))
     assert (_logits(tmp_path / "c") - ref).abs().max() / ref.abs().max() > 1e-4
 
 

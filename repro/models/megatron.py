@@ -92,7 +92,8 @@ def architecture_problems(args) -> list[str]:
         return []
     problems = [f"{name}=True ({why})" for name, why in (
         ("swiglu", "a SwiGLU MLP; ours is GeLU"), ("squared_relu", "a squared-ReLU MLP"),
-        ("apply_residual_connection_post_layernorm", "residuals taken after the layer norm; ours are taken before it, as GPT-2 and the paper's BERT"),
+        ("apply_residual_connection_post_layernorm",
+         "residuals taken after the layer norm; ours are taken before it, as GPT-2's and the paper's BERT's"),
         ("untie_embeddings_and_output_weights", "an output layer of its own; ours is tied to the input embedding"),
         ("group_query_attention", "grouped-query attention"), ("qk_layernorm", "layer norms on queries and keys"))
         if getattr(args, name, False) is True]
@@ -117,7 +118,8 @@ def gelu_forms(args, override: str | None = None) -> tuple[str, str]:
     if override:
         return override, override
     openai = getattr(args, "openai_gelu", None)
-    fused = [getattr(args, s) for s in ("bias_gelu_fusion", "bias_activation_fusion") if getattr(args, s, None) is not None]
+    fused = [getattr(args, s) for s in ("bias_gelu_fusion", "bias_activation_fusion")
+             if getattr(args, s, None) is not None]
     if openai is None and not fused:
         return "tanh", "tanh"
     return ("tanh" if openai or any(fused) else "erf"), ("tanh" if openai else "erf")

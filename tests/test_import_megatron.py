@@ -29,9 +29,8 @@ from repro.parallel.groups import ProcessGroups
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
 from repro.train import reshard as rs
+from test_import_hf import IDS, VOCAB, _logits_worker  # GPT-2's vocabulary; the TP ranks' logits on IDS
 
-VOCAB = 50257
-IDS = torch.arange(48).view(3, 16) * 997 % VOCAB
 LEGACY = {"ln_1": "input_layernorm", "attn.c_attn": "attention.query_key_value", "attn.c_proj": "attention.dense",
           "ln_2": "post_attention_layernorm", "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
 CORE = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv", "attn.c_proj": "self_attention.linear_proj",
@@ -236,18 +235,6 @@ def test_every_megatron_layout_imports_to_hugging_faces_logits(hf, tmp_path, lay
     assert meta["model"]["num_layers"] == 4 and meta["model"]["seq_length"] == 64
     ref = _hf_logits(hf)
     assert (_logits(tmp_path / "ck") - ref).abs().max() / ref.abs().max() < 1e-5
-
-
-def _logits_worker(ckpt: str, tp: int) -> list:
-    import torch.distributed as dist
-
-    from repro.parallel.groups import ParallelDims, build_process_groups
-    from repro.parallel.mappings import gather_from_tensor_parallel_region
-
-    pg = build_process_groups(ParallelDims(tp, dist.get_world_size() // tp))
-    model = rs.load_model_for_eval(ckpt, pg)
-    with torch.no_grad():
-        return gather_from_tensor_parallel_region(model(IDS), pg.tp_group)[..., :VOCAB].tolist()
 
 
 def test_cli_imports_a_tp2_pp2_run_that_tp2_ranks_evaluate(hf, tmp_path):

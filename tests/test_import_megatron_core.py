@@ -1,8 +1,9 @@
-"""import-megatron against megatron-core itself: a GPTModel built from megatron-core's own layers (the
-local layer spec, learned absolute positions, tied output layer) at TP=1 and TP=2 over gloo is saved
-as Megatron-LM's training loop saves its `torch` format (saved arguments, checkpoint_version 3.0, each
-rank's `state_dict_for_save_checkpoint()` in iter_NNNNNNN/mp_rank_TT/model_optim_rng.pt), imported,
-and evaluated by our GPT: its logits equal megatron-core's own forward (1e-5 relative).
+"""import-megatron against megatron-core itself: a GPTModel and a BertModel built from megatron-core's
+own layers (the local layer spec, learned absolute positions, tied output layer) at TP=1 and TP=2 over
+gloo are saved as Megatron-LM's training loop saves its `torch` format (saved arguments,
+checkpoint_version 3.0, each rank's `state_dict_for_save_checkpoint()` in
+iter_NNNNNNN/mp_rank_TT/model_optim_rng.pt), imported, and run by our GPT and BERT: the logits equal
+megatron-core's own forward (1e-5 relative).
 
 megatron-core's forward assumes a GPU in three places that do not concern the model's arithmetic; on
 CPU its scratch buffer is allocated with torch.empty, its dropout RNG tracker (no dropout here) is a
@@ -23,8 +24,11 @@ from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
 from repro.train import reshard as rs
 
-VOCAB, SEQ = 50257, 16
+VOCAB, BERT_VOCAB, SEQ = 50257, 30522, 16
 IDS = torch.arange(2 * SEQ).view(2, SEQ) * 997 % VOCAB
+BERT_IDS = torch.arange(2 * SEQ).view(2, SEQ) * 761 % BERT_VOCAB
+TYPES = (torch.arange(SEQ) >= 8).long().expand(2, SEQ)
+PADDING = torch.tensor([[1] * SEQ, [1] * 11 + [0] * (SEQ - 11)])  # 1: a real token
 
 
 def _on_cpu() -> None:
@@ -51,46 +55,89 @@ def _perturb(model, rank: int) -> None:
                 p.mul_(30)
 
 
-def _megatron_core_rank(root: str, tp: int) -> list:
-    """Build, save (as Megatron-LM's `torch` format) and run a megatron-core GPT on this rank."""
-    import torch.distributed as dist
+def _config(tp: int):
     import torch.nn.functional as F
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     _on_cpu()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(0)  # use_cpu_initialization draws each master weight, then keeps this rank's slice
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                            hidden_dropout=0.0, attention_dropout=0.0, activation_func=F.gelu,
-                            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                            gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
-    rows = -(-VOCAB // (128 * tp)) * 128 * tp  # Megatron-LM's vocabulary padding
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=rows, max_sequence_length=SEQ,
-                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True,
-                     parallel_output=True).eval()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    _perturb(model, rank)
-    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128,
-                              max_position_embeddings=SEQ, tensor_model_parallel_size=tp,
-                              pipeline_model_parallel_size=1, tokenizer_type="GPT2BPETokenizer",
-                              openai_gelu=False, bias_gelu_fusion=False, position_embedding_type="learned_absolute",
-                              untie_embeddings_and_output_weights=False, layernorm_epsilon=cfg.layernorm_epsilon)
-    path = f"{root}/iter_0000010/mp_rank_{rank:02d}/model_optim_rng.pt"
-    __import__("os").makedirs(path.rsplit("/", 1)[0])
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10,
+    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, activation_func=F.gelu,
+                             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                             gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+
+
+def _save(root: str, model, tp: int, **args) -> None:
+    """Megatron-LM's `torch`-format save of this rank's model (megatron/training/checkpointing.py)."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    saved_args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128,
+                                    max_position_embeddings=SEQ, tensor_model_parallel_size=tp,
+                                    pipeline_model_parallel_size=1, openai_gelu=False, bias_gelu_fusion=False,
+                                    position_embedding_type="learned_absolute",
+                                    untie_embeddings_and_output_weights=False, layernorm_epsilon=1e-5, **args)
+    path = f"{root}/iter_0000010/mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}/model_optim_rng.pt"
+    os.makedirs(path.rsplit("/", 1)[0])
+    torch.save({"args": saved_args, "checkpoint_version": 3.0, "iteration": 10,
                 "model": model.state_dict_for_save_checkpoint()}, path)
     if dist.get_rank() == 0:
         open(f"{root}/latest_checkpointed_iteration.txt", "w").write("10")
+
+
+def _gather_vocab(shard: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, shard.contiguous(), group=group)
+    return torch.cat(shards, dim=-1)
+
+
+def _megatron_core_rank(root: str, tp: int) -> list:
+    """Build, save and run a megatron-core GPT on this rank: the gathered logits of IDS."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = _config(tp)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=_padded(VOCAB, tp), max_sequence_length=SEQ,
+                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True).eval()
+    _perturb(model, parallel_state.get_tensor_model_parallel_rank())
+    _save(root, model, tp, tokenizer_type="GPT2BPETokenizer")
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]  # True: masked
     with torch.no_grad():
-        shard = model(IDS, torch.arange(SEQ).expand(2, SEQ), attention_mask=causal)  # this rank's vocab slice
-        shards = [torch.empty_like(shard) for _ in range(tp)]
-        dist.all_gather(shards, shard, group=parallel_state.get_tensor_model_parallel_group())
+        logits = _gather_vocab(model(IDS, torch.arange(SEQ).expand(2, SEQ), attention_mask=causal))
     parallel_state.destroy_model_parallel()
-    return torch.cat(shards, dim=-1)[..., :VOCAB].tolist()
+    return logits[..., :VOCAB].tolist()
+
+
+def _megatron_core_bert_rank(root: str, tp: int) -> tuple[list, list]:
+    """Build, save and run a megatron-core BERT on this rank: gathered MLM logits and binary logits."""
+    from megatron.core import parallel_state
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+
+    cfg = _config(tp)
+    model = BertModel(cfg, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec,
+                      vocab_size=_padded(BERT_VOCAB, tp), max_sequence_length=SEQ, add_binary_head=True,
+                      share_embeddings_and_output_weights=True).eval()
+    _perturb(model, parallel_state.get_tensor_model_parallel_rank())
+    _save(root, model, tp, tokenizer_type="BertWordPieceLowerCase")
+    with torch.no_grad():
+        mlm, binary = model(BERT_IDS, PADDING, tokentype_ids=TYPES)
+        mlm = _gather_vocab(mlm)
+    parallel_state.destroy_model_parallel()
+    return mlm[..., :BERT_VOCAB].tolist(), binary.tolist()
+
+
+def _padded(vocab: int, tp: int) -> int:
+    return -(-vocab // (128 * tp)) * 128 * tp  # Megatron-LM's vocabulary padding
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -102,3 +149,24 @@ def test_a_megatron_core_gpt_imports_to_megatron_cores_own_logits(tmp_path, tp):
     with torch.no_grad():
         ours = rs.load_model_for_eval(tmp_path / "ck", ProcessGroups.single())(IDS)[..., :VOCAB]
     assert (ours - reference).abs().max() / reference.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_megatron_core_bert_imports_to_megatron_cores_own_logits(tmp_path, tp):
+    """Masked-LM logits at the real tokens (padded positions attend differently by design) and the
+    binary head's logits on [CLS]."""
+    from repro.models.bert import BERT
+    from repro.models.bert_checkpoint import load_full_state_dict, read_bert
+
+    mlm, binary = run_ranks(_megatron_core_bert_rank, tp, str(tmp_path / "megatron"), tp, timeout=240)[0]
+    rs.import_megatron(tmp_path / "megatron", tmp_path / "ck", tp=2)
+    cfg, state = read_bert(tmp_path / "ck")
+    assert (cfg.vocab_size, cfg.gelu, cfg.lm_head_gelu, cfg.num_tokentypes) == (BERT_VOCAB, "erf", "erf", 2)
+    model = BERT(cfg).eval()
+    load_full_state_dict(model, state)
+    with torch.no_grad():
+        ours = model(BERT_IDS, TYPES, PADDING)
+    real = PADDING.bool()
+    mlm, binary = torch.tensor(mlm), torch.tensor(binary)
+    assert (ours.mlm_logits[..., :BERT_VOCAB][real] - mlm[real]).abs().max() / mlm[real].abs().max() < 1e-5
+    assert (ours.sop_logits - binary).abs().max() / binary.abs().max() < 1e-5

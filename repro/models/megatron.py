@@ -5,8 +5,8 @@
 Files and layouts: `repro.models.megatron_files` (any TP x PP; each pipeline stage numbers its layers
 from 0, offset here by the stages before it). Both model generations' names are read: the legacy
 `language_model.{embedding, transformer|encoder}` (2019 on; BERT adds `language_model.pooler`,
-`lm_head`, `binary_head`) and megatron-core GPT's `embedding`, `decoder` (local and Transformer Engine
-layer specs). Each TP rank's fused query/key/value rows are ordered by the file's
+`lm_head`, `binary_head`) and megatron-core's `embedding`, `decoder` (GPT) or `encoder` (BERT, with
+`pooler`, `lm_head`, `output_layer.bias`, `binary_head`), local and Transformer Engine layer specs. Each TP rank's fused query/key/value rows are ordered by the file's
 `checkpoint_version`: 0 (2019) as [3, np, hn] (our order), 1.0 as [np, hn, 3], 2.0 and 3.0 as
 [np, 3, hn] (np: that rank's heads, hn: the head size). The weights are the model's own (fp16/bf16
 when trained so), as Megatron evaluates them; optimizer state is not read. The GeLU forms (tanh or
@@ -27,8 +27,8 @@ from repro.models.megatron_files import MegatronFormatError, load_rank_file, loc
 GPT2_TOKENS = 50257
 BERT_TOKENIZERS = {"BertWordPieceLowerCase": 30522, "BertWordPieceCase": 28996}
 """Megatron-LM's BERT tokenizer types -> their WordPiece vocabulary sizes (uncased, cased)."""
-_LAYER = re.compile(r"^(?:language_model\.(?:transformer|encoder)|decoder)\.layers\.(\d+)\.(.+)$")
-_STACKS = ("language_model.transformer", "language_model.encoder", "decoder")
+_LAYER = re.compile(r"^(?:language_model\.(?:transformer|encoder)|decoder|encoder)\.layers\.(\d+)\.(.+)$")
+_STACKS = ("language_model.transformer", "language_model.encoder", "decoder", "encoder")  # megatron-core BERT: encoder
 
 
 def _layer_names() -> dict[str, str]:
@@ -68,19 +68,21 @@ GPT = Family("gpt", "transformer.h.{}.", {
     **{f"{prefix}embedding.position_embeddings.weight": "transformer.wpe.weight" for prefix in ("language_model.", "")},
     **{k: v for stack in _STACKS for k, v in _wb(f"{stack}.final_layernorm", "transformer.ln_f").items()}},
     "transformer.wte.weight", "transformer.wpe.weight")
-BERT = Family("bert", "layers.{}.", {
-    "language_model.embedding.word_embeddings.weight": "embeddings.word.weight",
-    "language_model.embedding.position_embeddings.weight": "embeddings.position.weight",
-    "language_model.embedding.tokentype_embeddings.weight": "embeddings.tokentype.weight",
-    **{k: v for stack in _STACKS[:2] for k, v in _wb(f"{stack}.final_layernorm", "ln_f").items()},
-    **_wb("language_model.pooler.dense", "pooler"), **_wb("lm_head.dense", "lm_head.dense"),
-    **_wb("lm_head.layernorm", "lm_head.ln"), "lm_head.bias": "lm_head.bias", **_wb("binary_head", "sop_head")},
+BERT = Family("bert", "layers.{}.", {  # legacy (`language_model.`, lm_head.layernorm, lm_head.bias) and megatron-core
+    **{f"{prefix}embedding.{kind}_embeddings.weight": f"embeddings.{ours}.weight" for prefix in ("language_model.", "")
+       for kind, ours in (("word", "word"), ("position", "position"), ("tokentype", "tokentype"))},
+    **{k: v for stack in _STACKS for k, v in _wb(f"{stack}.final_layernorm", "ln_f").items()},
+    **_wb("language_model.pooler.dense", "pooler"), **_wb("pooler.dense", "pooler"),
+    **_wb("lm_head.dense", "lm_head.dense"), **_wb("lm_head.layernorm", "lm_head.ln"),
+    **_wb("lm_head.layer_norm", "lm_head.ln"), "lm_head.bias": "lm_head.bias", "output_layer.bias": "lm_head.bias",
+    **_wb("binary_head", "sop_head")},
     "embeddings.word.weight", "embeddings.position.weight")
 
 
 def family_of(state: dict) -> Family:
     """BERT when the last stage holds BERT's heads or the first its token-type embedding, else GPT."""
-    bert = ("lm_head.", "binary_head.", "language_model.pooler.", "language_model.embedding.tokentype_embeddings.")
+    bert = ("lm_head.", "binary_head.", "language_model.pooler.", "pooler.", "language_model.embedding.tokentype_",
+            "embedding.tokentype_", "encoder.layers.")
     return BERT if any(name.startswith(bert) for name in state) else GPT
 
 
@@ -217,7 +219,7 @@ def rename_stages(family: Family, stages: list[dict], where: str) -> tuple[dict,
         offset += len(layers)
     if unknown:
         raise MegatronFormatError(f"{where}: parameters our {family.name.upper()} has no counterpart for, "
-                                  f"{unknown[:6]}: a different architecture (or megatron-core's BERT, not read here)")
+                                  f"{unknown[:6]}: a different architecture")
     return ours, head, offset
 
 

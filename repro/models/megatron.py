@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from repro.models.config import ModelConfig
 from repro.models.megatron_files import MegatronFormatError, load_rank_file, locate, model_state
@@ -261,9 +262,13 @@ def read_megatron(path: str | Path, opts: ImportOptions | None = None) -> Megatr
         raise MegatronFormatError(f"{path}: the run was TP={saved[0]} x PP={saved[1]} but {found.tp * found.pp} rank "
                                   f"file(s) were found: give the whole checkpoint directory")
     shards, layers, family = [], None, None
+    progress = tqdm(total=found.tp * found.pp, desc="read rank files", unit="file", disable=found.tp * found.pp < 2)
     for t in range(found.tp):
-        stages = [model_state(first if (t, p) == (0, 0) else load_rank_file(found.files[t, p]), found.files[t, p])
-                  for p in range(found.pp)]
+        stages = []
+        for p in range(found.pp):
+            stages.append(model_state(first if (t, p) == (0, 0) else load_rank_file(found.files[t, p]),
+                                      found.files[t, p]))
+            progress.update()
         family = family or family_of({k: v for s in stages for k, v in s.items()})
         state, head, count = rename_stages(family, stages, str(found.files[t, 0].parent))
         if layers is not None and count != layers:
@@ -273,6 +278,7 @@ def read_megatron(path: str | Path, opts: ImportOptions | None = None) -> Megatr
             raise MegatronFormatError(f"{path}: the output layer's weight differs from the word embedding's: ours "
                                       "are tied, as GPT-2's, BERT's and Megatron-LM's default are")
         shards.append(state)
+    progress.close()
     cfg = model_config(family, args, shards[0], layers, found.tp, opts)
     _check_shapes(family, cfg, shards, found.tp)
     for state in shards:

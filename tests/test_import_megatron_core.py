@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,6 +119,28 @@ def _megatron_core_rank(root: str, tp: int) -> list:
     return logits[..., :VOCAB].tolist()
 
 
+def _megatron_core_loaded_rank(root: str, tp: int) -> list:
+    """A megatron-core GPT of the same shape loading this rank's file of `root` (an export-megatron
+    release) into its own parameters: the gathered logits of IDS."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = _config(tp)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=_padded(VOCAB, tp), max_sequence_length=SEQ,
+                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True).eval()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    saved = torch.load(f"{root}/release/mp_rank_{rank:02d}/model_optim_rng.pt", weights_only=False)
+    missing, unexpected = model.load_state_dict(saved["model"], strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    assert saved["checkpoint_version"] == 3.0 and saved["args"].tensor_model_parallel_size == tp
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        logits = _gather_vocab(model(IDS, torch.arange(SEQ).expand(2, SEQ), attention_mask=causal))
+    parallel_state.destroy_model_parallel()
+    return logits[..., :VOCAB].tolist()
+
+
 def _megatron_core_bert_rank(root: str, tp: int) -> tuple[list, list]:
     """Build, save and run a megatron-core BERT on this rank: gathered MLM logits and binary logits."""
     from megatron.core import parallel_state
@@ -134,6 +158,10 @@ def _megatron_core_bert_rank(root: str, tp: int) -> tuple[list, list]:
         mlm = _gather_vocab(mlm)
     parallel_state.destroy_model_parallel()
     return mlm[..., :BERT_VOCAB].tolist(), binary.tolist()
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "repro.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def _padded(vocab: int, tp: int) -> int:
@@ -170,3 +198,41 @@ def test_a_megatron_core_bert_imports_to_megatron_cores_own_logits(tmp_path, tp)
     mlm, binary = torch.tensor(mlm), torch.tensor(binary)
     assert (ours.mlm_logits[..., :BERT_VOCAB][real] - mlm[real]).abs().max() / mlm[real].abs().max() < 1e-5
     assert (ours.sop_logits - binary).abs().max() / binary.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_export_megatron_loads_into_megatron_core_with_the_same_logits(tmp_path, tp):
+    """megatron-core (TP=2) -> import-megatron -> export-megatron at `tp` -> megatron-core's own GPTModel
+    loads each rank's file (only its empty _extra_state entries absent) and gives the original logits;
+    importing the export again gives back the same tensors."""
+    reference = torch.tensor(run_ranks(_megatron_core_rank, 2, str(tmp_path / "megatron"), 2, timeout=240)[0])
+    rs.import_megatron(tmp_path / "megatron", tmp_path / "ck", tp=1)
+    proc = _cli("checkpoint", "export-megatron", str(tmp_path / "ck"), "--out", str(tmp_path / "exported"),
+                "--tp", str(tp))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    loaded = torch.tensor(run_ranks(_megatron_core_loaded_rank, tp, str(tmp_path / "exported"), tp, timeout=240)[0])
+    assert (loaded - reference).abs().max() / reference.abs().max() < 1e-5
+    rs.import_megatron(tmp_path / "exported", tmp_path / "again")
+    first = rs.load_full_model_state(ck.resolve(tmp_path / "ck"))[1]
+    again = rs.load_full_model_state(ck.resolve(tmp_path / "again"))[1]
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_export_megatron_refuses_what_it_cannot_write(tmp_path):
+    """A BERT checkpoint, a TP degree that does not divide the heads and an occupied --out are user
+    errors (exit 2, nothing written)."""
+    from test_import_megatron import _hf_model, write_megatron
+    from test_import_megatron_bert import _hf_bert, write_megatron_bert
+
+    write_megatron(tmp_path / "m", _hf_model())
+    rs.import_megatron(tmp_path / "m", tmp_path / "gpt")
+    write_megatron_bert(tmp_path / "mb", _hf_bert("gelu"))
+    rs.import_megatron(tmp_path / "mb", tmp_path / "bert")
+    for source, tp, words in (("bert", "1", "writes GPT only"), ("gpt", "3", "is not divisible by tp=3")):
+        proc = _cli("checkpoint", "export-megatron", str(tmp_path / source), "--out", str(tmp_path / "a"), "--tp", tp)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("mine")
+    proc = _cli("checkpoint", "export-megatron", str(tmp_path / "gpt"), "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "already exists" in proc.stderr and (tmp_path / "b" / "keep.txt").exists()
+    assert not (tmp_path / "a").exists()

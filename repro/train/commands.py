@@ -166,6 +166,15 @@ def _import_megatron(args) -> int:
     return 0
 
 
+def _export_megatron(args) -> int:
+    from repro.train.reshard import export_megatron
+
+    out = export_megatron(args.checkpoint, args.out, args.tp)
+    print(f"wrote {out} at tp={args.tp}: a Megatron-LM release checkpoint (torch format, megatron-core names); "
+          "load it with --load, --no-load-optim, --no-load-rng and the model arguments saved in it")
+    return 0
+
+
 def _wrap(fn):
     """Run a command handler, turning bad-input errors into repro.cli.UserError (exit 2)."""
     def run(args) -> int:
@@ -222,3 +231,9 @@ def register(sub) -> None:
     m.add_argument("--gelu", choices=("tanh", "erf"), default=None,
                    help="the GeLU form, where the checkpoint's arguments do not say it (default: from them, else tanh)")
     m.set_defaults(func=_wrap(_import_megatron))
+    x = csub.add_parser("export-megatron", help="write a GPT checkpoint as a Megatron-LM release checkpoint "
+                        "(torch format, megatron-core names) at a TP degree")
+    x.add_argument("checkpoint")
+    x.add_argument("--out", required=True, help="a new directory")
+    x.add_argument("--tp", type=int, default=1)
+    x.set_defaults(func=_wrap(_export_megatron))

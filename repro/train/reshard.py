@@ -210,6 +210,28 @@ def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, options=No
                            megatron.family)
 
 
+def export_megatron(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
+    """Write checkpoint `src`'s GPT (any saved TP degree) as a Megatron-LM `torch`-format release
+    checkpoint at TP degree `tp` into the new directory `dst` (`repro.models.megatron_export`), one
+    rank's tensors in memory at a time."""
+    from repro.models.megatron_export import megatron_vocab_rows, write_megatron_gpt
+
+    dst = Path(dst)
+    _check_new_dir(dst)
+    src = resolve(src)
+    meta = read_meta(src)
+    if meta.get("family", "gpt") != "gpt":
+        raise CheckpointError(f"{src} is a {meta['family']} checkpoint: export-megatron writes GPT only")
+    cfg = ModelConfig(**meta["model"])
+    cfg.validate(tp)
+    merged, rows = MergedModelState(src, meta), megatron_vocab_rows(cfg.vocab_size, tp)
+    with new_directory(dst) as tmp:
+        shards = ({name: shard_state({name: merged[name]}, merged.spec, rank, tp, rows)[name] for name in merged}
+                  for rank in range(tp))
+        write_megatron_gpt(tmp, shards, cfg, tp)
+    return dst
+
+
 def _write_imported(full: dict, cfg: ModelConfig, dst: Path, tp: int, provenance: dict, family: str = "gpt") -> Path:
     """Write full (TP=1, unpadded-vocab) weights as a model-only checkpoint at TP degree `tp`, atomically."""
     meta = {"format": FORMAT_VERSION, "family": family, "iteration": 0, "consumed_samples": 0, "zero_stage": 0,

@@ -15,7 +15,6 @@ import argparse
 import enum
 import io
 import random
-import subprocess
 import sys
 import types
 
@@ -29,7 +28,7 @@ from repro.parallel.groups import ProcessGroups
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
 from repro.train import reshard as rs
-from test_import_hf import IDS, VOCAB, _logits_worker  # GPT-2's vocabulary; the TP ranks' logits on IDS
+from test_import_hf import IDS, VOCAB, _cli, _logits_worker  # GPT-2's vocabulary; the TP ranks' logits on IDS
 
 LEGACY = {"ln_1": "input_layernorm", "attn.c_attn": "attention.query_key_value", "attn.c_proj": "attention.dense",
           "ln_2": "post_attention_layernorm", "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
@@ -179,11 +178,6 @@ def write_megatron(root, model, *, version=3.0, tp=1, pp=1, names=LEGACY, args=T
     if tracker:
         (root / "latest_checkpointed_iteration.txt").write_text("release" if release else "500")
     return root
-
-
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "repro.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
 
 def _logits(ckpt) -> torch.Tensor:

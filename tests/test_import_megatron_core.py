@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from repro.parallel.groups import ProcessGroups
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
 from repro.train import reshard as rs
+from test_import_hf import _cli
 
 VOCAB, BERT_VOCAB, SEQ = 50257, 30522, 16
 IDS = torch.arange(2 * SEQ).view(2, SEQ) * 997 % VOCAB
@@ -158,10 +157,6 @@ def _megatron_core_bert_rank(root: str, tp: int) -> tuple[list, list]:
         mlm = _gather_vocab(mlm)
     parallel_state.destroy_model_parallel()
     return mlm[..., :BERT_VOCAB].tolist(), binary.tolist()
-
-
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "repro.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def _padded(vocab: int, tp: int) -> int:

@@ -333,3 +333,15 @@ def test_zero_shot_table_names_megatron_weights_as_imported_from_megatron(hf, tm
     assert row["model"] == f"{source} (imported)" and row["label"] == "imported Megatron-LM weights, not trained here"
     assert row["provenance"].startswith(f"`repro checkpoint import-megatron {source}`")
     assert 0 <= row["lambada_acc"] <= 100
+
+
+def test_half_precision_weights_import_as_float32(tmp_path):
+    """An fp16 or bf16 run saves its model in that dtype: the import keeps those values, in float32."""
+    for dtype in (torch.float16, torch.bfloat16):
+        rounded = _hf_model().to(dtype)
+        write_megatron(tmp_path / str(dtype), rounded, tp=2)
+        rs.import_megatron(tmp_path / str(dtype), tmp_path / f"ck-{dtype}")
+        state = rs.load_full_model_state(ck.resolve(tmp_path / f"ck-{dtype}"))[1]
+        assert all(t.dtype == torch.float32 for t in state.values())
+        ref = _hf_logits(rounded.float())
+        assert (_logits(tmp_path / f"ck-{dtype}") - ref).abs().max() / ref.abs().max() < 1e-5

@@ -171,10 +171,11 @@ def _options(args) -> EvalOptions:
 
 def _handle(args) -> int:
     from repro.data.tokenizers import build_tokenizer
-    from repro.train.checkpoint import read_meta
+    from repro.train.checkpoint import read_meta, training_provenance
 
     opts, ckpt = _options(args), gpt_checkpoint(Path(args.checkpoint))
-    pg = process_groups(args.tp or default_eval_tp(read_meta(ckpt)))
+    meta = read_meta(ckpt)
+    pg = process_groups(args.tp or default_eval_tp(meta))
     out = _out_path(args.out, ckpt)
     model, run_id = load_gpt(ckpt, pg)
     runner = run_wikitext if args.task == "wikitext" else run_lambada
@@ -184,11 +185,10 @@ def _handle(args) -> int:
         raise UserError(str(err)) from err
     record.training_run_id, record.time = run_id, time.time()
     record.params["checkpoint"] = str(Path(args.checkpoint).resolve())
-    record.params["checkpoint_iteration"] = read_meta(ckpt).get("iteration", "?")  # a mid-training one ranks lower
-    imported = read_meta(ckpt).get("imported_from")
-    if imported:  # weights from `repro checkpoint import-hf/-megatron`: no training run (even inside a run's directory)
-        record.params["imported_from"], record.training_run_id = imported, None
-        record.params["imported_with"] = read_meta(ckpt).get("imported_with", "import-hf")
+    record.params["checkpoint_iteration"] = meta.get("iteration", "?")  # a mid-training one ranks lower
+    if meta.get("imported_from"):  # `repro checkpoint import-*` weights: no training run (even inside a run's dir)
+        record.params.update(training_provenance(ckpt))  # imported_from, imported_with
+        record.training_run_id = None
     if pg.rank == 0:
         print(format_table(record))
         write_json(record, out)

@@ -237,7 +237,7 @@ def run(args) -> int:
               "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
               "train_questions": len(splits["train"])}
     pretrained = _pretraining(args.checkpoint)
-    params.update({k: v for k, v in pretrained.items() if k in ("checkpoint_iteration", "imported_from", "imported_with")})
+    params.update({k: v for k, v in pretrained.items() if k != "training_run_id"})  # iteration or import source
     tags = {"task": "race", **{k: v for k, v in pretrained.items() if k == "training_run_id"}}
     # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
     logged = read_stopped_seed(Path(args.run_dir))  # launch.sh removes stopped_by_signal before each step

@@ -99,13 +99,14 @@ class MergedModelState(Mapping):
         return len(self.shards[0])
 
 
-def resharded_state(ckpt: Path, meta: dict, rank: int, tp: int) -> dict:
+def resharded_state(ckpt: Path, meta: dict, rank: int, tp: int, padded_vocab: int | None = None) -> dict:
     """TP rank `rank`'s state dict at degree `tp` from checkpoint `ckpt` saved at any TP degree, built
     one tensor at a time from memory-mapped shards: besides the result, at most one full tensor is in
     memory, two for the vocabulary rows (merged, then padded). An 8.3B model's ranks each hold their
-    slice, not the 33 GB fp32 model; the price is merging every tensor again for each rank."""
+    slice, not the 33 GB fp32 model; the price is merging every tensor again for each rank.
+    `padded_vocab`: the vocabulary rows to pad to, when not this project's (Megatron-LM's, say)."""
     merged = MergedModelState(ckpt, meta)
-    padded_vocab = ModelConfig(**meta["model"]).padded_vocab_size(tp)
+    padded_vocab = padded_vocab or ModelConfig(**meta["model"]).padded_vocab_size(tp)
     state = {}
     for name, full in merged.items():
         state.update(shard_state({name: full}, merged.spec, rank, tp, padded_vocab))
@@ -224,11 +225,9 @@ def export_megatron(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
         raise CheckpointError(f"{src} is a {meta['family']} checkpoint: export-megatron writes GPT only")
     cfg = ModelConfig(**meta["model"])
     cfg.validate(tp)
-    merged, rows = MergedModelState(src, meta), megatron_vocab_rows(cfg.vocab_size, tp)
+    rows = megatron_vocab_rows(cfg.vocab_size, tp)
     with new_directory(dst) as tmp:
-        shards = ({name: shard_state({name: merged[name]}, merged.spec, rank, tp, rows)[name] for name in merged}
-                  for rank in range(tp))
-        write_megatron_gpt(tmp, shards, cfg, tp)
+        write_megatron_gpt(tmp, (resharded_state(src, meta, rank, tp, rows) for rank in range(tp)), cfg, tp)
     return dst
 
 

@@ -37,10 +37,11 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n :
 test: setup data slurm-deps
 	REPRO_DATA_MIRROR="$${REPRO_DATA_MIRROR:-$(REPRO_DATA_DIR)}" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
-# The Slurm tests start a real single-node cluster (tests/slurm_cluster.py): Debian packages, root.
-SLURM_DEPS := slurmctld slurmd slurm-client munge shellcheck
+# The Slurm tests start a real single-node cluster (tests/slurm_cluster.py) and a two-node one whose
+# nodes live in network namespaces (tests/slurm_multinode.py, iproute2's `ip`): Debian packages, root.
+SLURM_DEPS := slurmctld slurmd slurm-client munge shellcheck iproute2
 slurm-deps:
-	@missing=; for b in slurmctld slurmd sbatch munged shellcheck; do \
+	@missing=; for b in slurmctld slurmd sbatch munged shellcheck ip; do \
 	  PATH="$$PATH:/usr/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

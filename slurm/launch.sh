@@ -212,6 +212,15 @@ smoke_corpus() {  # smoke_corpus gpt2|bert: sets SMOKE_DATA, the prefix of a sma
   ) 9>"$lock" || die "no smoke corpus at $SMOKE_DATA (the error is above): nothing launched"
 }
 
+smoke_tp() {  # smoke mode's TP degree: one node's task count when every node runs as many (TP inside
+  # a node, DP across nodes: the paper's layout), else every task of the job
+  if [[ "${SLURM_TASKS_PER_NODE:-}" =~ ^([0-9]+)(\(x[0-9]+\))?$ ]]; then
+    echo "${BASH_REMATCH[1]}"
+  else
+    echo "$SLURM_NTASKS"
+  fi
+}
+
 smoke_args() {  # the train arguments of smoke mode for the script's CONFIG: a tiny model of its family
   local config="$1" tokenizer=gpt2 tiny="$REPRO_ROOT/experiments/tiny/gpt_tiny.yaml"
   if [[ "$config" == */bert/* ]]; then
@@ -220,7 +229,7 @@ smoke_args() {  # the train arguments of smoke mode for the script's CONFIG: a t
   smoke_corpus "$tokenizer"
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
   TRAIN_ARGS=("$tiny" --set "name=smoke-${SLURM_JOB_NAME:-job}"
-    --set "parallel.tp=$SLURM_NTASKS" --set train.device=cpu --set "data.train_prefix=${SMOKE_DATA}_train"
+    --set "parallel.tp=$(smoke_tp)" --set train.device=cpu --set "data.train_prefix=${SMOKE_DATA}_train"
     --set "data.valid_prefix=${SMOKE_DATA}_valid" --set "data.cache_dir=$REPRO_RUN_DIR/cache"
     --set tracking.experiment=slurm-smoke --set "tracking.paper_ref=smoke test of $config")
 }

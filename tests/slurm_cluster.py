@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 
 from conftest import require
 
+ROOT = Path(__file__).resolve().parents[1]
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
 
 
@@ -60,8 +62,11 @@ def _sbin(name: str) -> str:
 class SlurmCluster:
     """Start with `start()` (or `with`), stop with `stop()`; `env()` is the environment for clients."""
 
+    controller_addr = "127.0.0.1"
+
     def __init__(self, root: Path) -> None:
         self.root, self.node = Path(root), _node_name()
+        self.nodes = [self.node]
         self.conf = self.root / "slurm.conf"
         self.munge_dir = Path(tempfile.mkdtemp(prefix="repro-munge-"))  # munged wants a path all may enter
         self.munge_dir.chmod(0o755)
@@ -82,13 +87,12 @@ class SlurmCluster:
         mem = max(1024, psutil.virtual_memory().total // 2**20 - 1024)
         r = self.root
         self.conf.write_text("\n".join([
-            "ClusterName=repro-test", f"SlurmctldHost={self.node}(127.0.0.1)", "SlurmUser=root",
+            "ClusterName=repro-test", f"SlurmctldHost={_node_name()}({self.controller_addr})", "SlurmUser=root",
             f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket},cred_expire=10",
-            f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool/%n",
-            f"SlurmctldPidFile={self.pid_files['slurmctld']}", f"SlurmdPidFile={self.pid_files['slurmd']}",
-            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd.log",
+            f"StateSaveLocation={r}/state", *self._slurmd_paths(),
+            f"SlurmctldPidFile={self.pid_files['slurmctld']}", f"SlurmctldLogFile={r}/log/slurmctld.log",
             f"PlugStackConfig={r}/plugstack.conf", "MailProg=/bin/true",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
@@ -96,8 +100,22 @@ class SlurmCluster:
             "SlurmdParameters=config_overrides", "ReturnToService=2", "MinJobAge=5",
             "SchedulerParameters=batch_sched_delay=0,bf_interval=1,sched_interval=1",  # a requeued job
             # waits out its BeginTime, then the main loop (default every 60 s) starts it
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={mem}",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP", ""]))
+            *self._node_lines(mem),
+            f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP", ""]))
+
+    def _slurmd_paths(self) -> list[str]:
+        r = self.root
+        return [f"SlurmdSpoolDir={r}/spool/%n", f"SlurmdPidFile={self.pid_files['slurmd']}",
+                f"SlurmdLogFile={r}/log/slurmd.log"]
+
+    def _node_lines(self, mem: int) -> list[str]:
+        return [f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={mem}"]
+
+    def _start_slurmds(self, env: dict[str, str]) -> None:
+        self._run([_sbin("slurmd"), "-f", str(self.conf), "-N", self.node], env)
+
+    def _slurmd_pid_files(self) -> list[Path]:
+        return [self.pid_files["slurmd"]]
 
     def start(self, timeout: float = 30) -> "SlurmCluster":
         """munged, slurmctld, slurmd; returns once the node is idle."""
@@ -109,8 +127,8 @@ class SlurmCluster:
                    f"--pid-file={self.pid_files['munged']}", f"--log-file={r}/log/munged.log",
                    f"--seed-file={r}/munge/munge.seed"], env)
         self._run([_sbin("slurmctld"), "-f", str(self.conf)], env)
-        self._run([_sbin("slurmd"), "-f", str(self.conf), "-N", self.node], env)
-        self._wait(lambda: self.node_state() == "idle", timeout, "the node to become idle")
+        self._start_slurmds(env)
+        self._wait(lambda: self.node_state() == "idle", timeout, f"the node(s) {self.nodes} to become idle")
         return self
 
     def _run(self, cmd: list[str], env: dict[str, str]) -> None:
@@ -120,9 +138,11 @@ class SlurmCluster:
             raise RuntimeError(f"{cmd[0]} failed to start: {out.stderr or out.stdout}; logs in {self.root}/log")
 
     def node_state(self) -> str:
-        out = subprocess.run(["sinfo", "-h", "-n", self.node, "-o", "%T"], env=self.env(),
+        """The nodes' state when they all share one (e.g. "idle"), else their states, sorted."""
+        out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(self.nodes), "-o", "%T"], env=self.env(),
                              capture_output=True, text=True)
-        return out.stdout.strip()
+        states = out.stdout.split()
+        return states[0] if len(states) == len(self.nodes) and len(set(states)) == 1 else " ".join(sorted(states))
 
     @staticmethod
     def _wait(cond, timeout: float, what: str, poll: float = 0.2) -> None:
@@ -185,8 +205,8 @@ class SlurmCluster:
                 self._wait(lambda: not self.client("squeue", "-h", check=False).strip(), timeout, "an empty queue")
             except TimeoutError:
                 pass  # the daemons go anyway; leftovers() reports what survived
-        for daemon in ("slurmd", "slurmctld", "munged"):
-            self._terminate(self.pid_files[daemon], timeout)
+        for pid_file in [*self._slurmd_pid_files(), self.pid_files["slurmctld"], self.pid_files["munged"]]:
+            self._terminate(pid_file, timeout)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 
     @staticmethod
@@ -208,6 +228,27 @@ class SlurmCluster:
 
     def __exit__(self, *_exc) -> None:
         self.stop()
+
+
+def activation() -> dict[str, str]:
+    """REPRO_ENV_ACTIVATE for the venv running the tests when it is not launch.sh's default, REPO/.venv
+    (`make test VENV=...`, e.g. a venv with your cluster's torch); empty otherwise, so the default is tested."""
+    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
+        return {}
+    return {"REPRO_ENV_ACTIVATE": str(Path(sys.prefix) / "bin" / "activate")}
+
+
+def job_site(cluster: SlurmCluster, data_dir: Path, root: Path) -> dict:
+    """Cluster settings the way a user gives them (variables), and a fresh MLflow store made once:
+    {"env", "runs", "uri", "out"}."""
+    import mlflow
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    mlflow.MlflowClient(uri).search_experiments()  # creates the store before any rank starts
+    env = cluster.env(REPRO_RUNS_DIR=str(root / "runs"), REPRO_DATA_DIR=str(data_dir),
+                      MLFLOW_TRACKING_URI=uri, REPRO_CLUSTER_ENV=str(root / "cluster.env"), **activation())
+    (root / "cluster.env").write_text("# the test passes everything as variables\n")
+    return {"env": env, "runs": root / "runs", "uri": uri, "out": root}
 
 
 @pytest.fixture(scope="session")

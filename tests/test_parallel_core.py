@@ -249,16 +249,6 @@ def test_gpu_index_follows_what_the_task_sees():
         cuda_index(5, 4)  # a NUMA-bound half of the node
 
 
-def test_tp_groups_spanning_hosts_are_found():
-    from repro.parallel.groups import tp_groups_across_hosts
-
-    block = ["a"] * 4 + ["b"] * 4  # srun's block distribution: TP=4 groups inside a node
-    assert tp_groups_across_hosts(block, ParallelDims(4, 2)) == []
-    cyclic = ["a", "b"] * 4  # cyclic: every TP group crosses the network
-    assert tp_groups_across_hosts(cyclic, ParallelDims(4, 2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert tp_groups_across_hosts(block, ParallelDims(8, 1)) == [list(range(8))]  # tp > GPUs per node
-
-
 def test_collective_timeout_is_configurable_and_checked():
     from repro.parallel.groups import collective_timeout_s
 

@@ -20,33 +20,17 @@ from pathlib import Path
 import pytest
 
 from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
-from slurm_cluster import SlurmCluster, require_slurm, slurm_cluster  # noqa: F401
+from slurm_cluster import SlurmCluster, activation, job_site, require_slurm, slurm_cluster  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 12  # smoke iterations; ~0.6 s each at TP=2 on a shared 2-core machine
 SMOKE = ["-p", "debug", "-N1", "-n2", "--gres=none"]
 
 
-def _activation() -> dict[str, str]:
-    """REPRO_ENV_ACTIVATE for the venv running the tests when it is not launch.sh's default, REPO/.venv
-    (`make test VENV=...`, e.g. a venv with your cluster's torch); empty otherwise, so the default is tested."""
-    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
-        return {}
-    return {"REPRO_ENV_ACTIVATE": str(Path(sys.prefix) / "bin" / "activate")}
-
-
 @pytest.fixture(scope="module")
 def site(slurm_cluster, data_dir, tmp_path_factory) -> dict:  # noqa: F811
     """Cluster settings the way a user gives them (variables), and a fresh MLflow store made once."""
-    import mlflow
-
-    root = tmp_path_factory.mktemp("site")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    mlflow.MlflowClient(uri).search_experiments()  # creates the store before any rank starts
-    env = slurm_cluster.env(REPRO_RUNS_DIR=str(root / "runs"), REPRO_DATA_DIR=str(data_dir),
-                            MLFLOW_TRACKING_URI=uri, REPRO_CLUSTER_ENV=str(root / "cluster.env"), **_activation())
-    (root / "cluster.env").write_text("# the test passes everything as variables\n")
-    return {"env": env, "runs": root / "runs", "uri": uri, "out": root}
+    return job_site(slurm_cluster, data_dir, tmp_path_factory.mktemp("site"))
 
 
 def _submit(cluster: SlurmCluster, site: dict, *args: str, env: dict | None = None) -> str:
@@ -167,7 +151,7 @@ def test_tasks_get_the_batch_environment_when_the_job_exports_only_its_settings(
     with only that variable and SLURM_*, and srun inherits that export setting, so without launch.sh's
     `srun --export=ALL` the tasks would lack the venv, MASTER_ADDR/PORT and REPRO_*: the run fails."""
     settings = tmp_path / "cluster.env"
-    venv = "".join(f"{k}={v}\n" for k, v in _activation().items())  # a venv elsewhere, as the user's file names it
+    venv = "".join(f"{k}={v}\n" for k, v in activation().items())  # a venv elsewhere, as the user's file names it
     settings.write_text(f"REPRO_RUNS_DIR={site['runs']}\nREPRO_DATA_DIR={site['env']['REPRO_DATA_DIR']}\n"
                         f"MLFLOW_TRACKING_URI={site['uri']}\n{venv}")
     job = _submit(slurm_cluster, site, f"--export=REPRO_CLUSTER_ENV={settings}", "slurm/scale_1b.sh", "--smoke",

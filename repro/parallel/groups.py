@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from repro.parallel.placement import Placement, gather_placement
 
 
 class LayoutError(ValueError):
@@ -89,6 +90,8 @@ class ProcessGroups:
     dp_group: dist.ProcessGroup | None = None
     world_group: dist.ProcessGroup | None = None
     """Every rank: agreement on a skipped step or a stop signal, checkpoint barriers."""
+    placement: Placement | None = None
+    """Every rank's host and local rank, once `init_distributed` has gathered them."""
 
     @classmethod
     def single(cls) -> "ProcessGroups":
@@ -246,25 +249,7 @@ def init_distributed(tp: int, backend: str | None = None, timeout_s: int | None 
             dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                                     rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     pg = build_process_groups(dims)
-    warn_tp_across_hosts(pg)
+    pg.placement = gather_placement(pg.world_group)
+    if pg.rank == 0 and (warning := pg.placement.warning(dims)):
+        warnings.warn(warning, stacklevel=2)
     return pg
-
-
-def tp_groups_across_hosts(hosts: list[str], dims: ParallelDims) -> list[list[int]]:
-    """The TP groups (rank lists) whose ranks are not all on one host, given each rank's host."""
-    return [ranks for ranks in dims.tp_groups() if len({hosts[r] for r in ranks}) > 1]
-
-
-def warn_tp_across_hosts(pg: ProcessGroups) -> None:
-    """Warn (rank 0) when a TP group spans hosts: its all-reduces would cross the network (ranks not
-    placed block-wise, or fewer GPUs per node than tp) and the run would be much slower."""
-    if pg.tp_size == 1 or pg.dims.world_size == 1:
-        return
-    hosts: list = [None] * pg.dims.world_size
-    dist.all_gather_object(hosts, socket.gethostname(), group=pg.world_group)
-    spanning = tp_groups_across_hosts(hosts, pg.dims)
-    if spanning and pg.rank == 0:
-        warnings.warn(f"{len(spanning)} TP group(s) span hosts, e.g. ranks {spanning[0]} on "
-                      f"{sorted({hosts[r] for r in spanning[0]})}: TP all-reduces will cross the network. "
-                      "Place each node's tasks block-wise (srun --distribution=block) with tp <= GPUs per node",
-                      stacklevel=2)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from repro.parallel.groups import ProcessGroups
+from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro.provenance import git_sha, write_atomic
@@ -207,12 +208,14 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
                           f"differ, so the losses follow an uninterrupted dp={meta['dp']} run closely, not exactly",
                           flush=True)
             _say_if_the_code_changed(meta, latest, pg.rank)
+        placement = pg.placement or gather_placement(pg.world_group)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))
         valid = _valid_loader(cfg, pg, eng.device.type)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
-        logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data)) if pg.rank == 0 else None
+        logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data), placement) \
+            if pg.rank == 0 else None
         if logger and meta:  # a hard kill after the checkpoint: its steps are logged already, and are redone
             logger.log_after_step = max((row.get("step", 0) for row in read_metrics(cfg.run_dir)), default=0)
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
@@ -293,17 +296,28 @@ def _say_finishing(cfg: RunConfig, saved: dict, rank: int) -> None:
               flush=True)
 
 
-def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str]) -> RunLogger:
+def placement_params(placement: Placement, eng: Engine) -> dict[str, str]:
+    """MLflow params: how many hosts the ranks ran on, and whether every TP group stayed inside one."""
+    return {"num_hosts": str(len(placement.ranks_by_host())),
+            "tp_groups_within_host": str(not placement.split_tp_groups(eng.pg.dims)).lower()}
+
+
+def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str], placement: Placement) -> RunLogger:
     all_tags = {"family": cfg.tracking.experiment, "paper_ref": cfg.tracking.paper_ref,
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), **tags}
     print(f" train data {cfg.data.train_prefix}: {int(data['data_train_tokens']):,} tokens, "
           f"{int(data['data_train_samples_per_epoch']):,} samples an epoch; {cfg.train.train_iters:,} iterations "
           f"of {cfg.train.global_batch_size} = {float(data['data_epochs']):.2f} epochs", flush=True)
-    logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name, {**run_params(cfg, eng), **data},
+    print(" " + placement.summary(eng.pg.dims), flush=True)  # (init_distributed warned of a TP group across hosts)
+    logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name,
+                       {**run_params(cfg, eng), **data, **placement_params(placement, eng)},
                        all_tags, use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id)
     config_path = Path(cfg.run_dir) / "config.yaml"
     write_atomic(config_path, to_yaml(cfg).encode())
     logger.log_artifact(config_path)
+    placement_path = Path(cfg.run_dir) / "placement.json"
+    write_atomic(placement_path, json.dumps(placement.as_dict(), indent=1).encode())
+    logger.log_artifact(placement_path)
     return logger
 
 

@@ -1,0 +1,117 @@
+"""Multi-node jobs on a real two-node Slurm cluster (tests/slurm_multinode.py: each node in its own
+network, host-name and mount namespace, one machine). A TP x DP script's smoke run on 2 nodes x 2
+tasks keeps each TP group inside a node and spreads DP over the nodes, meets at node1 by name,
+checkpoints on USR1, requeues and resumes to the same losses as the same config on 4 local
+processes; a TP group split over the two nodes trains too, and the trainer warns about it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
+from slurm_cluster import job_site
+from slurm_multinode import NamespacedSlurmCluster, require_namespaces
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERS = 16
+SCRIPT = "slurm/scale_8b_dp512.sh"  # Table 1's 8-way TP x 64-way DP script, at smoke size
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """node1 and node2; teardown fails if a process, namespace or bridge of theirs survives."""
+    require_namespaces()
+    cluster = NamespacedSlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2).start()
+    yield cluster
+    cluster.stop()
+    left, network = cluster.leftovers(), cluster.network_left()
+    assert not left and not network, f"left after stopping the cluster: {[(p.pid, p.name()) for p in left]}, {network}"
+
+
+@pytest.fixture(scope="module")
+def site(two_nodes, data_dir, tmp_path_factory) -> dict:  # noqa: F811
+    return job_site(two_nodes, data_dir, tmp_path_factory.mktemp("site2"))
+
+
+def _submit(cluster: NamespacedSlurmCluster, site: dict, layout: list[str], *args: str) -> str:
+    return cluster.sbatch(["-p", "debug", *layout, "--gres=none", "-o", str(site["out"] / "job-%j.out"),
+                           SCRIPT, "--smoke", *args], env=site["env"], cwd=ROOT)
+
+
+def _output(site: dict, job: str) -> str:
+    files = [site["out"] / f"job-{job}.out", *sorted(site["runs"].glob(f"*-{job}/logs/*.out"))]
+    return "\n".join(p.read_text() for p in files if p.exists())
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _params(site: dict, job: str) -> dict[str, str]:
+    import mlflow
+
+    client = mlflow.MlflowClient(site["uri"])
+    runs = client.search_runs([client.get_experiment_by_name("slurm-smoke").experiment_id],
+                              f"params.slurm_job_id = '{job}'")
+    assert len(runs) == 1, _output(site, job)
+    return runs[0].data.params
+
+
+def _local_reference(config: Path, nproc: int, out: Path) -> list[tuple[int, float]]:
+    """The job's own resolved config trained by `repro train --nproc` on this host, without Slurm."""
+    cmd = [sys.executable, "-m", "repro.cli", "train", str(config), "--nproc", str(nproc),
+           "--set", f"run_dir={out}", "--set", "tracking.enabled=false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return _losses(out)
+
+
+def test_tp_inside_nodes_dp_across_them_requeues_and_resumes_like_one_host(two_nodes, site, tmp_path):
+    """2 nodes x 2 tasks: smoke TP = one node's tasks, so TP=2 inside each node and DP=2 across; rank
+    0 listens on node1, found by name; ranks 2 and 3 run on node2 as its local ranks 0 and 1. USR1
+    mid-run: checkpoint, requeue, resume. Every step's loss equals that of the same config on 4 local
+    processes, bit for bit (gloo reduces 2 ranks the same way over a network as over loopback)."""
+    job = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=2"], "--set", f"train.train_iters={ITERS}")
+    run_dir = site["runs"] / f"scale_8b_dp512-{job}"
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and two_nodes.job(job).get("JobState") != "FAILED", _output(site, job)
+        time.sleep(0.2)
+    two_nodes.client("scancel", "--batch", "--signal=USR1", job)
+    record = two_nodes.wait_job(job, timeout=400)
+    out = _output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    assert record["NodeList"] == "node[1-2]" and record["Restarts"] == "1" and "requeueing job" in out, out
+    assert "rank-0 rendezvous node1:" in out and "UserWarning: TP group" not in out, out
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert placement["hosts"] == ["node1", "node1", "node2", "node2"], placement
+    assert placement["local_ranks"] == [0, 1, 0, 1], placement
+    params = _params(site, job)
+    assert {k: params[k] for k in ("tp", "dp", "world_size", "num_hosts", "tp_groups_within_host")} == \
+        {"tp": "2", "dp": "2", "world_size": "4", "num_hosts": "2", "tp_groups_within_host": "true"}
+    losses = _losses(run_dir)
+    assert [s for s, _ in losses] == list(range(1, ITERS + 1)), out
+    assert losses == _local_reference(run_dir / "config.yaml", 4, tmp_path / "local")
+
+
+def test_a_tp_group_split_over_two_nodes_trains_and_is_warned_about(two_nodes, site):
+    """1 task per node with parallel.tp=2: the TP all-reduces cross the (virtual) network. It trains,
+    and the trainer names the split group, its hosts and the fix, and logs tp_groups_within_host=false."""
+    job = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=1"], "--set", "train.train_iters=2",
+                  "--set", "parallel.tp=2")
+    record = two_nodes.wait_job(job, timeout=300)
+    out = _output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    assert "UserWarning: TP group [0, 1] runs on 2 hosts (node1, node2)" in out, out
+    assert "--ntasks-per-node=K, K a multiple of 2" in out, out
+    placement = json.loads((site["runs"] / f"scale_8b_dp512-{job}" / "placement.json").read_text())
+    assert placement["hosts"] == ["node1", "node2"] and placement["local_ranks"] == [0, 0], placement
+    params = _params(site, job)
+    assert (params["tp"], params["dp"], params["num_hosts"], params["tp_groups_within_host"]) == ("2", "1", "2", "false")

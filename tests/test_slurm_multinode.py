@@ -2,11 +2,13 @@
 network, host-name and mount namespace, one machine). A TP x DP script's smoke run on 2 nodes x 2
 tasks keeps each TP group inside a node and spreads DP over the nodes, meets at node1 by name,
 checkpoints on USR1, requeues and resumes to the same losses as the same config on 4 local
-processes; a TP group split over the two nodes trains too, and the trainer warns about it."""
+processes; a TP group split over the two nodes trains too, and the trainer warns about it;
+slurm/selftest.sh checks every layout of the 4 ranks against the serial model across the nodes."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -39,9 +41,9 @@ def site(two_nodes, data_dir, tmp_path_factory) -> dict:  # noqa: F811
     return job_site(two_nodes, data_dir, tmp_path_factory.mktemp("site2"))
 
 
-def _submit(cluster: NamespacedSlurmCluster, site: dict, layout: list[str], *args: str) -> str:
+def _submit(cluster: NamespacedSlurmCluster, site: dict, layout: list[str], *args: str, script: str = SCRIPT) -> str:
     return cluster.sbatch(["-p", "debug", *layout, "--gres=none", "-o", str(site["out"] / "job-%j.out"),
-                           SCRIPT, "--smoke", *args], env=site["env"], cwd=ROOT)
+                           script, "--smoke", *args], env=site["env"], cwd=ROOT)
 
 
 def _output(site: dict, job: str) -> str:
@@ -115,3 +117,17 @@ def test_a_tp_group_split_over_two_nodes_trains_and_is_warned_about(two_nodes, s
     assert placement["hosts"] == ["node1", "node2"] and placement["local_ranks"] == [0, 0], placement
     params = _params(site, job)
     assert (params["tp"], params["dp"], params["num_hosts"], params["tp_groups_within_host"]) == ("2", "1", "2", "false")
+
+
+def test_selftest_script_checks_every_layout_across_the_nodes(two_nodes, site):
+    """slurm/selftest.sh --smoke on 2 nodes x 2 tasks: every (tp, dp) of 4 ranks reproduces the serial
+    model (the DP groups of tp=1 and tp=2, and tp=4's TP group, span the nodes); the job's log names
+    where the ranks ran and holds the table."""
+    job = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=2"], script="slurm/selftest.sh")
+    record = two_nodes.wait_job(job, timeout=300)
+    out = _output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    assert "placement: 2 host(s); node1: ranks 0,1; node2: ranks 2,3" in out, out
+    assert "repro selftest: 4 ranks, gloo" in out and "tp=4: collectives == 2L fwd + 2L bwd" in out, out
+    passed = re.search(r"(\d+)/(\d+) checks passed", out)
+    assert passed and passed.group(1) == passed.group(2) and int(passed.group(2)) >= 30, out

@@ -39,14 +39,17 @@ class Placement:
         """The TP groups whose ranks run on more than one host."""
         return [ranks for ranks in dims.tp_groups() if len({self.hosts[r] for r in ranks}) > 1]
 
+    def hosts_line(self) -> str:
+        """'2 host(s); node1: ranks 0,1; node2: ranks 2,3'."""
+        by_host = self.ranks_by_host()
+        return f"{len(by_host)} host(s); " + "; ".join(f"{host}: ranks {_span(r)}" for host, r in by_host.items())
+
     def summary(self, dims: ParallelDims) -> str:
         """One line: hosts and their ranks, and whether the TP groups stay inside hosts."""
-        by_host = self.ranks_by_host()
-        hosts = "; ".join(f"{host}: ranks {_span(ranks)}" for host, ranks in by_host.items())
         split = self.split_tp_groups(dims)
         verdict = (f"every TP group (tp={dims.tp}) inside one host" if not split
                    else f"{len(split)} of {dims.dp} TP groups span hosts")
-        return f"placement: {len(by_host)} host(s); {hosts}; {verdict}"
+        return f"placement: {self.hosts_line()}; {verdict}"
 
     def warning(self, dims: ParallelDims) -> str | None:
         """What to change when a TP group spans hosts; None when none does."""

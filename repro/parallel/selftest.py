@@ -82,6 +82,8 @@ def _run(args) -> int:
 
         torch.set_num_threads(1)
         pg = init_distributed(tp=1)
+        if pg.rank == 0:
+            print(f"placement: {pg.placement.hosts_line()}", flush=True)
         rows = rank_main(pg.dims.world_size)
         gathered = [None] * pg.dims.world_size
         dist.all_gather_object(gathered, rows)

@@ -238,15 +238,17 @@ def activation() -> dict[str, str]:
     return {"REPRO_ENV_ACTIVATE": str(Path(sys.prefix) / "bin" / "activate")}
 
 
-def job_site(cluster: SlurmCluster, data_dir: Path, root: Path) -> dict:
-    """Cluster settings the way a user gives them (variables), and a fresh MLflow store made once:
-    {"env", "runs", "uri", "out"}."""
+def job_site(cluster: SlurmCluster, data_dir: Path, root: Path, jobs_uri: str = "", uri: str = "") -> dict:
+    """Cluster settings the way a user gives them (variables): {"env", "runs", "uri", "out"}. The jobs
+    track to `jobs_uri` and the tests read `uri` (a server's names for each); by default both are a
+    fresh sqlite store, made once here."""
     import mlflow
 
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    mlflow.MlflowClient(uri).search_experiments()  # creates the store before any rank starts
+    if not jobs_uri:
+        jobs_uri = uri = f"sqlite:///{root / 'mlflow.db'}"
+        mlflow.MlflowClient(uri).search_experiments()  # creates the store before any rank starts
     env = cluster.env(REPRO_RUNS_DIR=str(root / "runs"), REPRO_DATA_DIR=str(data_dir),
-                      MLFLOW_TRACKING_URI=uri, REPRO_CLUSTER_ENV=str(root / "cluster.env"), **activation())
+                      MLFLOW_TRACKING_URI=jobs_uri, REPRO_CLUSTER_ENV=str(root / "cluster.env"), **activation())
     (root / "cluster.env").write_text("# the test passes everything as variables\n")
     return {"env": env, "runs": root / "runs", "uri": uri, "out": root}
 

@@ -50,8 +50,11 @@ def _free_subnet() -> ipaddress.IPv4Network:
 class NamespacedSlurmCluster(SlurmCluster):
     """SlurmCluster with `nodes` nodes, each in its own namespaces (see the module docstring)."""
 
-    def __init__(self, root: Path, nodes: int = 2) -> None:
+    def __init__(self, root: Path, nodes: int = 2, login_names: tuple[str, ...] = ("login",)) -> None:
+        """`login_names`: more names the nodes resolve to the controller's address (the machine that
+        runs slurmctld and the tests, as a login node would), e.g. for an MLflow server there."""
         super().__init__(root)
+        self.login_names = login_names
         self.tag = f"{os.getpid() % 100000:05d}{random.randrange(100):02d}"
         self.nodes = [f"node{i + 1}" for i in range(nodes)]
         self.subnet = _free_subnet()
@@ -94,7 +97,7 @@ class NamespacedSlurmCluster(SlurmCluster):
         ip("link", "set", self.bridge, "up")
         names = "\n".join(f"{addr} {node}" for node, addr in self.addrs.items())
         (self.root / "nodes").mkdir(parents=True, exist_ok=True)
-        (self.root / "nodes" / "hosts").write_text(f"127.0.0.1 localhost\n{self.controller_addr} {_node_name()}\n{names}\n")
+        (self.root / "nodes" / "hosts").write_text(f"127.0.0.1 localhost\n{self.controller_addr} {' '.join([_node_name(), *self.login_names])}\n{names}\n")
         for i, node in enumerate(self.nodes):
             ns, veth = self.netns[node], f"rsv{self.tag}{i}"
             ip("netns", "add", ns)

@@ -3,7 +3,9 @@ network, host-name and mount namespace, one machine). A TP x DP script's smoke r
 tasks keeps each TP group inside a node and spreads DP over the nodes, meets at node1 by name,
 checkpoints on USR1, requeues and resumes to the same losses as the same config on 4 local
 processes; a TP group split over the two nodes trains too, and the trainer warns about it;
-slurm/selftest.sh checks every layout of the 4 ranks against the serial model across the nodes."""
+slurm/selftest.sh checks every layout of the 4 ranks against the serial model across the nodes.
+The jobs track to a real MLflow server on the login node (the machine running slurmctld), which
+the nodes reach by name; one it refuses costs no metric."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
+from mlflow_server import MlflowServer
 from slurm_cluster import job_site
 from slurm_multinode import NamespacedSlurmCluster, require_namespaces
 
@@ -29,7 +32,7 @@ SCRIPT = "slurm/scale_8b_dp512.sh"  # Table 1's 8-way TP x 64-way DP script, at 
 def two_nodes(tmp_path_factory):
     """node1 and node2; teardown fails if a process, namespace or bridge of theirs survives."""
     require_namespaces()
-    cluster = NamespacedSlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2).start()
+    cluster = NamespacedSlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2, login_names=("login", "login2")).start()
     yield cluster
     cluster.stop()
     left, network = cluster.leftovers(), cluster.network_left()
@@ -37,13 +40,24 @@ def two_nodes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def site(two_nodes, data_dir, tmp_path_factory) -> dict:  # noqa: F811
-    return job_site(two_nodes, data_dir, tmp_path_factory.mktemp("site2"))
+def tracking_server(two_nodes, tmp_path_factory):
+    """An MLflow server on the machine that runs slurmctld (the login node), which the nodes name
+    `login`; admitted Host names: login and 127.0.0.1 (the tests' own client), not login2."""
+    with MlflowServer(tmp_path_factory.mktemp("mlflow-server"), allowed_hosts=["login"]) as server:
+        yield server
 
 
-def _submit(cluster: NamespacedSlurmCluster, site: dict, layout: list[str], *args: str, script: str = SCRIPT) -> str:
+@pytest.fixture(scope="module")
+def site(two_nodes, tracking_server, data_dir, tmp_path_factory) -> dict:  # noqa: F811
+    """The jobs track to http://login:PORT from the compute nodes, as a cluster's jobs would."""
+    return job_site(two_nodes, data_dir, tmp_path_factory.mktemp("site2"), jobs_uri=tracking_server.uri("login"),
+                    uri=tracking_server.local_uri)
+
+
+def _submit(cluster: NamespacedSlurmCluster, site: dict, layout: list[str], *args: str, script: str = SCRIPT,
+            env: dict | None = None) -> str:
     return cluster.sbatch(["-p", "debug", *layout, "--gres=none", "-o", str(site["out"] / "job-%j.out"),
-                           script, "--smoke", *args], env=site["env"], cwd=ROOT)
+                           script, "--smoke", *args], env=env or site["env"], cwd=ROOT)
 
 
 def _output(site: dict, job: str) -> str:
@@ -56,14 +70,15 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def _params(site: dict, job: str) -> dict[str, str]:
+def _run(site: dict, job: str):
+    """The job's MLflow run, read from the tracking server."""
     import mlflow
 
     client = mlflow.MlflowClient(site["uri"])
     runs = client.search_runs([client.get_experiment_by_name("slurm-smoke").experiment_id],
                               f"params.slurm_job_id = '{job}'")
     assert len(runs) == 1, _output(site, job)
-    return runs[0].data.params
+    return runs[0]
 
 
 def _local_reference(config: Path, nproc: int, out: Path) -> list[tuple[int, float]]:
@@ -95,9 +110,16 @@ def test_tp_inside_nodes_dp_across_them_requeues_and_resumes_like_one_host(two_n
     placement = json.loads((run_dir / "placement.json").read_text())
     assert placement["hosts"] == ["node1", "node1", "node2", "node2"], placement
     assert placement["local_ranks"] == [0, 1, 0, 1], placement
-    params = _params(site, job)
-    assert {k: params[k] for k in ("tp", "dp", "world_size", "num_hosts", "tp_groups_within_host")} == \
+    run = _run(site, job)  # one run over both pieces, reopened over HTTP from node1
+    assert {k: run.data.params[k] for k in ("tp", "dp", "world_size", "num_hosts", "tp_groups_within_host")} == \
         {"tp": "2", "dp": "2", "world_size": "4", "num_hosts": "2", "tp_groups_within_host": "true"}
+    assert run.info.status == "FINISHED" and run.info.run_id == (run_dir / "mlflow_run_id").read_text()
+    import mlflow
+
+    client = mlflow.MlflowClient(site["uri"])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, ITERS + 1))
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}  # uploaded through the server
+    assert {"config.yaml", "placement.json", "final_metrics.json"} <= artifacts, artifacts
     losses = _losses(run_dir)
     assert [s for s, _ in losses] == list(range(1, ITERS + 1)), out
     assert losses == _local_reference(run_dir / "config.yaml", 4, tmp_path / "local")
@@ -115,7 +137,7 @@ def test_a_tp_group_split_over_two_nodes_trains_and_is_warned_about(two_nodes, s
     assert "--ntasks-per-node=K, K a multiple of 2" in out, out
     placement = json.loads((site["runs"] / f"scale_8b_dp512-{job}" / "placement.json").read_text())
     assert placement["hosts"] == ["node1", "node2"] and placement["local_ranks"] == [0, 0], placement
-    params = _params(site, job)
+    params = _run(site, job).data.params
     assert (params["tp"], params["dp"], params["num_hosts"], params["tp_groups_within_host"]) == ("2", "1", "2", "false")
 
 
@@ -131,3 +153,28 @@ def test_selftest_script_checks_every_layout_across_the_nodes(two_nodes, site):
     assert "repro selftest: 4 ranks, gloo" in out and "tp=4: collectives == 2L fwd + 2L bwd" in out, out
     passed = re.search(r"(\d+)/(\d+) checks passed", out)
     assert passed and passed.group(1) == passed.group(2) and int(passed.group(2)) >= 30, out
+
+
+def test_a_server_refusing_the_login_name_costs_no_metric(two_nodes, site, tracking_server):
+    """MLFLOW_TRACKING_URI=http://login2:PORT, a name the server was not given (MLflow 3 answers 403
+    "Invalid Host header"): the check before launch warns, naming `--allowed-hosts login2:PORT`; the
+    job trains all the same into metrics.jsonl; `repro tracking sync` from the login node uploads it."""
+    import mlflow
+
+    env = {**site["env"], "MLFLOW_TRACKING_URI": tracking_server.uri("login2")}
+    job = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=1"], "--set", "train.train_iters=3", env=env)
+    record = two_nodes.wait_job(job, timeout=300)
+    out = _output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    assert f"WARNING: the MLflow server at {tracking_server.uri('login2')} did not answer" in out, out
+    assert out.count(f"mlflow server --allowed-hosts login2:{tracking_server.port}") >= 2, out  # check, then trainer
+    run_dir = site["runs"] / f"scale_8b_dp512-{job}"
+    assert [s for s, _ in _losses(run_dir)] == [1, 2, 3] and not (run_dir / "mlflow_run_id").exists()
+    sync = subprocess.run([sys.executable, "-m", "repro.cli", "tracking", "sync", str(run_dir)], cwd=ROOT,
+                          env={**site["env"], "MLFLOW_TRACKING_URI": tracking_server.local_uri},
+                          capture_output=True, text=True, timeout=300)
+    assert sync.returncode == 0, sync.stdout + sync.stderr
+    run = mlflow.MlflowClient(site["uri"]).get_run((run_dir / "mlflow_run_id").read_text())
+    assert (run.data.params["num_hosts"], run.data.params["slurm_job_id"], run.info.status) == ("2", job, "FINISHED")
+    history = mlflow.MlflowClient(site["uri"]).get_metric_history(run.info.run_id, "loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == _losses(run_dir)

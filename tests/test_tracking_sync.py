@@ -168,3 +168,18 @@ def test_the_login_node_reads_the_store_the_cluster_settings_give_the_jobs(tmp_p
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     (tmp_path / "cluster.env").write_text("REPRO_RUNS_DIR=/shared/runs\n")
     assert default_tracking_uri().endswith("/mlruns/mlflow.db")
+
+
+def test_the_check_before_launch_asks_a_server_once_and_names_the_fix(tmp_path):
+    """probe_tracking_server: nothing to ask of a sqlite store; a server that does not answer is
+    reported with what it said; MLflow 3's refusal of an unknown Host name comes with the fix (the
+    real refusal, from a real server, is in tests/test_slurm_multinode.py)."""
+    from repro.tracking.store import probe_tracking_server, tracking_hint
+
+    assert probe_tracking_server(f"sqlite:///{tmp_path / 'mlflow.db'}") is None
+    problem = probe_tracking_server(UNREACHABLE)
+    assert problem.startswith(f"the MLflow server at {UNREACHABLE} did not answer (") and "--allowed-hosts" not in problem
+    assert "`repro tracking sync RUN_DIR` uploads it later" in problem
+    refused = RuntimeError("... 403 != 200. Response body: 'Invalid Host header - possible DNS rebinding attack detected'")
+    assert "`mlflow server --allowed-hosts login01:5000 ...`" in tracking_hint(refused, "http://login01:5000")
+    assert tracking_hint(ConnectionError("refused"), "http://login01:5000") == ""

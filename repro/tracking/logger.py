@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.tracking.store import default_tracking_uri, experiment_id
+from repro.tracking.store import default_tracking_uri, experiment_id, tracking_hint
 
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
 
@@ -104,9 +104,9 @@ class RunLogger:
 
     def _disable(self, err: Exception) -> None:
         """No run to log into (the store could not create or reopen it): metrics.jsonl only."""
-        warnings.warn(f"MLflow tracking unavailable ({type(err).__name__}: {str(err)[:200]}); "
-                      f"metrics continue in {self.metrics_path}; upload later with "
-                      f"`repro tracking sync {self.run_dir}`", stacklevel=3)
+        warnings.warn(f"MLflow tracking unavailable ({type(err).__name__}: {str(err)[:200]}).{tracking_hint(err, default_tracking_uri())}"
+                      f" Metrics continue in {self.metrics_path}; upload later with `repro tracking sync {self.run_dir}`",
+                      stacklevel=3)
         self._client = None
 
     def _pause(self, err: Exception) -> None:

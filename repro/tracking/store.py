@@ -42,6 +42,38 @@ def cluster_env_tracking_uri() -> str | None:
         return None
 
 
+def tracking_hint(err: Exception, uri: str) -> str:
+    """The fix for a tracking failure whose cause is known ('' otherwise). MLflow 3's server accepts
+    only localhost and private IP addresses in the Host header unless told others: a compute node
+    that names the login node (http://login01:5000) is refused with 403 "Invalid Host header"."""
+    from urllib.parse import urlsplit
+
+    if "Invalid Host header" in str(err):
+        netloc = urlsplit(uri).netloc
+        return (f" The server refuses the host name in MLFLOW_TRACKING_URI={uri}: start it with "
+                f"`mlflow server --allowed-hosts {netloc} ...` (MLflow 3 allows only localhost and private IP "
+                "addresses unless told), or name it by its IP address.")
+    return ""
+
+
+def probe_tracking_server(uri: str) -> str | None:
+    """None when `uri` is not a server or answers a search; else what went wrong and how to fix it,
+    for a warning before the ranks start (training goes on without it, into metrics.jsonl)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    from mlflow import MlflowClient
+
+    from repro.tracking.logger import quiet_http_retries
+
+    quiet_http_retries()
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as err:  # noqa: BLE001  (any failure is reported, none stops the job)
+        return (f"the MLflow server at {uri} did not answer ({type(err).__name__}: {str(err)[:300]}).{tracking_hint(err, uri)}"
+                f" Training goes on, logging to RUN_DIR/metrics.jsonl; `repro tracking sync RUN_DIR` uploads it later.")
+    return None
+
+
 def experiment_id(client, name: str) -> str:
     """The id of experiment `name` in the client's store, created (artifacts as below) when absent."""
     found = client.get_experiment_by_name(name)

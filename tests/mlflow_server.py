@@ -1,0 +1,82 @@
+"""A real MLflow tracking server for tests: `mlflow server` on a free port, a sqlite backend and
+artifacts proxied through it (`mlflow-artifacts:/`), as a site runs one on a login node.
+
+    with MlflowServer(tmp_path, allowed_hosts=["login"]) as server:
+        server.uri("login")          # http://login:PORT, for clients that resolve `login` to this machine
+        server.local_uri             # http://127.0.0.1:PORT
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """Listens on every address; MLflow's Host-header check admits 127.0.0.1 and `allowed_hosts`."""
+
+    def __init__(self, root: Path, allowed_hosts: list[str] = ()) -> None:
+        self.root, self.port = Path(root), _free_port()
+        self.allowed = [f"{host}:{self.port}" for host in ("127.0.0.1", *allowed_hosts)]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def local_uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def uri(self, host: str) -> str:
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 90) -> "MlflowServer":
+        self.root.mkdir(parents=True, exist_ok=True)
+        cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "0.0.0.0", "--port", str(self.port),
+               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+               "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1",
+               "--allowed-hosts", ",".join(self.allowed)]
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        with open(self.root / "server.log", "wb") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mlflow server did not start: {(self.root / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.local_uri}/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """TERM the server's process group (uvicorn and its worker), KILL it after 20 s."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()

@@ -178,3 +178,37 @@ def test_a_server_refusing_the_login_name_costs_no_metric(two_nodes, site, track
     assert (run.data.params["num_hosts"], run.data.params["slurm_job_id"], run.info.status) == ("2", job, "FINISHED")
     history = mlflow.MlflowClient(site["uri"]).get_metric_history(run.info.run_id, "loss")
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == _losses(run_dir)
+
+
+def _rank_process(cluster: NamespacedSlurmCluster, rank: int):
+    """The training process of global rank `rank` (a task of this cluster whose RANK it is)."""
+    for proc in cluster.leftovers():
+        try:
+            env, cmdline = proc.environ(), " ".join(proc.cmdline())
+        except Exception:  # noqa: BLE001  (gone meanwhile)
+            continue
+        if env.get("RANK") == str(rank) and "repro" in cmdline and " train " in f" {cmdline} ":
+            return proc
+    return None
+
+
+def test_a_rank_killed_on_node2_ends_the_whole_job_at_once(two_nodes, site):
+    """SIGKILL to rank 3 (node2) mid-run, as the OOM killer would: srun's --kill-on-bad-exit ends the
+    other three ranks at once instead of leaving them in a collective until its timeout (600 s), the
+    job fails without a requeue, and the log names the node and task."""
+    job = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=2"], "--set", "train.train_iters=100000")
+    run_dir = site["runs"] / f"scale_8b_dp512-{job}"
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, _output(site, job)
+        time.sleep(0.2)
+    victim = _rank_process(two_nodes, 3)
+    assert victim is not None, _output(site, job)
+    victim.kill()
+    killed_at = time.monotonic()
+    record = two_nodes.wait_job(job, timeout=120)
+    out = _output(site, job)
+    assert record["JobState"] == "FAILED" and record["Restarts"] == "0", out
+    assert time.monotonic() - killed_at < 60, out
+    assert "node2: task 3: Killed" in out and "requeueing" not in out, out
+    assert not [rank for rank in range(4) if _rank_process(two_nodes, rank)], out

@@ -97,7 +97,8 @@ class NamespacedSlurmCluster(SlurmCluster):
         ip("link", "set", self.bridge, "up")
         names = "\n".join(f"{addr} {node}" for node, addr in self.addrs.items())
         (self.root / "nodes").mkdir(parents=True, exist_ok=True)
-        (self.root / "nodes" / "hosts").write_text(f"127.0.0.1 localhost\n{self.controller_addr} {' '.join([_node_name(), *self.login_names])}\n{names}\n")
+        login = " ".join([_node_name(), *self.login_names])
+        (self.root / "nodes" / "hosts").write_text(f"127.0.0.1 localhost\n{self.controller_addr} {login}\n{names}\n")
         for i, node in enumerate(self.nodes):
             ns, veth = self.netns[node], f"rsv{self.tag}{i}"
             ip("netns", "add", ns)

@@ -218,13 +218,14 @@ def test_plan_says_what_does_not_fit_and_how_to_fix_it(capsys):
 
 
 def test_plan_json_matches_the_memory_model(capsys):
-    from repro.perf.plan import CLUSTERS, plan
+    from repro.perf.clusters import BUILT_IN
+    from repro.perf.plan import plan
     from repro.train.config import load_config
 
     config = str(ROOT / "experiments/scaling/scale_1b_dp64.yaml")
     assert main(["plan", config, "--json"]) == 0  # the GPU count from slurm/scale_1b_dp64.sh
     data = json.loads(capsys.readouterr().out)
-    expected = plan(load_config(config), 64, CLUSTERS["h200"])
+    expected = plan(load_config(config), 64, BUILT_IN["h200"])
     assert data["gpus"] == 64 and data["memory_bytes"]["peak"] == expected.memory.peak
     assert data["time"]["iteration_s"] == pytest.approx(expected.time.iteration_s)
 

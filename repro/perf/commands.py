@@ -17,13 +17,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_bench)
     s = sub.add_parser("scaling-model", help="predict Table 1's weak-scaling efficiency on a described cluster")
     s.add_argument("--out", type=Path, default=Path("results/scaling_model"))
+    s.add_argument("--cluster", action="append", default=None, metavar="NAME|FILE",
+                   help="dgx2h, h200, or a cluster YAML (slurm/clusters/*.yaml); repeatable (default: dgx2h and h200)")
     s.set_defaults(func=_scaling)
     pl = sub.add_parser("plan", help="memory per GPU and time to train of a config on a cluster, before launch")
     pl.add_argument("config", type=Path, nargs="?", help="a training config (or --paper)")
     pl.add_argument("--gpus", type=int, default=None,
                     help="GPUs of the run (default: what the slurm/ script running this config asks for)")
-    pl.add_argument("--cluster", choices=("dgx2h", "h200"), default="h200",
-                    help="dgx2h: the paper's V100 32 GB servers; h200: 8x H200 nodes (default)")
+    pl.add_argument("--cluster", default=None, metavar="NAME|FILE",
+                    help="dgx2h: the paper's V100 32 GB servers; h200: 8x H200 nodes (default); or your own, "
+                         "described in a YAML file like slurm/clusters/h200.yaml (with --paper: only that one)")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--paper", action="store_true",
@@ -53,12 +56,24 @@ def _scaling(args) -> int:
     from repro.cli import UserError
     from repro.perf.scaling_model import write_tables
 
+    clusters = _clusters(args.cluster) if args.cluster else None
     blocking = next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"--out {args.out}: {blocking} is a file, not a directory (the tables are written "
                         "into a directory). Fix: give a directory path, e.g. --out results/scaling_model")
-    print(write_tables(args.out))
+    print(write_tables(args.out, list(clusters.values()) if clusters else None))
     return 0
+
+
+def _clusters(specs: list[str]) -> dict:
+    """{name or file: Cluster} for --cluster values; a bad one is a UserError naming the fix."""
+    from repro.cli import UserError
+    from repro.perf.clusters import ClusterSpecError, load_cluster
+
+    try:
+        return {spec: load_cluster(spec) for spec in specs}
+    except ClusterSpecError as err:
+        raise UserError(str(err)) from None
 
 
 def _script_gpus(config: Path) -> int | None:
@@ -79,11 +94,12 @@ def _plan(args) -> int:
 
     from repro.cli import UserError
     from repro.parallel.groups import LayoutError
-    from repro.perf.plan import CLUSTERS, format_plan, plan, plan_dict
+    from repro.perf.plan import format_plan, plan, plan_dict
     from repro.train.config import RunConfigError, load_config
 
     if args.paper:
         return _plan_paper(args)
+    cluster = _clusters([args.cluster or "h200"])[args.cluster or "h200"]
     if args.config is None:
         raise UserError("repro plan: give a training config (e.g. experiments/gpt2/gpt2_8.3b.yaml), or --paper")
     if not Path(args.config).is_file():
@@ -95,7 +111,7 @@ def _plan(args) -> int:
                         "Fix: pass --gpus N")
     try:
         cfg = load_config(args.config, args.set)
-        result = plan(cfg, gpus, CLUSTERS[args.cluster])
+        result = plan(cfg, gpus, cluster)
     except (RunConfigError, LayoutError, ValueError) as err:
         raise UserError(f"{args.config} at {gpus} GPUs: {err}") from None
     print(json.dumps(plan_dict(result), indent=2) if args.json else format_plan(result, cfg))
@@ -107,7 +123,7 @@ def _plan_paper(args) -> int:
     from repro.perf.scaling_model import _csv
     from repro.provenance import write_atomic
 
-    rows = paper_config_rows()
+    rows = paper_config_rows(_clusters([args.cluster]) if args.cluster else None)
     md = paper_config_markdown(rows)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -37,18 +37,11 @@ from repro.perf.activations import (
     math_attention,
 )
 from repro.perf.memory import bert_params_per_rank, memory_per_rank, params_per_rank
-from repro.perf.scaling_model import (
-    DGX2H,
-    H200_CLUSTER,
-    Cluster,
-    calibrate_gemm_efficiency,
-    iteration_time,
-)
+from repro.perf.scaling_model import Cluster, calibrate_gemm_efficiency, iteration_time
 from repro.train.config import Derived, RunConfig, derive
 
 HEADROOM_GIB = 3.0
 GIB = 2**30
-CLUSTERS: dict[str, Cluster] = {"dgx2h": DGX2H, "h200": H200_CLUSTER}
 
 
 @dataclass(frozen=True)
@@ -263,9 +256,11 @@ def paper_table2(cluster: Cluster) -> list[dict]:
     return rows
 
 
-def paper_config_rows() -> list[dict]:
-    """Every training script's config in slurm/ at its GPU count, planned on both clusters."""
+def paper_config_rows(clusters: dict[str, Cluster] | None = None) -> list[dict]:
+    """Every training script's config in slurm/ at its GPU count, planned on each of `clusters`
+    (default: the two built in)."""
     from repro.launch.scripts import job_scripts
+    from repro.perf.clusters import BUILT_IN
     from repro.tracking.store import project_root
     from repro.train.config import load_config
 
@@ -274,7 +269,7 @@ def paper_config_rows() -> list[dict]:
         if not script.config or "launch_train" not in script.path.read_text():
             continue
         cfg = load_config(project_root() / script.config)
-        for key, cluster in CLUSTERS.items():
+        for key, cluster in (clusters or BUILT_IN).items():
             p = plan(cfg, script.ntasks, cluster)
             rows.append({"script": script.path.name, "config": script.config, "gpus": script.ntasks,
                          "tp": cfg.parallel.tp, "dp": p.derived.dp, "micro_batch": cfg.train.micro_batch_size,
@@ -287,9 +282,12 @@ def paper_config_rows() -> list[dict]:
 
 
 def paper_config_markdown(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(r["cluster"] for r in rows))
+    where = ("on the paper's DGX-2H (V100 32 GB) and on an H200 cluster" if keys == ["dgx2h", "h200"]
+             else f"on {', '.join(keys)} (the cluster column)")
     lines = ["# Every paper config, planned before launch (`repro plan --paper`)\n",
-             "Each slurm/ training script's config at the script's GPU count, on the paper's DGX-2H (V100 "
-             "32 GB) and on an H200 cluster. Memory: repro.perf.plan (checked against measured peaks in "
+             f"Each slurm/ training script's config at the script's GPU count, {where}. "
+             "Memory: repro.perf.plan (checked against measured peaks in "
              "memory_check.md); time: the analytic scaling model (its error against the paper in "
              "../scaling_model/table.md; BERT's counts its heads too, repro.perf.flops). No measurement involved.\n",
              "| script | GPUs | TP x DP | micro batch | cluster | params/GPU | activations GiB | peak GiB | "

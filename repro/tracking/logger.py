@@ -104,8 +104,9 @@ class RunLogger:
 
     def _disable(self, err: Exception) -> None:
         """No run to log into (the store could not create or reopen it): metrics.jsonl only."""
-        warnings.warn(f"MLflow tracking unavailable ({type(err).__name__}: {str(err)[:200]}).{tracking_hint(err, default_tracking_uri())}"
-                      f" Metrics continue in {self.metrics_path}; upload later with `repro tracking sync {self.run_dir}`",
+        hint = tracking_hint(err, default_tracking_uri())
+        warnings.warn(f"MLflow tracking unavailable ({type(err).__name__}: {str(err)[:200]}).{hint} Metrics "
+                      f"continue in {self.metrics_path}; upload later with `repro tracking sync {self.run_dir}`",
                       stacklevel=3)
         self._client = None
 

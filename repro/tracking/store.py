@@ -69,8 +69,9 @@ def probe_tracking_server(uri: str) -> str | None:
     try:
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as err:  # noqa: BLE001  (any failure is reported, none stops the job)
-        return (f"the MLflow server at {uri} did not answer ({type(err).__name__}: {str(err)[:300]}).{tracking_hint(err, uri)}"
-                f" Training goes on, logging to RUN_DIR/metrics.jsonl; `repro tracking sync RUN_DIR` uploads it later.")
+        return (f"the MLflow server at {uri} did not answer ({type(err).__name__}: {str(err)[:300]})."
+                f"{tracking_hint(err, uri)} Training goes on, logging to RUN_DIR/metrics.jsonl; "
+                "`repro tracking sync RUN_DIR` uploads it later.")
     return None
 
 

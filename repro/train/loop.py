@@ -302,13 +302,14 @@ def placement_params(placement: Placement, eng: Engine) -> dict[str, str]:
             "tp_groups_within_host": str(not placement.split_tp_groups(eng.pg.dims)).lower()}
 
 
-def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str], placement: Placement) -> RunLogger:
+def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str],
+            placement: Placement) -> RunLogger:
     all_tags = {"family": cfg.tracking.experiment, "paper_ref": cfg.tracking.paper_ref,
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), **tags}
     print(f" train data {cfg.data.train_prefix}: {int(data['data_train_tokens']):,} tokens, "
           f"{int(data['data_train_samples_per_epoch']):,} samples an epoch; {cfg.train.train_iters:,} iterations "
           f"of {cfg.train.global_batch_size} = {float(data['data_epochs']):.2f} epochs", flush=True)
-    print(" " + placement.summary(eng.pg.dims), flush=True)  # (init_distributed warned of a TP group across hosts)
+    print(" " + placement.summary(eng.pg.dims), flush=True)  # (init_distributed warned of any TP group across hosts)
     logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name,
                        {**run_params(cfg, eng), **data, **placement_params(placement, eng)},
                        all_tags, use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id)

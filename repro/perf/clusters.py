@@ -1,0 +1,79 @@
+"""The clusters `repro plan` and `repro scaling-model` predict for: two built in, or yours, in YAML.
+
+    repro plan experiments/gpt2/gpt2_8.3b.yaml --cluster slurm/clusters/h200.yaml
+    repro scaling-model --cluster mine.yaml --out results/scaling_model_mine
+
+A cluster file holds the fields of `repro.perf.scaling_model.Cluster`; `slurm/clusters/dgx2h.yaml` and
+`h200.yaml` are the built-in two written out, to copy. Every field is required (a typo or a missing
+field is an error, not a default), and `baseline_fraction` is the one measured number: the fraction
+of peak that Table 1's config 1 (1.2B, batch 8, activation checkpointing) sustains on one of your
+GPUs, which `python -m repro.perf.gpu_bench --checkpointing on` prints as its HFU (its value sets
+the one GEMM efficiency the model assumes; the other fields are spec-sheet numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from repro.perf.scaling_model import DGX2H, H200_CLUSTER, Cluster
+
+BUILT_IN: dict[str, Cluster] = {"dgx2h": DGX2H, "h200": H200_CLUSTER}
+POSITIVE = ("peak_tflops", "hbm_gbps", "intra_gbps", "node_net_gbps", "memory_gib", "gpus_per_node")
+
+
+class ClusterSpecError(ValueError):
+    """A cluster file that cannot describe a cluster; the message names the file, the field and the fix."""
+
+
+def load_cluster(spec: str | Path) -> Cluster:
+    """A built-in cluster by name (dgx2h, h200) or a cluster YAML file."""
+    if str(spec) in BUILT_IN:
+        return BUILT_IN[str(spec)]
+    path = Path(spec)
+    if not path.is_file():
+        raise ClusterSpecError(f"--cluster {spec}: neither a built-in cluster ({', '.join(BUILT_IN)}) nor a file. "
+                               "Fix: copy slurm/clusters/h200.yaml, describe your nodes, and pass its path")
+    return cluster_from_yaml(path)
+
+
+def cluster_from_yaml(path: Path) -> Cluster:
+    """Read and check a cluster file: every field of Cluster, of its type, nothing else."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        raw = OmegaConf.load(path)
+    except (OSError, OmegaConfBaseException, ValueError) as err:
+        raise ClusterSpecError(f"{path}: not readable as YAML ({err})") from None
+    if not OmegaConf.is_dict(raw):
+        raise ClusterSpecError(f"{path}: expected a mapping of Cluster fields, found {type(raw).__name__}")
+    names = [f.name for f in fields(Cluster)]
+    unknown = sorted(set(raw) - set(names))
+    missing = [n for n in names if n not in raw]
+    if unknown or missing:
+        raise ClusterSpecError(f"{path}: " + "; ".join(
+            part for part in (f"unknown field(s) {unknown}" if unknown else "",
+                              f"missing field(s) {missing}" if missing else "") if part)
+            + f". The fields: {', '.join(names)} (see slurm/clusters/h200.yaml)")
+    try:
+        cluster = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Cluster), raw))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        raise ClusterSpecError(f"{path}: {key + ': ' if key else ''}{str(err).splitlines()[0]}") from None
+    check_cluster(cluster, path)
+    return cluster
+
+
+def check_cluster(cluster: Cluster, where: Path | str) -> None:
+    """Values a cluster can have: positive sizes and rates, a calibration fraction in (0, 1]."""
+    for name in POSITIVE:
+        if getattr(cluster, name) <= 0:
+            raise ClusterSpecError(f"{where}: {name}={getattr(cluster, name)} must be positive")
+    if min(cluster.alpha_intra_s, cluster.alpha_inter_s) < 0:
+        raise ClusterSpecError(f"{where}: the all-reduce latencies alpha_intra_s / alpha_inter_s cannot be negative")
+    if not 0 < cluster.baseline_fraction <= 1:
+        raise ClusterSpecError(
+            f"{where}: baseline_fraction={cluster.baseline_fraction} must be in (0, 1]: the fraction of peak "
+            "that Table 1's config 1 sustains on one of your GPUs, with activation checkpointing. Measure it: "
+            "python -m repro.perf.gpu_bench --out DIR --dtypes bf16 --checkpointing on --params fp32 (its HFU column)")

@@ -27,8 +27,11 @@ def _free_port() -> int:
 class MlflowServer:
     """Listens on every address; MLflow's Host-header check admits 127.0.0.1 and `allowed_hosts`."""
 
-    def __init__(self, root: Path, allowed_hosts: list[str] = ()) -> None:
-        self.root, self.port = Path(root), _free_port()
+    ADMIN = ("admin", "repro-test-admin-password")  # with auth=True: the one user, created at start
+
+    def __init__(self, root: Path, allowed_hosts: list[str] = (), auth: bool = False) -> None:
+        """`auth`: MLflow's basic-auth app (`--app-name basic-auth`), as institutional servers run."""
+        self.root, self.port, self.auth = Path(root), _free_port(), auth
         self.allowed = [f"{host}:{self.port}" for host in ("127.0.0.1", *allowed_hosts)]
         self.process: subprocess.Popen | None = None
 
@@ -44,11 +47,13 @@ class MlflowServer:
         cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "0.0.0.0", "--port", str(self.port),
                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
                "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1",
-               "--allowed-hosts", ",".join(self.allowed)]
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+               "--allowed-hosts", ",".join(self.allowed), *(["--app-name", "basic-auth"] if self.auth else [])]
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+               "MLFLOW_AUTH_ADMIN_PASSWORD": self.ADMIN[1], "MLFLOW_FLASK_SERVER_SECRET_KEY": "repro-tests"}
         env.pop("MLFLOW_TRACKING_URI", None)
-        with open(self.root / "server.log", "wb") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with open(self.root / "server.log", "wb") as log:  # (basic-auth keeps its users in the working dir)
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root,
+                                            start_new_session=True)
         deadline = time.monotonic() + timeout
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:

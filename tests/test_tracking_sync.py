@@ -183,3 +183,38 @@ def test_the_check_before_launch_asks_a_server_once_and_names_the_fix(tmp_path):
     refused = RuntimeError("... 403 != 200. Response body: 'Invalid Host header - possible DNS rebinding attack detected'")
     assert "`mlflow server --allowed-hosts login01:5000 ...`" in tracking_hint(refused, "http://login01:5000")
     assert tracking_hint(ConnectionError("refused"), "http://login01:5000") == ""
+
+
+def test_a_server_with_authentication_gets_its_credentials_from_the_environment(tmp_path, monkeypatch):
+    """A real `mlflow server --app-name basic-auth`: without credentials the check before launch
+    reports its 401 and names MLFLOW_TRACKING_USERNAME / _PASSWORD and ~/.mlflow/credentials; with
+    them exported (as slurm/launch.sh passes the batch environment to every task) the check passes
+    and the trainer's logger logs params, metrics and an artifact into the server."""
+    from mlflow import MlflowClient
+
+    from mlflow_server import MlflowServer
+    from repro.tracking.store import probe_tracking_server
+
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    with MlflowServer(tmp_path / "server", auth=True) as server:
+        problem = probe_tracking_server(server.local_uri)
+        assert "error code 401" in problem and "MLFLOW_TRACKING_PASSWORD are not set" in problem, problem
+        assert "~/.mlflow/credentials" in problem
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", server.ADMIN[0])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+        assert "MLFLOW_TRACKING_PASSWORD were refused" in probe_tracking_server(server.local_uri)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.ADMIN[1])
+        assert probe_tracking_server(server.local_uri) is None
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.local_uri)
+        run_dir = tmp_path / "run"
+        logger = RunLogger(run_dir, "auth-test", "authenticated", {"tp": "2"}, {"family": "gpt"})
+        _log(logger, range(1, 4))
+        (run_dir / "config.yaml").write_text("name: authenticated\n")
+        logger.log_artifact(run_dir / "config.yaml")
+        logger.close()
+        client = MlflowClient(server.local_uri)
+        run = client.get_run(recorded_run_id(run_dir))
+        assert run.data.params == {"tp": "2"} and run.info.status == "FINISHED"
+        assert _steps(server.local_uri, run.info.run_id) == [1, 2, 3]
+        assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]

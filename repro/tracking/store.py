@@ -45,14 +45,21 @@ def cluster_env_tracking_uri() -> str | None:
 def tracking_hint(err: Exception, uri: str) -> str:
     """The fix for a tracking failure whose cause is known ('' otherwise). MLflow 3's server accepts
     only localhost and private IP addresses in the Host header unless told others: a compute node
-    that names the login node (http://login01:5000) is refused with 403 "Invalid Host header"."""
+    that names the login node (http://login01:5000) is refused with 403 "Invalid Host header". A
+    server with authentication answers 401 without credentials."""
     from urllib.parse import urlsplit
 
-    if "Invalid Host header" in str(err):
+    text = str(err)
+    if "Invalid Host header" in text:
         netloc = urlsplit(uri).netloc
         return (f" The server refuses the host name in MLFLOW_TRACKING_URI={uri}: start it with "
                 f"`mlflow server --allowed-hosts {netloc} ...` (MLflow 3 allows only localhost and private IP "
                 "addresses unless told), or name it by its IP address.")
+    if "error code 401" in text:
+        given = "were refused" if os.environ.get("MLFLOW_TRACKING_USERNAME") else "are not set"
+        return (f" The server wants credentials, and MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD {given}: "
+                "put them in ~/.mlflow/credentials (mlflow_tracking_username = ..., mlflow_tracking_password "
+                "= ...; every node reads it from a shared home) or export them, or MLFLOW_TRACKING_TOKEN.")
     return ""
 
 

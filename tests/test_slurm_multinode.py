@@ -212,3 +212,21 @@ def test_a_rank_killed_on_node2_ends_the_whole_job_at_once(two_nodes, site):
     assert time.monotonic() - killed_at < 60, out
     assert "node2: task 3: Killed" in out and "requeueing" not in out, out
     assert not [rank for rank in range(4) if _rank_process(two_nodes, rank)], out
+
+
+def test_gloo_socket_ifname_is_checked_on_the_node_before_launch(two_nodes, site):
+    """GLOO_SOCKET_IFNAME=ib0 in the job's settings, on nodes that have eth0 and lo: the check before
+    srun fails the job naming node1's interfaces, and no rank starts. GLOO_SOCKET_IFNAME=eth0: the
+    ranks on both nodes open their sockets on eth0 and train."""
+    bad = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=1"], "--set", "train.train_iters=2",
+                  env={**site["env"], "GLOO_SOCKET_IFNAME": "ib0"})
+    record = two_nodes.wait_job(bad, timeout=300)
+    out = _output(site, bad)
+    assert record["JobState"] == "FAILED" and "srun --export=ALL" not in out, out
+    assert "GLOO_SOCKET_IFNAME=ib0 names ib0, which node1 lacks (it has: eth0, lo)" in out, out
+    good = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=1"], "--set", "train.train_iters=2",
+                   env={**site["env"], "GLOO_SOCKET_IFNAME": "eth0"})
+    record = two_nodes.wait_job(good, timeout=300)
+    out = _output(site, good)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    assert [s for s, _ in _losses(site["runs"] / f"scale_8b_dp512-{good}")] == [1, 2], out

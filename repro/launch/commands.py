@@ -62,11 +62,25 @@ def _check(args) -> int:
         raise _user_error(f"{args.config} has {_size_family(cfg).upper()} sizes ({cfg.model_size or 'model:'}) but "
                           f"family={cfg.family}: add `family: {_size_family(cfg)}` to the config "
                           f"(or pass --set family={_size_family(cfg)})")
+    _check_interfaces(cfg)
     uri = _init_tracking(cfg)
     print(f"config ok: {cfg.name} tp={cfg.parallel.tp} dp={derived.dp} grad_accum={derived.grad_accum_steps} "
           f"on {args.ntasks} tasks; tracking {uri if cfg.tracking.enabled else 'off'}")
     print(memory_line(cfg, derived))
     return 0
+
+
+def _check_interfaces(cfg) -> None:
+    """The run's backend (gloo on CPU, else NCCL) must find the interface its *_SOCKET_IFNAME names."""
+    import socket
+
+    import torch
+
+    from repro.launch.interfaces import interface_problem, local_interfaces
+
+    backend = "gloo" if cfg.train.device == "cpu" or not torch.cuda.is_available() else "nccl"
+    if problem := interface_problem(dict(os.environ), local_interfaces(), backend, socket.gethostname()):
+        raise _user_error(problem)
 
 
 def memory_line(cfg, derived) -> str:

@@ -230,3 +230,20 @@ def test_gloo_socket_ifname_is_checked_on_the_node_before_launch(two_nodes, site
     out = _output(site, good)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
     assert [s for s, _ in _losses(site["runs"] / f"scale_8b_dp512-{good}")] == [1, 2], out
+
+
+def test_deepspeed_zero_shards_optimizer_state_over_dp_ranks_on_both_nodes(two_nodes, site, tmp_path):
+    """train.zero_stage=1 on 2 nodes x 2 tasks: DeepSpeed starts under srun with our process groups
+    (TP=2 inside each node, ZeRO over the DP pair across the nodes) and its per-step losses equal the
+    same config on 4 local processes, bit for bit (ZeRO-1 only partitions the optimizer state)."""
+    job = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=2"], "--set", "train.train_iters=6",
+                  "--set", "train.zero_stage=1")
+    record = two_nodes.wait_job(job, timeout=400)
+    out = _output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    run_dir = site["runs"] / f"scale_8b_dp512-{job}"
+    params = _run(site, job).data.params
+    assert (params["zero_stage"], params["tp"], params["dp"], params["num_hosts"]) == ("1", "2", "2", "2")
+    losses = _losses(run_dir)
+    assert [s for s, _ in losses] == list(range(1, 7)), out
+    assert losses == _local_reference(run_dir / "config.yaml", 4, tmp_path / "local"), out

@@ -247,3 +247,20 @@ def test_deepspeed_zero_shards_optimizer_state_over_dp_ranks_on_both_nodes(two_n
     losses = _losses(run_dir)
     assert [s for s, _ in losses] == list(range(1, 7)), out
     assert losses == _local_reference(run_dir / "config.yaml", 4, tmp_path / "local"), out
+
+
+def test_comm_bench_script_measures_inside_and_across_the_nodes(two_nodes, site):
+    """slurm/comm_bench.sh --smoke on 2 nodes x 2 tasks: both ranks of each node, and the two pairs of
+    equal local rank across the nodes (at once), all-reduce every size; the report ends with the
+    cluster-file fields of both kinds."""
+    job = _submit(two_nodes, site, ["-N2", "--ntasks-per-node=2"], script="slurm/comm_bench.sh")
+    record = two_nodes.wait_job(job, timeout=300)
+    out = _output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    report = json.loads((site["runs"] / f"comm_bench-{job}" / "comm_bench.json").read_text())
+    assert report["hosts_line"] == "2 host(s); node1: ranks 0,1; node2: ranks 2,3"
+    rows = [(r["scope"], r["ranks"], r["groups"], r["bytes"]) for r in report["results"]]
+    assert rows == [(scope, 2, 2, size) for scope in ("intra-node", "inter-node") for size in (8, 65536, 1 << 20)]
+    assert all(r["seconds"] > 0 for r in report["results"])
+    assert set(report["cluster_fields"]) == {"intra_gbps", "alpha_intra_s", "node_net_gbps", "alpha_inter_s"}
+    assert "node_net_gbps:" in out, out

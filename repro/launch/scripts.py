@@ -58,8 +58,8 @@ def read_script(path: Path) -> JobScript:
     return JobScript(path, options, match.group(0) if match else None)
 
 
-NOT_EXPERIMENTS = ("launch.sh", "task.sh", "prepare_data.sh", "selftest.sh")
-"""Helpers, the corpus every experiment reads, and the correctness check before them."""
+NOT_EXPERIMENTS = ("launch.sh", "task.sh", "prepare_data.sh", "selftest.sh", "comm_bench.sh")
+"""Helpers, the corpus every experiment reads, and the checks of a cluster before them."""
 
 
 def job_scripts() -> list[JobScript]:

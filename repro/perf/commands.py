@@ -20,6 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--cluster", action="append", default=None, metavar="NAME|FILE",
                    help="dgx2h, h200, or a cluster YAML (slurm/clusters/*.yaml); repeatable (default: dgx2h and h200)")
     s.set_defaults(func=_scaling)
+    c = sub.add_parser("comm-bench", help="all-reduce bandwidth and latency inside and across nodes (for --cluster FILE)")
+    c.add_argument("--out", type=Path, default=Path("results/bench/comm"))
+    c.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun/srun)")
+    c.add_argument("--sizes", default="8,1M,16M,64M", help="message sizes in bytes, comma-separated (K, M suffixes)")
+    c.add_argument("--iters", type=int, default=10, help="timed all-reduces per size (their median is kept)")
+    c.set_defaults(func=_comm_bench)
     pl = sub.add_parser("plan", help="memory per GPU and time to train of a config on a cluster, before launch")
     pl.add_argument("config", type=Path, nargs="?", help="a training config (or --paper)")
     pl.add_argument("--gpus", type=int, default=None,
@@ -50,6 +56,47 @@ def _bench(args) -> int:
     report = run_bench(args.out, st, sys.argv[1:])
     print((args.out / "bench_cpu.md").read_text())
     return 0 if report["tp_comm"]["equal_on_every_rank"] else 1
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'8,1M,16M' -> [8, 1048576, 16777216]; anything else is a UserError naming the form."""
+    from repro.cli import UserError
+
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for item in text.split(","):
+        item = item.strip().upper()
+        number, unit = (item[:-1], units[item[-1]]) if item[-1:] in units else (item, 1)
+        if not number.isdigit() or int(number) * unit < 1:
+            raise UserError(f"--sizes {text}: {item!r} is not a size in bytes. Fix: e.g. --sizes 8,1M,64M")
+        sizes.append(int(number) * unit)
+    return sizes
+
+
+def _comm_bench(args) -> int:
+    from repro.cli import UserError
+    from repro.parallel.groups import default_backend, discover_launch_env, init_distributed
+    from repro.parallel.spawn import check_gpu_count, run_ranks
+    from repro.perf.comm_bench import rank_main, write_report
+
+    sizes = parse_sizes(args.sizes)
+    if args.iters < 1:
+        raise UserError(f"--iters {args.iters}: time at least one all-reduce. Fix: e.g. --iters 10")
+    if discover_launch_env().launched:  # by torchrun / srun
+        pg = init_distributed(tp=1)
+        report = rank_main(sizes, args.iters, warmup=3)
+        if pg.rank != 0:
+            return 0
+    else:
+        if args.nproc < 2:
+            raise UserError(f"--nproc {args.nproc}: an all-reduce needs at least 2 ranks. Fix: --nproc 2")
+        try:
+            check_gpu_count(args.nproc, default_backend())
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        report = run_ranks(rank_main, args.nproc, sizes, args.iters, 3, backend=default_backend())[0]
+    print(write_report(report, args.out))
+    return 0
 
 
 def _scaling(args) -> int:

@@ -8,7 +8,8 @@ A cluster file holds the fields of `repro.perf.scaling_model.Cluster`; `slurm/cl
 field is an error, not a default), and `baseline_fraction` is the one measured number: the fraction
 of peak that Table 1's config 1 (1.2B, batch 8, activation checkpointing) sustains on one of your
 GPUs, which `python -m repro.perf.gpu_bench --checkpointing on` prints as its HFU (its value sets
-the one GEMM efficiency the model assumes; the other fields are spec-sheet numbers).
+the one GEMM efficiency the model assumes). The others come from spec sheets; the network ones can
+be measured with `repro comm-bench` (slurm/comm_bench.sh), which prints them in this form.
 """
 
 from __future__ import annotations

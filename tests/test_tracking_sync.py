@@ -218,3 +218,32 @@ def test_a_server_with_authentication_gets_its_credentials_from_the_environment(
         assert run.data.params == {"tp": "2"} and run.info.status == "FINISHED"
         assert _steps(server.local_uri, run.info.run_id) == [1, 2, 3]
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+
+
+def test_a_tracking_server_restarted_mid_run_costs_no_row(tmp_path, monkeypatch):
+    """A real `mlflow server` stopped mid-run (a login-node restart) and started again on its store and
+    port: the logger's failed batch pauses MLflow, the rows go on into metrics.jsonl, the first batch
+    after the pause reaches the restarted server, close() sets FINISHED, and sync fills the gap."""
+    from mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path / "server").start()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.local_uri)
+        run_dir = tmp_path / "run"
+        logger = RunLogger(run_dir, "restart-test", "r", {}, {})
+        _log(logger, (1, 2))
+        logger.flush()
+        server.stop()
+        _log(logger, (3, 4))
+        with pytest.warns(UserWarning, match="MLflow request failed.*retrying"):
+            logger.flush()
+        server.start()
+        logger._paused_until = 0.0  # the retry time has come
+        _log(logger, (5,))
+        logger.close()
+        assert _steps(server.local_uri, logger.run_id) == [1, 2, 5]
+        assert _status(server.local_uri, logger.run_id) == "FINISHED"
+        sync_run(run_dir)
+        assert _steps(server.local_uri, logger.run_id) == [1, 2, 3, 4, 5]
+    finally:
+        server.stop()

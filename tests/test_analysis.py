@@ -543,6 +543,10 @@ def test_a_newer_short_test_run_does_not_replace_the_measurement():
         run = {**logged, "params.train.train_iters": iters} if iters else logged
         shown = scaling.measured_points(pd.DataFrame([run]), lambda _: (60.0, "hardware"))
         assert shown.loc[0, "config"] == "scaling-2.5b" and shown.loc[0, "label"] == R.run_label(run) + label
+    for within, label in (("false", ", TP groups across hosts"), ("true", ""), (None, "")):  # placement params
+        run = {**logged, "params.train.train_iters": "1000", **({"params.tp_groups_within_host": within} if within else {})}
+        shown = scaling.measured_points(pd.DataFrame([run]), lambda _: (60.0, "hardware"))
+        assert shown.loc[0, "label"] == R.run_label(run) + label
 
 
 def test_table_points_prefer_the_baselines_device():

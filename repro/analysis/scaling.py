@@ -75,10 +75,13 @@ def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
 
 
 def _label(run, config: str) -> str:
-    """run_label, plus the length of a paper config's run cut short (`--set train.train_iters=100`)."""
+    """run_label, plus the length of a paper config's run cut short (`--set train.train_iters=100`) and
+    a run whose TP groups spanned hosts (their all-reduces crossed the network: not the paper's layout)."""
     iters = _float(R.get(run, "params.train.train_iters"))
     short = config.startswith("scaling-") and iters < SCALING_ITERS
-    return R.run_label(run) + (f", test run of {int(iters)} iterations" if short else "")
+    across = R.get(run, "params.tp_groups_within_host") == "false"
+    return (R.run_label(run) + (f", test run of {int(iters)} iterations" if short else "")
+            + (", TP groups across hosts" if across else ""))
 
 
 def _float(value) -> float:

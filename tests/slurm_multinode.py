@@ -5,6 +5,9 @@ address and another port space than those on node1, and reach them over a (virtu
     with NamespacedSlurmCluster(tmp_path, nodes=2) as cluster:
         job = cluster.sbatch(["-N2", "--ntasks-per-node=2", "--wrap", "srun hostname"])
 
+    hosts = VirtualHosts(tmp_path / "hosts", ["host1", "host2"]).start()   # the hosts alone, no Slurm
+    subprocess.Popen(hosts.on("host2", ["torchrun", "--node-rank", "1", ...]))
+
 The network: a Linux bridge in the root namespace holds the controller's address (.1 of a free
 10.x.y.0/24); node i gets a veth pair, one end on the bridge, the other in its namespace as eth0 with
 .(10+i). Inside its mount namespace each node binds the cluster's `hosts` file over /etc/hosts, so
@@ -26,9 +29,11 @@ from pathlib import Path
 from conftest import require
 from slurm_cluster import SlurmCluster, _node_name, _sbin, require_slurm
 
-def require_namespaces() -> None:
-    """Skip locally / fail in CI without Slurm, root, `ip` and network namespaces."""
-    require_slurm()
+def require_namespaces(slurm: bool = True) -> None:
+    """Skip locally / fail in CI without root, `ip`, network namespaces (and Slurm, unless not asked)."""
+    if slurm:
+        require_slurm()
+    require(os.geteuid() == 0, "root (network namespaces)")
     require(all(shutil.which(b) for b in ("ip", "nsenter", "unshare")), "`ip` (apt: iproute2), `nsenter` and `unshare`")
     probe = f"repro-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
@@ -47,22 +52,82 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free 10.x.y.0/24 subnet for the test cluster's network")
 
 
+class VirtualHosts:
+    """Hosts `names` on one machine, each with its own network namespace (an IP on a shared bridge),
+    and, for each command run `on` it, its own host name and an /etc/hosts naming every host. The
+    bridge's address is the machine's own (`login_addr`), named by `login_names` inside the hosts."""
+
+    def __init__(self, root: Path, names: list[str], login_names: tuple[str, ...] = ()) -> None:
+        self.root, self.names, self.login_names = Path(root), names, login_names
+        self.tag = f"{os.getpid() % 100000:05d}{random.randrange(100):02d}"
+        self.subnet = _free_subnet()
+        addresses = list(self.subnet.hosts())
+        self.login_addr = str(addresses[0])
+        self.addrs = {name: str(addresses[10 + i]) for i, name in enumerate(names)}
+        self.bridge = f"rsb{self.tag}"
+        self.netns = {name: f"repro-{self.tag}-{name}" for name in names}
+        self.hosts_file = self.root / "hosts"
+
+    def start(self) -> "VirtualHosts":
+        try:
+            self._make()
+        except subprocess.CalledProcessError as err:
+            self.stop()
+            raise RuntimeError(f"the test hosts' network: `{' '.join(err.cmd)}` failed: {err.stderr}") from err
+        return self
+
+    def _make(self) -> None:
+        ip = lambda *args: subprocess.run(["ip", *args], check=True, capture_output=True, text=True)  # noqa: E731
+        prefix = self.subnet.prefixlen
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.login_addr}/{prefix}", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        names = "\n".join(f"{addr} {name}" for name, addr in self.addrs.items())
+        login = " ".join([_node_name(), *self.login_names])
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.hosts_file.write_text(f"127.0.0.1 localhost\n{self.login_addr} {login}\n{names}\n")
+        for i, name in enumerate(self.names):
+            ns, veth = self.netns[name], f"rsv{self.tag}{i}"
+            ip("netns", "add", ns)
+            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("link", "set", veth, "master", self.bridge, "up")
+            ip("-n", ns, "addr", "add", f"{self.addrs[name]}/{prefix}", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+
+    def on(self, name: str, argv: list[str], bind: tuple[Path, Path] | None = None) -> list[str]:
+        """The command line that runs `argv` on host `name`: in its network namespace, with its host
+        name and /etc/hosts (and `bind` = (source, target) bound over target) in new UTS and mount
+        namespaces, which everything it starts inherits."""
+        mounts = 'mount --bind "$2" /etc/hosts' + (' && mount --bind "$3" "$4"' if bind else "")
+        script = f'hostname "$1" && {mounts} && shift {4 if bind else 2} && exec "$@"'
+        extra = [str(bind[0]), str(bind[1])] if bind else []
+        return ["nsenter", f"--net=/run/netns/{self.netns[name]}", "--", "unshare", "--uts", "--mount", "--",
+                "sh", "-c", script, "sh", name, str(self.hosts_file), *extra, *argv]
+
+    def stop(self) -> None:
+        for ns in self.netns.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # its veth end goes with it
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def left(self) -> list[str]:
+        """These hosts' namespaces and bridge that still exist."""
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        return [ns for ns in self.netns.values() if ns in names] + ([self.bridge] if self.bridge in links else [])
+
+
 class NamespacedSlurmCluster(SlurmCluster):
-    """SlurmCluster with `nodes` nodes, each in its own namespaces (see the module docstring)."""
+    """SlurmCluster with `nodes` nodes, each a VirtualHosts host running its slurmd (see the module
+    docstring); slurmctld and munged run on the machine itself, the nodes' `login`."""
 
     def __init__(self, root: Path, nodes: int = 2, login_names: tuple[str, ...] = ("login",)) -> None:
         """`login_names`: more names the nodes resolve to the controller's address (the machine that
         runs slurmctld and the tests, as a login node would), e.g. for an MLflow server there."""
         super().__init__(root)
-        self.login_names = login_names
-        self.tag = f"{os.getpid() % 100000:05d}{random.randrange(100):02d}"
         self.nodes = [f"node{i + 1}" for i in range(nodes)]
-        self.subnet = _free_subnet()
-        hosts = list(self.subnet.hosts())
-        self.controller_addr = str(hosts[0])
-        self.addrs = {node: str(hosts[10 + i]) for i, node in enumerate(self.nodes)}
-        self.bridge = f"rsb{self.tag}"
-        self.netns = {node: f"repro-{self.tag}-{node}" for node in self.nodes}
+        self.hosts = VirtualHosts(self.root / "nodes", self.nodes, login_names)
+        self.controller_addr = self.hosts.login_addr
 
     def node_dir(self, node: str) -> Path:
         """Where `node`'s slurmd keeps its pid file, log and spool (seen as root/node inside it)."""
@@ -74,63 +139,27 @@ class NamespacedSlurmCluster(SlurmCluster):
                 f"SlurmdLogFile={shared}/slurmd.log"]
 
     def _node_lines(self, mem: int) -> list[str]:
-        return [f"NodeName={node} NodeAddr={self.addrs[node]} CPUs={os.cpu_count()} RealMemory={mem}"
+        return [f"NodeName={node} NodeAddr={self.hosts.addrs[node]} CPUs={os.cpu_count()} RealMemory={mem}"
                 for node in self.nodes]
 
     def _slurmd_pid_files(self) -> list[Path]:
         return [self.node_dir(node) / "slurmd.pid" for node in self.nodes]
 
     def start(self, timeout: float = 30) -> "NamespacedSlurmCluster":
-        try:
-            self._make_network()
-        except subprocess.CalledProcessError as err:
-            self._remove_network()
-            raise RuntimeError(f"the test cluster's network: `{' '.join(err.cmd)}` failed: {err.stderr}") from err
+        self.hosts.start()
         super().start(timeout)
         return self
-
-    def _make_network(self) -> None:
-        ip = lambda *args: subprocess.run(["ip", *args], check=True, capture_output=True, text=True)  # noqa: E731
-        prefix = self.subnet.prefixlen
-        ip("link", "add", self.bridge, "type", "bridge")
-        ip("addr", "add", f"{self.controller_addr}/{prefix}", "dev", self.bridge)
-        ip("link", "set", self.bridge, "up")
-        names = "\n".join(f"{addr} {node}" for node, addr in self.addrs.items())
-        (self.root / "nodes").mkdir(parents=True, exist_ok=True)
-        login = " ".join([_node_name(), *self.login_names])
-        (self.root / "nodes" / "hosts").write_text(f"127.0.0.1 localhost\n{self.controller_addr} {login}\n{names}\n")
-        for i, node in enumerate(self.nodes):
-            ns, veth = self.netns[node], f"rsv{self.tag}{i}"
-            ip("netns", "add", ns)
-            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("link", "set", veth, "master", self.bridge, "up")
-            ip("-n", ns, "addr", "add", f"{self.addrs[node]}/{prefix}", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
 
     def _start_slurmds(self, env: dict[str, str]) -> None:
         (self.root / "node").mkdir(exist_ok=True)
         for node in self.nodes:
-            self.node_dir(node).mkdir(parents=True, exist_ok=True)
-            (self.node_dir(node) / "spool").mkdir(exist_ok=True)
-            # its own host name (UTS), /etc/hosts and node dir (mount), addresses and ports (network)
-            script = ('hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind "$3" "$4" '
-                      '&& exec "$5" -f "$6" -N "$1"')
-            self._run(["nsenter", f"--net=/run/netns/{self.netns[node]}", "--", "unshare", "--uts", "--mount", "--",
-                       "sh", "-c", script, "sh", node, str(self.root / "nodes" / "hosts"), str(self.node_dir(node)),
-                       str(self.root / "node"), _sbin("slurmd"), str(self.conf)], env)
+            (self.node_dir(node) / "spool").mkdir(parents=True, exist_ok=True)
+            self._run(self.hosts.on(node, [_sbin("slurmd"), "-f", str(self.conf), "-N", node],
+                                    bind=(self.node_dir(node), self.root / "node")), env)
 
     def stop(self, timeout: float = 30) -> None:
         super().stop(timeout)
-        self._remove_network()
-
-    def _remove_network(self) -> None:
-        for ns in self.netns.values():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # its veth end goes with it
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        self.hosts.stop()
 
     def network_left(self) -> list[str]:
-        """This cluster's namespaces and bridge that still exist."""
-        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        return [ns for ns in self.netns.values() if ns in names] + ([self.bridge] if self.bridge in links else [])
+        return self.hosts.left()

@@ -3,9 +3,11 @@ network, host-name and mount namespace, one machine). A TP x DP script's smoke r
 tasks keeps each TP group inside a node and spreads DP over the nodes, meets at node1 by name,
 checkpoints on USR1, requeues and resumes to the same losses as the same config on 4 local
 processes; a TP group split over the two nodes trains too, and the trainer warns about it;
-slurm/selftest.sh checks every layout of the 4 ranks against the serial model across the nodes.
-The jobs track to a real MLflow server on the login node (the machine running slurmctld), which
-the nodes reach by name; one it refuses costs no metric."""
+slurm/selftest.sh checks every layout of the 4 ranks against the serial model across the nodes;
+DeepSpeed ZeRO-1 across them gives the local losses; a rank killed on node2 ends the job at once;
+slurm/comm_bench.sh measures inside and across the nodes; a GLOO_SOCKET_IFNAME the nodes lack stops
+the job before launch. The jobs track to a real MLflow server on the login node (the machine running
+slurmctld), which the nodes reach by name; one it refuses costs no metric."""
 
 from __future__ import annotations
 

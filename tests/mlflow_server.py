@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from repro.parallel.spawn import free_port
 
 
 class MlflowServer:
@@ -31,7 +26,7 @@ class MlflowServer:
 
     def __init__(self, root: Path, allowed_hosts: list[str] = (), auth: bool = False) -> None:
         """`auth`: MLflow's basic-auth app (`--app-name basic-auth`), as institutional servers run."""
-        self.root, self.port, self.auth = Path(root), _free_port(), auth
+        self.root, self.port, self.auth = Path(root), free_port(), auth
         self.allowed = [f"{host}:{self.port}" for host in ("127.0.0.1", *allowed_hosts)]
         self.process: subprocess.Popen | None = None
 

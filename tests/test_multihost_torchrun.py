@@ -13,15 +13,10 @@ from pathlib import Path
 
 from slurm_multinode import VirtualHosts, require_namespaces
 from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
-from train_fixtures import corpus, tiny_overrides  # noqa: F401  (pytest fixture)
+from train_fixtures import corpus, local_reference, run_losses, tiny_overrides  # noqa: F401  (pytest fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
-
-
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
 def test_torchrun_on_two_hosts_trains_like_four_local_processes(corpus, tmp_path):  # noqa: F811
@@ -47,9 +42,5 @@ def test_torchrun_on_two_hosts_trains_like_four_local_processes(corpus, tmp_path
     assert "placement: 2 host(s); host1: ranks 0,1; host2: ranks 2,3; every TP group (tp=2) inside one host" in outs[0]
     placement = json.loads((run_dir / "placement.json").read_text())
     assert placement["hosts"] == ["host1", "host1", "host2", "host2"] and placement["local_ranks"] == [0, 1, 0, 1]
-    local = tmp_path / "local"
-    done = subprocess.run([sys.executable, "-m", "repro.cli", "train", str(run_dir / "config.yaml"), "--nproc", "4",
-                           "--set", f"run_dir={local}", "--set", "tracking.enabled=false"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert _losses(run_dir) == _losses(local) and len(_losses(local)) == 6
+    reference = local_reference(run_dir / "config.yaml", 4, tmp_path / "local")
+    assert run_losses(run_dir) == reference and len(reference) == 6

@@ -21,6 +21,7 @@ import pytest
 
 from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
 from slurm_cluster import SlurmCluster, activation, job_site, require_slurm, slurm_cluster  # noqa: F401
+from train_fixtures import run_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 12  # smoke iterations; ~0.6 s each at TP=2 on a shared 2-core machine
@@ -43,11 +44,6 @@ def _job_output(site: dict, job: str) -> str:
     return "\n".join(p.read_text() for p in ([first] if first.exists() else []) + logs)
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
-
-
 @pytest.fixture(scope="module")
 def smoke_job(slurm_cluster, site) -> tuple[str, dict]:  # noqa: F811
     """`sbatch -p debug -N1 -n2 --gres=none slurm/scale_8b.sh --smoke`, run to the end."""
@@ -62,7 +58,7 @@ def test_smoke_trains_at_tp2_through_srun_and_tracks_in_mlflow(smoke_job, site):
 
     job, _ = smoke_job
     run_dir = site["runs"] / f"scale_8b-{job}"
-    assert [s for s, _ in _losses(run_dir)] == list(range(1, ITERS + 1))
+    assert [s for s, _ in run_losses(run_dir)] == list(range(1, ITERS + 1))
     client = mlflow.MlflowClient(site["uri"])
     runs = client.search_runs([client.get_experiment_by_name("slurm-smoke").experiment_id],
                               f"params.slurm_job_id = '{job}'")
@@ -93,9 +89,9 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm_cluster, site, smok
     assert record["Restarts"] == "1" and "requeueing job" in out, out
     stopped_at = int(re.search(r"checkpointed at iteration (\d+)", out).group(1))
     assert 3 <= stopped_at < ITERS, out
-    losses = _losses(run_dir)
+    losses = run_losses(run_dir)
     assert [s for s, _ in losses] == list(range(1, ITERS + 1)), out
-    assert losses == _losses(site["runs"] / f"scale_8b-{smoke_job[0]}")
+    assert losses == run_losses(site["runs"] / f"scale_8b-{smoke_job[0]}")
     run_id = (run_dir / "mlflow_run_id").read_text()
     history = mlflow.MlflowClient(site["uri"]).get_metric_history(run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, ITERS + 1))  # one MLflow run across restarts
@@ -129,7 +125,7 @@ def test_term_to_the_batch_shell_checkpoints_and_requeues_like_usr1(slurm_cluste
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
     assert "received SIGTERM" in out and "forwarding SIGUSR1 to the step" in out, out
     assert record["Restarts"] == "1" and "requeueing job" in out and "holds no checkpoint" not in out, out
-    assert _losses(run_dir) == _losses(site["runs"] / f"scale_8b-{smoke_job[0]}"), out
+    assert run_losses(run_dir) == run_losses(site["runs"] / f"scale_8b-{smoke_job[0]}"), out
     assert not (tmp_path / "file-runs").exists()
 
 
@@ -158,7 +154,7 @@ def test_tasks_get_the_batch_environment_when_the_job_exports_only_its_settings(
                   "--set", "train.train_iters=2")
     record = slurm_cluster.wait_job(job, timeout=240)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", _job_output(site, job)
-    assert [s for s, _ in _losses(site["runs"] / f"scale_1b-{job}")] == [1, 2]
+    assert [s for s, _ in run_losses(site["runs"] / f"scale_1b-{job}")] == [1, 2]
 
 
 def test_missing_cluster_variable_fails_before_launch(slurm_cluster, site):  # noqa: F811
@@ -335,7 +331,7 @@ def test_repro_slurm_submit_and_status_run_a_smoke_job(slurm_cluster, site):  # 
     assert header.split() == ["job", "name", "state", "exit", "restarts", "runtime"]
     assert row.split()[:5] == [job, "scale_1b", "COMPLETED", "0:0", "0"]
     run_dir = site["runs"] / f"scale_1b-{job}"
-    assert [s for s, _ in _losses(run_dir)] == [1, 2], _job_output(site, job)
+    assert [s for s, _ in run_losses(run_dir)] == [1, 2], _job_output(site, job)
     assert "config ok: smoke-scale_1b tp=1 dp=1" in _job_output(site, job)
     queue = _repro_slurm(site, "status")
     assert queue.returncode == 0 and queue.stdout.split()[:3] == ["JOBID", "NAME", "STATE"], queue.stderr

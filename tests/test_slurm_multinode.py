@@ -24,6 +24,7 @@ from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
 from mlflow_server import MlflowServer
 from slurm_cluster import job_site
 from slurm_multinode import NamespacedSlurmCluster, require_namespaces
+from train_fixtures import local_reference, run_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 16
@@ -67,11 +68,6 @@ def _output(site: dict, job: str) -> str:
     return "\n".join(p.read_text() for p in files if p.exists())
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
-
-
 def _run(site: dict, job: str):
     """The job's MLflow run, read from the tracking server."""
     import mlflow
@@ -81,15 +77,6 @@ def _run(site: dict, job: str):
                               f"params.slurm_job_id = '{job}'")
     assert len(runs) == 1, _output(site, job)
     return runs[0]
-
-
-def _local_reference(config: Path, nproc: int, out: Path) -> list[tuple[int, float]]:
-    """The job's own resolved config trained by `repro train --nproc` on this host, without Slurm."""
-    cmd = [sys.executable, "-m", "repro.cli", "train", str(config), "--nproc", str(nproc),
-           "--set", f"run_dir={out}", "--set", "tracking.enabled=false"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return _losses(out)
 
 
 def test_tp_inside_nodes_dp_across_them_requeues_and_resumes_like_one_host(two_nodes, site, tmp_path):
@@ -122,9 +109,9 @@ def test_tp_inside_nodes_dp_across_them_requeues_and_resumes_like_one_host(two_n
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, ITERS + 1))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}  # uploaded through the server
     assert {"config.yaml", "placement.json", "final_metrics.json"} <= artifacts, artifacts
-    losses = _losses(run_dir)
+    losses = run_losses(run_dir)
     assert [s for s, _ in losses] == list(range(1, ITERS + 1)), out
-    assert losses == _local_reference(run_dir / "config.yaml", 4, tmp_path / "local")
+    assert losses == local_reference(run_dir / "config.yaml", 4, tmp_path / "local")
 
 
 def test_a_tp_group_split_over_two_nodes_trains_and_is_warned_about(two_nodes, site):
@@ -171,7 +158,7 @@ def test_a_server_refusing_the_login_name_costs_no_metric(two_nodes, site, track
     assert f"WARNING: the MLflow server at {tracking_server.uri('login2')} did not answer" in out, out
     assert out.count(f"mlflow server --allowed-hosts login2:{tracking_server.port}") >= 2, out  # check, then trainer
     run_dir = site["runs"] / f"scale_8b_dp512-{job}"
-    assert [s for s, _ in _losses(run_dir)] == [1, 2, 3] and not (run_dir / "mlflow_run_id").exists()
+    assert [s for s, _ in run_losses(run_dir)] == [1, 2, 3] and not (run_dir / "mlflow_run_id").exists()
     sync = subprocess.run([sys.executable, "-m", "repro.cli", "tracking", "sync", str(run_dir)], cwd=ROOT,
                           env={**site["env"], "MLFLOW_TRACKING_URI": tracking_server.local_uri},
                           capture_output=True, text=True, timeout=300)
@@ -179,7 +166,7 @@ def test_a_server_refusing_the_login_name_costs_no_metric(two_nodes, site, track
     run = mlflow.MlflowClient(site["uri"]).get_run((run_dir / "mlflow_run_id").read_text())
     assert (run.data.params["num_hosts"], run.data.params["slurm_job_id"], run.info.status) == ("2", job, "FINISHED")
     history = mlflow.MlflowClient(site["uri"]).get_metric_history(run.info.run_id, "loss")
-    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == _losses(run_dir)
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == run_losses(run_dir)
 
 
 def _rank_process(cluster: NamespacedSlurmCluster, rank: int):
@@ -231,7 +218,7 @@ def test_gloo_socket_ifname_is_checked_on_the_node_before_launch(two_nodes, site
     record = two_nodes.wait_job(good, timeout=300)
     out = _output(site, good)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
-    assert [s for s, _ in _losses(site["runs"] / f"scale_8b_dp512-{good}")] == [1, 2], out
+    assert [s for s, _ in run_losses(site["runs"] / f"scale_8b_dp512-{good}")] == [1, 2], out
 
 
 def test_deepspeed_zero_shards_optimizer_state_over_dp_ranks_on_both_nodes(two_nodes, site, tmp_path):
@@ -246,9 +233,9 @@ def test_deepspeed_zero_shards_optimizer_state_over_dp_ranks_on_both_nodes(two_n
     run_dir = site["runs"] / f"scale_8b_dp512-{job}"
     params = _run(site, job).data.params
     assert (params["zero_stage"], params["tp"], params["dp"], params["num_hosts"]) == ("1", "2", "2", "2")
-    losses = _losses(run_dir)
+    losses = run_losses(run_dir)
     assert [s for s, _ in losses] == list(range(1, 7)), out
-    assert losses == _local_reference(run_dir / "config.yaml", 4, tmp_path / "local"), out
+    assert losses == local_reference(run_dir / "config.yaml", 4, tmp_path / "local"), out
 
 
 def test_comm_bench_script_measures_inside_and_across_the_nodes(two_nodes, site):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,3 +48,20 @@ def tiny_engine(corpus: dict, run_dir: Path, **extra):
     data = GPTDataset(cfg.data.train_prefix, cfg.model.seq_length, cache_dir=run_dir)
     loader = iter(gpt_loader(data, cfg.train.micro_batch_size))
     return eng, lambda: [next(loader) for _ in range(2)]
+
+
+def run_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every step a run dir's metrics.jsonl holds."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def local_reference(config: Path, nproc: int, out: Path) -> list[tuple[int, float]]:
+    """A run's own resolved config.yaml trained by `repro train --nproc` on this host (no Slurm, no
+    tracking): the losses a multi-host run of it must give."""
+    cmd = [sys.executable, "-m", "repro.cli", "train", str(config), "--nproc", str(nproc),
+           "--set", f"run_dir={out}", "--set", "tracking.enabled=false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_losses(out)

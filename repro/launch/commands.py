@@ -74,11 +74,10 @@ def _check_interfaces(cfg) -> None:
     """The run's backend (gloo on CPU, else NCCL) must find the interface its *_SOCKET_IFNAME names."""
     import socket
 
-    import torch
-
     from repro.launch.interfaces import interface_problem, local_interfaces
+    from repro.parallel.groups import backend_for
 
-    backend = "gloo" if cfg.train.device == "cpu" or not torch.cuda.is_available() else "nccl"
+    backend = backend_for(cfg.train.device)
     if problem := interface_problem(dict(os.environ), local_interfaces(), backend, socket.gethostname()):
         raise _user_error(problem)
 

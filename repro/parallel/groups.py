@@ -225,6 +225,11 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def backend_for(device: str) -> str:
+    """The backend a run on `train.device` uses: gloo for cpu, else the default."""
+    return "gloo" if device == "cpu" else default_backend()
+
+
 def collective_timeout_s(environ=None) -> int:
     """Seconds a collective may wait for the slowest rank: REPRO_DIST_TIMEOUT_S, default 600 (raise
     it where resuming a large run reads its checkpoint slowly from a shared filesystem)."""

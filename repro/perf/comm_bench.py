@@ -107,9 +107,9 @@ def cluster_fields(results: list[CommResult]) -> dict[str, float]:
 
 def rank_main(sizes: list[int], iters: int, warmup: int) -> dict:
     """One rank's body (the world is initialised): placement, measurements, cluster fields."""
-    from repro.parallel.groups import discover_launch_env, default_backend
+    from repro.parallel.groups import discover_launch_env
 
-    device = discover_launch_env().device() if default_backend() == "nccl" else torch.device("cpu")
+    device = discover_launch_env().device()  # this rank's GPU, or the CPU without CUDA
     placement = gather_placement(dist.group.WORLD)
     results = measure(placement, device, sizes, iters, warmup)
     return {"placement": placement.as_dict(), "hosts_line": placement.hosts_line(),

@@ -103,22 +103,22 @@ def _scaling(args) -> int:
     from repro.cli import UserError
     from repro.perf.scaling_model import write_tables
 
-    clusters = _clusters(args.cluster) if args.cluster else None
+    clusters = [_cluster(spec) for spec in args.cluster] if args.cluster else None
     blocking = next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"--out {args.out}: {blocking} is a file, not a directory (the tables are written "
                         "into a directory). Fix: give a directory path, e.g. --out results/scaling_model")
-    print(write_tables(args.out, list(clusters.values()) if clusters else None))
+    print(write_tables(args.out, clusters))
     return 0
 
 
-def _clusters(specs: list[str]) -> dict:
-    """{name or file: Cluster} for --cluster values; a bad one is a UserError naming the fix."""
+def _cluster(spec: str):
+    """The Cluster a --cluster value names; a bad one is a UserError naming the fix."""
     from repro.cli import UserError
     from repro.perf.clusters import ClusterSpecError, load_cluster
 
     try:
-        return {spec: load_cluster(spec) for spec in specs}
+        return load_cluster(spec)
     except ClusterSpecError as err:
         raise UserError(str(err)) from None
 
@@ -146,7 +146,7 @@ def _plan(args) -> int:
 
     if args.paper:
         return _plan_paper(args)
-    cluster = _clusters([args.cluster or "h200"])[args.cluster or "h200"]
+    cluster = _cluster(args.cluster or "h200")
     if args.config is None:
         raise UserError("repro plan: give a training config (e.g. experiments/gpt2/gpt2_8.3b.yaml), or --paper")
     if not Path(args.config).is_file():
@@ -170,7 +170,7 @@ def _plan_paper(args) -> int:
     from repro.perf.scaling_model import _csv
     from repro.provenance import write_atomic
 
-    rows = paper_config_rows(_clusters([args.cluster]) if args.cluster else None)
+    rows = paper_config_rows({args.cluster: _cluster(args.cluster)} if args.cluster else None)
     md = paper_config_markdown(rows)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

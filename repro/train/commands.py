@@ -26,7 +26,8 @@ def _train_rank(config_path: str | None, overrides: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from repro.parallel.groups import ParallelDims, build_process_groups, discover_launch_env, init_distributed
+    from repro.parallel.groups import (ParallelDims, backend_for, build_process_groups, discover_launch_env,
+                                       init_distributed)
     from repro.train.config import derive, load_config
     from repro.train.loop import train
 
@@ -38,7 +39,7 @@ def _train_rank(config_path: str | None, overrides: list[str]) -> dict:
     if spawned:
         return train(cfg, build_process_groups(ParallelDims.from_world(cfg.parallel.tp, dist.get_world_size())),
                      launch.local_rank)
-    pg = init_distributed(cfg.parallel.tp, backend="gloo" if cfg.train.device == "cpu" else None)
+    pg = init_distributed(cfg.parallel.tp, backend=backend_for(cfg.train.device))
     try:
         return train(cfg, pg, launch.local_rank)
     finally:  # its own group ends with it, failed or not (a caller's, above, stays with the caller)

@@ -78,9 +78,11 @@ def near_duplicate_signatures(n: int, seed: int = 0):
 def _minhash_lsh(signatures, threshold: float):
     from datasketch import MinHash, MinHashLSH
 
+    from repro.data.filters import LSH_WEIGHTS
+
     num_perm = signatures.shape[1]
     permutations = MinHash(num_perm=num_perm, scheme="affine32").permutations  # shared, drawn once
-    lsh, kept, out = MinHashLSH(threshold=threshold, num_perm=num_perm), {}, []
+    lsh, kept, out = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS), {}, []
     for key, sig in enumerate(signatures):
         mh = MinHash(num_perm=num_perm, hashvalues=sig, permutations=permutations, scheme="affine32")
         dup = any(mh.jaccard(kept[other]) > threshold for other in lsh.query(mh))

@@ -9,6 +9,10 @@ compared by its own words, not by the few Latin ones it holds.
 - Near-duplicates: a MinHash signature of each document's word 5-gram shingles; LSH finds
   candidates among the documents kept so far, and a document whose estimated Jaccard similarity with
   a candidate exceeds the threshold (0.7 in the paper) is dropped: the first of a cluster is kept.
+  The LSH bands favour recall (`LSH_WEIGHTS`): every candidate is checked, so a false candidate costs
+  one signature comparison, while a pair the bands miss is a duplicate kept. datasketch's default
+  (equal weights: 14 bands of 9 rows) finds a pair at Jaccard 0.75 only 67% of the time; 21 bands
+  of 6 rows find it 98% of the time (Megatron-LM's own dedup script used 20 bands of 5 of 100 hashes).
   A document with fewer words than a shingle (symbols, a table of numbers: rare past min_tokens)
   has no shingle and is never a near-duplicate: it is kept, and nothing is compared with it.
 - Eval overlap: a document that shares at least `min_matches` word 8-grams with an evaluation set
@@ -28,6 +32,10 @@ from pathlib import Path
 
 import numpy as np
 from datasketch import MinHash, MinHashLSH
+
+# (false positive, false negative) weights for choosing the LSH bands: misses weigh 19x more, since
+# every candidate is verified by its estimated Jaccard anyway (threshold 0.7, 128 hashes: 21 x 6).
+LSH_WEIGHTS = (0.05, 0.95)
 
 from repro.data.fetch import data_path
 
@@ -129,16 +137,16 @@ class MinHasher:
 class NearDuplicateFilter:
     """Keeps the first document of each near-duplicate cluster (MinHash LSH, then Jaccard check).
 
-    LSH banding with datasketch's optimal (bands, rows) for the threshold; each band is one dict from
-    the hash of a kept document's band to its row (a list when several share it), and the kept
-    signatures are rows of one growing uint32 array. About 2 KB per kept document, against ~7 KB
-    with datasketch's MinHashLSH (a set and bytes objects per band): 40M documents fit in ~90 GB.
+    LSH banding with datasketch's optimal (bands, rows) for the threshold and `LSH_WEIGHTS`; each
+    band is one dict from the hash of a kept document's band to its row (a list when several share
+    it), and the kept signatures are rows of one growing uint32 array: about a third of the memory
+    datasketch's MinHashLSH holds (a set and bytes objects per band; results/bench/data_preprocess.md).
     """
 
     def __init__(self, threshold: float = 0.7, num_perm: int = 128) -> None:
         self.threshold = threshold
         self.num_perm = num_perm
-        lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)  # for its (bands, rows) only
+        lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS)  # (bands, rows) only
         self.bands, self.rows = lsh.b, lsh.r
         self._buckets: list[dict[int, int | list[int]]] = [{} for _ in range(self.bands)]
         self._signatures = np.empty((1024, num_perm), dtype=np.uint32)  # affine32 min-hashes

@@ -20,6 +20,7 @@ from repro.provenance import git_sha
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, check_resume, to_yaml
 from repro.train.engine import Engine
+from repro.train.optim import resync_lr
 
 
 @dataclass
@@ -194,6 +195,7 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
         eng.scheduler.load_state_dict(extra["scheduler"])
         if eng.scaler and extra["scaler"]:
             eng.scaler.load_state_dict(extra["scaler"])
+    resync_lr(eng.scheduler)  # the schedule may have changed with train.train_iters
     meta["rng"] = rng  # restored just before the first step (setup draws too)
     return TrainState(meta["iteration"], meta["consumed_samples"], saved_at=meta["iteration"]), meta
 

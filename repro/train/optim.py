@@ -76,13 +76,19 @@ def _on_any_rank(found: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
 
 
 def lr_at(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
-    """Linear warm-up to lr, then cosine/linear decay to min_lr over lr_decay_iters."""
-    if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
-        return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
+    """The lr of 0-based `iteration`: linear warm-up to lr over lr_warmup_iters, then cosine or linear
+    decay to min_lr, reached on the last of lr_decay_iters (default train_iters).
+
+    Megatron-LM's AnnealingLR shifted one iteration earlier: it runs its first iteration at lr 0;
+    here warm-up runs lr/W, ..., lr (the peak once, as there) and the decay ends on the last iteration.
+    """
+    done, warmup = iteration + 1, cfg.lr_warmup_iters
+    if warmup and done <= warmup:
+        return cfg.lr * done / warmup
     if cfg.lr_decay_style == "constant":
         return cfg.lr
-    decay_iters = (cfg.lr_decay_iters or train_iters) - cfg.lr_warmup_iters
-    progress = min(max(iteration - cfg.lr_warmup_iters, 0) / max(decay_iters, 1), 1.0)
+    decay_iters = (cfg.lr_decay_iters or train_iters) - warmup
+    progress = min((done - warmup) / max(decay_iters, 1), 1.0)
     if cfg.lr_decay_style == "cosine":
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
@@ -93,6 +99,16 @@ def lr_at(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
 def lr_lambda(cfg: OptimConfig, train_iters: int):
     """Multiplier of cfg.lr for torch's LambdaLR (so the schedule is checkpointed with it)."""
     return lambda it: lr_at(it, cfg, train_iters) / cfg.lr
+
+
+def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set every group's lr from the schedule at the restored step. Loading a checkpoint restores
+    the step count and the lr saved beside it, which the old train_iters gave: a resumed run that
+    raised train.train_iters would take one step at the old schedule's lr."""
+    groups = scheduler.optimizer.param_groups
+    for group, base, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * multiplier(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports, as step() sets it
 
 
 @dataclass

@@ -26,7 +26,11 @@ set -euo pipefail
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 note() { echo "launch.sh: $*"; }
 REQUEUE_FAILED=3  # the job's exit status when it checkpointed but `scontrol requeue` failed
-JOB_ARGS=()       # the job script's arguments (launch_train), for the command that continues a run
+JOB_ARGS=()       # the job script's arguments (requeue_checks), for the command that continues a run
+SUBMIT_ENV=()     # NAME=VALUE of the REPRO_* variables given at submit time: that command repeats them
+while IFS= read -r name; do
+  [[ "$name" != REPRO_* ]] || SUBMIT_ENV+=("$name=${!name}")
+done < <(compgen -e)
 
 need() {  # need VAR "what it is"
   [[ -n "${!1:-}" ]] || die "$1 is not set: $2. Set it in slurm/cluster.env (see slurm/cluster.env.example) or export it before sbatch"
@@ -150,6 +154,10 @@ pick_master_port() {  # MASTER_PORT: REPRO_MASTER_PORT (given at submit time), e
 }
 
 set_cpus_per_task() {  # SRUN_CPUS_PER_TASK: srun (Slurm >= 22.05) no longer inherits sbatch's --cpus-per-task
+  if [[ -n "${SLURM_CPUS_PER_GPU:-}" ]]; then  # srun reads it too, and refuses it beside --cpus-per-task
+    note "CPUs per GPU: $SLURM_CPUS_PER_GPU (sbatch --cpus-per-gpu)"
+    return 0
+  fi
   if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
     export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
     return 0
@@ -237,9 +245,9 @@ smoke_args() {  # the train arguments of smoke mode for the script's CONFIG: a t
 launch_train() {  # launch_train CONFIG [--smoke] [--dry-run] [--set K=V ...]
   local config="$1"
   shift
-  JOB_ARGS=("$@")
+  requeue_checks "$@"
+  restart_checks
   parse_flags "$@"
-  requeue_checks
   TRAIN_ARGS=("$config")
   if [[ "$SMOKE" == 1 ]]; then
     smoke_args "$config"
@@ -255,17 +263,28 @@ launch_train() {  # launch_train CONFIG [--smoke] [--dry-run] [--set K=V ...]
   run_step train "${TRAIN_ARGS[@]}"
 }
 
-requeue_checks() {  # warnings at the start of a training job: not requeueable; a restart without a checkpoint
-  local record
-  JOB_COMMAND=""
+requeue_checks() {  # requeue_checks SCRIPT-ARGS...: for a job that requeues itself after a stop (USR1).
+  # Keeps the job's arguments and script path for the command that continues it (requeue_failed) and
+  # warns when the job is not requeueable.
+  local record args
+  JOB_ARGS=("$@") JOB_COMMAND=""
   if record="$(scontrol show job -o "$SLURM_JOB_ID" 2>&1)"; then
-    [[ "$record" =~ (^|[[:space:]])Command=([^[:space:]]+) ]] && JOB_COMMAND="${BASH_REMATCH[2]}"
+    if [[ "$record" == *" Command="* ]]; then  # "Command=SCRIPT ARGS... WorkDir=...": paths may hold spaces
+      JOB_COMMAND="${record#* Command=}"
+      JOB_COMMAND="${JOB_COMMAND%% WorkDir=*}"
+      args="${JOB_ARGS[*]-}"
+      [[ -z "$args" ]] || JOB_COMMAND="${JOB_COMMAND% "$args"}"
+      [[ -f "$JOB_COMMAND" ]] || JOB_COMMAND=""
+    fi
     if ! [[ "$record" =~ (^|[[:space:]])Requeue=1([[:space:]]|$) ]]; then
-      note "WARNING: job $SLURM_JOB_ID is not requeueable (no Requeue=1 in \`scontrol show job\`; the scripts ask for --requeue, a site may refuse it): a stop for USR1 checkpoints, then the job ends with exit $REQUEUE_FAILED and prints the sbatch command that continues the run"
+      note "WARNING: job $SLURM_JOB_ID is not requeueable (no Requeue=1 in \`scontrol show job\`; the scripts ask for --requeue, a site may refuse it): a stop for USR1 saves the run's state, then the job ends with exit $REQUEUE_FAILED and prints the sbatch command that continues the run"
     fi
   else
     note "WARNING: \`scontrol show job $SLURM_JOB_ID\` failed ($record): cannot tell whether the job may requeue itself"
   fi
+}
+
+restart_checks() {  # a restarted training job that finds no checkpoint says so loudly
   if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 && ! -f "$REPRO_RUN_DIR/checkpoints/latest" ]]; then
     note "WARNING: ************************************************************************"
     note "WARNING: restart ${SLURM_RESTART_COUNT} of job $SLURM_JOB_ID, but its run dir $REPRO_RUN_DIR holds no checkpoint"
@@ -279,8 +298,11 @@ requeue_checks() {  # warnings at the start of a training job: not requeueable; 
 }
 
 requeue_failed() {  # the checkpoint is saved but the job cannot requeue itself: how to go on, then exit
-  local script="${JOB_COMMAND:-$REPRO_ROOT/slurm/${SLURM_JOB_NAME:-SCRIPT}.sh}" cmd arg
-  cmd="REPRO_RUNS_DIR=$(printf %q "$REPRO_RUNS_DIR") REPRO_RUN_NAME=$(printf %q "${REPRO_RUN_DIR##*/}") sbatch $(printf %q "$script")"
+  local script="${JOB_COMMAND:-$REPRO_ROOT/slurm/${SLURM_JOB_NAME:-SCRIPT}.sh}" cmd="" arg
+  for arg in ${SUBMIT_ENV[@]+"${SUBMIT_ENV[@]}"}; do  # e.g. REPRO_BERT_CHECKPOINT: the new job needs them too
+    [[ "$arg" == REPRO_RUNS_DIR=* || "$arg" == REPRO_RUN_NAME=* ]] || cmd+="${arg%%=*}=$(printf %q "${arg#*=}") "
+  done
+  cmd+="REPRO_RUNS_DIR=$(printf %q "$REPRO_RUNS_DIR") REPRO_RUN_NAME=$(printf %q "${REPRO_RUN_DIR##*/}") sbatch $(printf %q "$script")"
   for arg in ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}; do
     cmd+=" $(printf %q "$arg")"
   done
@@ -335,7 +357,10 @@ run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job i
   STEP_PID=""
   note "step exited with $status at $(date -Is)"
   if [[ "$status" == 0 && -f "$REPRO_RUN_DIR/stopped_by_signal" ]]; then
-    note "the trainer checkpointed at iteration $(cat "$REPRO_RUN_DIR/stopped_by_signal"): requeueing job $SLURM_JOB_ID"
+    local saved
+    saved="$(cat "$REPRO_RUN_DIR/stopped_by_signal")"  # the trainer's iteration, or where else it stopped ("race seed N")
+    [[ ! "$saved" =~ ^[0-9]+$ ]] || saved="iteration $saved (checkpointed)"
+    note "the step stopped for the signal at $saved: requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID" || requeue_failed
   fi
   return "$status"

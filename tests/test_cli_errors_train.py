@@ -254,6 +254,8 @@ def test_config_file_errors_name_the_file_and_problem(tmp_path, capfd, name, tex
     ("train.train_iters=ten", "--set train.train_iters=ten: train.train_iters: Value 'ten'"),
     ("train.trian_iters=3", "--set train.trian_iters=3: train.trian_iters: Key 'trian_iters' not in"),
     ("train.train_iters", "--set train.train_iters: expected KEY=VALUE"),
+    ("run_dir=/runs/gpt2 #2", "YAML reads the value as '/runs/gpt2' (' #' starts a comment"),  # trained elsewhere
+    ("name=run ", "YAML reads the value as 'run'"),
 ])
 def test_override_errors_name_the_override(capfd, override, needle):
     assert main(["train", TINY, "--set", override, "--nproc", "2"]) == 2

@@ -17,6 +17,7 @@ SCRIPT = str(ROOT / "slurm" / "scale_8b.sh")
 FAKE_SBATCH = """#!/bin/bash
 # a fake sbatch: logs its arguments, refuses any script named in $SBATCH_REFUSE, else a new job id
 echo "$*" >> "$SBATCH_LOG"
+echo "cluster env: $REPRO_CLUSTER_ENV" >> "$SBATCH_LOG.env"
 case "$*" in *"$SBATCH_REFUSE"*)
   echo "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy" >&2; exit 1;; esac
 echo "$((7000 + $(wc -l < "$SBATCH_LOG")));cluster"
@@ -170,3 +171,16 @@ def test_an_evaluation_job_without_its_checkpoint_is_not_queued(sbatch, capsys, 
     assert f"{variable}=RUNS/<run dir> repro slurm submit {script}" in capsys.readouterr().err and _calls(sbatch) == []
     monkeypatch.setenv(variable, "/shared/runs/x-1")
     assert main(["slurm", "submit", str(ROOT / "slurm" / script)]) == 0 and len(_calls(sbatch)) == 1
+
+
+def test_a_relative_cluster_env_reaches_the_job_as_an_absolute_path(sbatch, capsys, monkeypatch, tmp_path):
+    """sbatch runs in the repository root, where the job reads REPRO_CLUSTER_ENV again: a name relative
+    to the user's directory (used here for the partition) would not be found there."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mine.env").write_text("REPRO_RUNS_DIR=/shared/runs\nREPRO_DATA_DIR=/shared/data\nREPRO_PARTITION=gpu\n")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("REPRO_CLUSTER_ENV", "mine.env")
+    assert main(["slurm", "submit", SCRIPT]) == 0
+    assert " -p gpu " in _calls(sbatch)[0]
+    assert (tmp_path / "sbatch.log.env").read_text() == f"cluster env: {work}/mine.env\n"

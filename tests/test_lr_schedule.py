@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,8 @@ from repro.train.commands import train_rank
 from repro.train.config import OptimConfig
 from repro.train.optim import lr_at
 from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
-from test_train import TINY
+
+TINY = str(Path(__file__).resolve().parents[1] / "experiments/tiny/gpt_tiny.yaml")
 
 
 def megatron_annealing_lr(num_iters: int, cfg: OptimConfig, end_iter: int) -> float:

@@ -87,7 +87,7 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm_cluster, site, smok
     out = _job_output(site, job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
     assert record["Restarts"] == "1" and "requeueing job" in out, out
-    stopped_at = int(re.search(r"checkpointed at iteration (\d+)", out).group(1))
+    stopped_at = int(re.search(r"signal at iteration (\d+)", out).group(1))
     assert 3 <= stopped_at < ITERS, out
     losses = run_losses(run_dir)
     assert [s for s, _ in losses] == list(range(1, ITERS + 1)), out

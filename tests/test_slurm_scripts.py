@@ -112,7 +112,7 @@ case "$1 $2" in
   "show hostnames")
     [[ "${FAKE_HOSTNAMES:-ok}" == ok ]] || { echo "scontrol: error: unable to resolve node list" >&2; exit 1; }
     echo node001; echo node002 ;;
-  "show job") echo "JobId=$3 JobName=scale_8b Restarts=0 Requeue=${FAKE_REQUEUE:-1} Command=${FAKE_COMMAND:-/x.sh} StdIn=/dev/null" ;;
+  "show job") echo "JobId=$3 JobName=scale_8b Restarts=0 Requeue=${FAKE_REQUEUE:-1} Command=${FAKE_COMMAND:-/x.sh} WorkDir=/w StdIn=/dev/null" ;;
   "requeue $SLURM_JOB_ID")
     [[ "${FAKE_REQUEUE_FAILS:-0}" == 0 ]] || { echo "scontrol: error: Requested operation is presently disabled" >&2; exit 1; } ;;
 esac
@@ -155,9 +155,10 @@ def _job_env(tmp_path: Path, wikitext: bool = True, cluster_env: str | None = No
             "FAKE_LOG": str(tmp_path / "calls"), "FAKE_COMMAND": str(ROOT / "slurm" / "scale_8b.sh"), **extra}
 
 
-def _run_job(tmp_path: Path, env: dict, *args: str, cwd: Path = ROOT, run_dir: Path | None = None):
-    """`bash slurm/scale_8b.sh ARGS` as a job would run it: exit status, job log (else the output), calls."""
-    out = subprocess.run(["bash", str(ROOT / "slurm" / "scale_8b.sh"), *args], cwd=cwd, env=env,
+def _run_job(tmp_path: Path, env: dict, *args: str, cwd: Path = ROOT, run_dir: Path | None = None,
+             script: str = "scale_8b.sh"):
+    """`bash slurm/SCRIPT ARGS` as a job would run it: exit status, job log (else the output), calls."""
+    out = subprocess.run(["bash", str(ROOT / "slurm" / script), *args], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=60)
     run_dir = run_dir or tmp_path / "runs" / f"scale_8b-{env['SLURM_JOB_ID']}"
     log = run_dir / "logs" / f"slurm-{env['SLURM_JOB_ID']}.out"
@@ -352,8 +353,50 @@ def test_a_failed_requeue_says_how_to_continue_and_exits_3(tmp_path):
     out, log, calls = _run_job(tmp_path, env, "--smoke")
     assert "WARNING: job 42 is not requeueable" in log, log
     assert out.returncode == 3 and "scontrol requeue 42" in calls, log
-    assert (f"launch.sh:     REPRO_RUNS_DIR={tmp_path}/runs REPRO_RUN_NAME=scale_8b-42 sbatch {ROOT}/slurm/scale_8b.sh "
-            "--smoke") in log.splitlines(), log
+    assert (f"launch.sh:     REPRO_CLUSTER_ENV={tmp_path}/cluster.env REPRO_ROOT={ROOT} REPRO_RUNS_DIR={tmp_path}/runs "
+            f"REPRO_RUN_NAME=scale_8b-42 sbatch {ROOT}/slurm/scale_8b.sh --smoke") in log.splitlines(), log
+
+
+def test_the_continue_command_keeps_a_script_path_with_spaces_and_the_submit_time_settings(tmp_path):
+    """scontrol prints `Command=SCRIPT ARGS... WorkDir=`: the script path is all of it but the job's
+    arguments (it was cut at the first space); REPRO_* variables given at submit time are repeated,
+    quoted, and a non-numeric stop marker is named as it is."""
+    script = tmp_path / "my repo" / "slurm" / "scale_8b.sh"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/bash\n")
+    env = _job_env(tmp_path, FAKE_STEP="stop", FAKE_REQUEUE_FAILS="1", FAKE_COMMAND=f"{script} --smoke --set x=1",
+                   REPRO_EXTRA_NOTE="a b")
+    out, log, _ = _run_job(tmp_path, env, "--smoke", "--set", "x=1")
+    assert out.returncode == 3, log
+    assert (f"launch.sh:     REPRO_CLUSTER_ENV={tmp_path}/cluster.env REPRO_EXTRA_NOTE=a\\ b REPRO_ROOT={ROOT} "
+            f"REPRO_RUNS_DIR={tmp_path}/runs REPRO_RUN_NAME=scale_8b-42 sbatch {tmp_path}/my\\ repo/slurm/scale_8b.sh "
+            "--smoke --set x=1") in log.splitlines(), log
+    assert "not requeueable" not in log and "stopped for the signal at iteration 7 (checkpointed)" in log, log
+
+
+def test_race_finetune_warns_and_continues_like_a_training_job(tmp_path):
+    """RACE requeues itself on USR1 (resume by seed), so it gets the training jobs' safety net: the
+    not-requeueable warning, and a continue command with its arguments and REPRO_BERT_CHECKPOINT."""
+    checkpoint = tmp_path / "bert run"
+    checkpoint.mkdir()
+    env = _job_env(tmp_path, FAKE_STEP="stop", FAKE_REQUEUE="0", FAKE_REQUEUE_FAILS="1", SLURM_JOB_NAME="race_finetune",
+                   FAKE_COMMAND=f"{ROOT}/slurm/race_finetune.sh --smoke --epochs 1", REPRO_BERT_CHECKPOINT=str(checkpoint))
+    out, log, calls = _run_job(tmp_path, env, "--smoke", "--epochs", "1", script="race_finetune.sh",
+                               run_dir=tmp_path / "runs" / "race_finetune-42")
+    assert out.returncode == 3 and "WARNING: job 42 is not requeueable" in log, log
+    assert any(c.startswith("srun ") and "repro finetune race" in c and "--epochs 1 cpus=" in c for c in calls), calls
+    continue_line = next(line for line in log.splitlines() if line.startswith("launch.sh:     "))
+    assert continue_line.startswith(f"launch.sh:     REPRO_BERT_CHECKPOINT={tmp_path}/bert\\ run "), continue_line
+    assert continue_line.endswith(f"REPRO_RUN_NAME=race_finetune-42 sbatch {ROOT}/slurm/race_finetune.sh --smoke --epochs 1")
+
+
+def test_cpus_per_gpu_leaves_srun_its_own_setting(tmp_path):
+    """sbatch --cpus-per-gpu puts SLURM_CPUS_PER_GPU in the job; srun reads it and refuses it beside
+    SRUN_CPUS_PER_TASK ("mutually exclusive"), so launch.sh sets no CPUs per task then."""
+    env = _job_env(tmp_path, FAKE_STEP="ok", SLURM_CPUS_PER_GPU="4", SLURM_CPUS_ON_NODE="16", SLURM_TASKS_PER_NODE="2")
+    out, log, calls = _run_job(tmp_path, env, "--smoke")
+    srun = [c for c in calls if c.startswith("srun ")]
+    assert out.returncode == 0 and srun[0].endswith("cpus=") and "CPUs per GPU: 4" in log, (log, srun)
 
 
 def test_a_failing_scontrol_hostnames_stops_the_job_naming_it(tmp_path):
@@ -449,3 +492,28 @@ def test_a_relative_runs_dir_is_taken_from_the_repository_root(tmp_path):
     assert f"run dir {tmp_path}/runs/scale_8b-42," in log, log
     check = [c for c in calls if c.startswith("slurm check")]
     assert f"run_dir={tmp_path}/runs/scale_8b-42" in check[0], check
+
+
+def test_slurm_status_asks_sacct_only_for_fields_it_has(tmp_path):
+    """`repro slurm status JOB` on a cluster with accounting: the real sacct (reading an empty
+    job-completion file, no daemons) accepts the command; it refused the old `Restarts` field, so
+    the status of any job failed wherever sacct works."""
+    import os
+
+    from repro.launch.commands import sacct_status_command
+
+    require(shutil.which("sacct") is not None, "sacct (install: make slurm-deps)")
+    (tmp_path / "jobcomp.txt").write_text("")
+    (tmp_path / "slurm.conf").write_text(
+        f"ClusterName=status-test\nSlurmctldHost=localhost(127.0.0.1)\nJobCompType=jobcomp/filetxt\n"
+        f"JobCompLoc={tmp_path}/jobcomp.txt\nNodeName=n1 CPUs=1\nPartitionName=debug Nodes=n1\n")
+    env = {**os.environ, "SLURM_CONF": str(tmp_path / "slurm.conf")}
+
+    def sacct(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([cmd[0], "-c", "--file", str(tmp_path / "jobcomp.txt"), *cmd[1:]], env=env,
+                              capture_output=True, text=True, timeout=30)
+
+    out = sacct(sacct_status_command(["1234", "1235"]))
+    assert out.returncode == 0 and out.stdout.split()[:4] == ["JobID", "JobName", "State", "ExitCode"], out
+    old = sacct(["sacct", "-X", "-j", "1234", "--format=JobID,Restarts"])
+    assert old.returncode != 0 and 'Invalid field requested: "Restarts"' in old.stderr, old

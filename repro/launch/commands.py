@@ -234,6 +234,13 @@ def job_record(job_id: str) -> dict[str, str]:
     raise _user_error(f"scontrol could not report job {job_id}: {out.stderr.strip() or out.stdout.strip()}")
 
 
+def sacct_status_command(jobs: list[str]) -> list[str]:
+    """sacct's view of jobs: one line per piece of a requeued job (-D: its restarts), allocations
+    only (-X). sacct has no restart count field; `scontrol show job` does (Restarts=)."""
+    fmt = "JobID,JobName%20,State,ExitCode,Start,Elapsed,NNodes"
+    return ["sacct", "-X", "-D", "-j", ",".join(jobs), f"--format={fmt}"]
+
+
 def _status(args) -> int:
     if not args.jobs:
         out = _slurm(["squeue", "--me", "-o", "%.10i %.20j %.10T %.12M %.6D %R"])
@@ -242,8 +249,7 @@ def _status(args) -> int:
         print(out.stdout, end="")
         return 0
     if _has_accounting():
-        fmt = "JobID,JobName%20,State,ExitCode,Elapsed,NNodes,Restarts"
-        return subprocess.run(["sacct", "-X", "-j", ",".join(args.jobs), f"--format={fmt}"]).returncode
+        return subprocess.run(sacct_status_command(args.jobs)).returncode
     records = {job: job_record(job) for job in args.jobs}  # all asked before printing: an error prints no table
     print(f"{'job':>10} {'name':>20} {'state':>12} {'exit':>6} {'restarts':>8} {'runtime':>10}")
     for job, r in records.items():

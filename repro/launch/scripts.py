@@ -108,7 +108,8 @@ def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
                                   f"file: all of them would share one {what}. Fix: remove the line and give it "
                                   f"to one job at submit time, e.g. `{name}={sourced[name]} repro slurm submit "
                                   "slurm/SCRIPT.sh`")
-    return {**sourced, **{k: v for k, v in os.environ.items() if k.startswith("REPRO_")}}
+    named_file = {"REPRO_CLUSTER_ENV": str(path.resolve())} if named else {}  # sbatch runs in the repo root
+    return {**sourced, **{k: v for k, v in os.environ.items() if k.startswith("REPRO_")}, **named_file}
 
 
 REQUIRED = {"REPRO_RUNS_DIR": "the shared directory for run directories",

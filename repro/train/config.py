@@ -247,10 +247,25 @@ def _dotted(overrides: list[str]) -> dict:
                                  "e.g. --set train.train_iters=10")
     quoted = [f"{item}''" if item.endswith("=") else item for item in overrides]  # KEY= sets ""
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(quoted))
+        parsed = OmegaConf.from_dotlist(quoted)
     except OmegaConfBaseException as err:
         raise RunConfigError(f"--set {' '.join(overrides)}: {str(err).splitlines()[0]}: "
                              "give each as KEY=VALUE, e.g. --set train.train_iters=10") from None
+    for item in overrides:
+        _check_text_kept(item, parsed)
+    return OmegaConf.to_container(parsed)
+
+
+def _check_text_kept(item: str, parsed) -> None:
+    """A value YAML reads as other text than was given (' #' starts a comment, outer spaces go) is an
+    error, not a silent change: `run_dir=/runs/gpt2 #2` would train in /runs/gpt2."""
+    key, _, raw = item.partition("=")
+    value = OmegaConf.select(parsed, key.strip(), default=None)
+    if not isinstance(value, str) or value == raw or raw[:1] in ("'", '"'):
+        return
+    raise RunConfigError(f"--set {item}: YAML reads the value as {value!r} (' #' starts a comment, spaces "
+                         f"around it are dropped): quote it, --set \"{key}='{raw}'\", or choose a name "
+                         "without them")
 
 
 def _blame(err: OmegaConfBaseException, path, overrides: list[str]) -> RunConfigError:

@@ -14,7 +14,8 @@
 # exits 0 and leaves RUN_DIR/stopped_by_signal, the job requeues itself and the next start resumes
 # from the checkpoint. A TERM that reaches the batch shell alone is forwarded as USR1. A TERM that
 # Slurm sends to the job's steps (time limit reached, plain scancel, preemption) also reaches srun,
-# which answers it by SIGKILLing every task ("forcing job termination"): no checkpoint.
+# which answers it by SIGKILLing every task ("forcing job termination"): no checkpoint. A USR1 or TERM
+# before the step started (a preemption's warning during setup) requeues the job without starting it.
 #
 # Arguments after the config (the job script's "$@"):
 #   --smoke     a tiny model of the config's family (GPT, or BERT for experiments/bert/) on CPU (gloo),
@@ -339,6 +340,11 @@ run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job i
   local cmd=(srun --export=ALL --kill-on-bad-exit=1 --label bash "$REPRO_ROOT/slurm/task.sh" repro "$@") status=0
   note "step: ${cmd[*]}"
   [[ "$DRY_RUN" == 0 ]] || return 0
+  if [[ -n "$EARLY_SIGNAL" ]]; then  # (a preemption's warning during setup, or the lock wait)
+    note "SIG$EARLY_SIGNAL came before the step started: requeueing job $SLURM_JOB_ID without starting it"
+    scontrol requeue "$SLURM_JOB_ID" || requeue_failed
+    return 0
+  fi
   rm -f "$REPRO_RUN_DIR/stopped_by_signal"
   trap 'forward USR1' USR1
   trap 'forward TERM' TERM
@@ -353,7 +359,8 @@ run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job i
     status=0
     wait "$STEP_PID" || status=$?
   fi
-  trap - USR1 TERM
+  trap 'early_signal USR1' USR1
+  trap 'early_signal TERM' TERM
   STEP_PID=""
   note "step exited with $status at $(date -Is)"
   if [[ "$status" == 0 && -f "$REPRO_RUN_DIR/stopped_by_signal" ]]; then
@@ -366,6 +373,15 @@ run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job i
   return "$status"
 }
 
+early_signal() {  # a stop signal while no step runs (setup, a lock wait): remembered, as its default
+  # action would end the job with no requeue; run_step then requeues the job without starting the step
+  EARLY_SIGNAL="$1"
+  note "received SIG$1 at $(date -Is), while no step runs"
+}
+
+EARLY_SIGNAL=""
+trap 'early_signal USR1' USR1
+trap 'early_signal TERM' TERM
 load_cluster_env
 activate_env
 setup_job

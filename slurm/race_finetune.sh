@@ -10,7 +10,7 @@
 # REPRO_BERT_CHECKPOINT: the BERT training run directory (or a file written by save_bert).
 #   REPRO_BERT_CHECKPOINT=RUNS/bert_336m-1234 REPRO_RACE_DIR=... sbatch slurm/race_finetune.sh [--epochs 3]
 #   REPRO_BERT_CHECKPOINT=... sbatch -p debug -N1 -n2 --gres=none slurm/race_finetune.sh --smoke
-# --smoke: CPU, TP = task count, REPRO_RACE_DIR defaults to the 17-question tests/fixtures/race,
+# --smoke: CPU, TP = one node's task count (the rest DP), REPRO_RACE_DIR defaults to the 17-question tests/fixtures/race,
 # sequences of 64 tokens, 2 epochs of batch 5 at lr 1e-3, 2 seeds; MLflow size "smoke", not a paper size.
 #SBATCH --job-name=race_finetune
 #SBATCH --nodes=1
@@ -33,7 +33,7 @@ ARGS=(${REPRO_RACE_SIZE:+--size "$REPRO_RACE_SIZE"} ${REPRO_RACE_TP:+--tp "$REPR
 if [[ "$SMOKE" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
   REPRO_RACE_DIR="${REPRO_RACE_DIR:-$REPRO_ROOT/tests/fixtures/race}"
-  ARGS=(--size smoke --tp "$SLURM_NTASKS" --seq-length 64 --epochs 2 --batch-size 5 --lr 1e-3 --seeds 1234 1235)
+  ARGS=(--size smoke --tp "$(smoke_tp)" --seq-length 64 --epochs 2 --batch-size 5 --lr 1e-3 --seeds 1234 1235)
 fi
 need REPRO_RACE_DIR "the RACE root with {train,dev,test}/{middle,high}"
 ARGS+=(${EXTRA[@]+"${EXTRA[@]}"})  # the script's own arguments last: they override

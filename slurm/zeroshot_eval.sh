@@ -8,7 +8,7 @@
 #   WikiText-2 tokens file, same words, more <unk>; see repro/eval/README.md).
 #   REPRO_EVAL_CHECKPOINT=RUNS/gpt2_8.3b-1234 sbatch slurm/zeroshot_eval.sh
 #   REPRO_EVAL_CHECKPOINT=RUNS/scale_8b-99 sbatch -p debug -N1 -n2 --gres=none slurm/zeroshot_eval.sh --smoke
-# --smoke: CPU, TP = task count, window 64 / stride 32 on the first 40 WikiText lines, the first 64
+# --smoke: CPU, TP = one node's task count (the rest DP), window 64 / stride 32 on the first 40 WikiText lines, the first 64
 # LAMBADA passages (for the 64-position model of a training script's --smoke run).
 #SBATCH --job-name=zeroshot_eval
 #SBATCH --nodes=1
@@ -26,7 +26,7 @@ parse_flags "$@"
 ARGS=(${REPRO_EVAL_TP:+--tp "$REPRO_EVAL_TP"} --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}")
 if [[ "$SMOKE" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU and gloo even on a GPU node
-  ARGS=(--tp "$SLURM_NTASKS" --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}" --window 64 --stride 32 --max-lines 40 --max-examples 64)
+  ARGS=(--tp "$(smoke_tp)" --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}" --window 64 --stride 32 --max-lines 40 --max-examples 64)
 fi
 ARGS+=(${EXTRA[@]+"${EXTRA[@]}"})  # the script's own arguments last (launch_step resets EXTRA)
 [[ "$DRY_RUN" == 0 ]] || ARGS+=(--dry-run)

@@ -99,6 +99,10 @@ def test_read_script_counts_tasks(tmp_path):
 FAKE_REPRO = """#!/bin/bash
 # a fake `repro`: logs its arguments; `repro data prepare` fails when FAKE_PREPARE=fail
 echo "$*" >> "$FAKE_LOG"
+if [[ "$1 $2" == "slurm check" && "${FAKE_CHECK:-ok}" == wait ]]; then  # until the test touches $FAKE_LOG.go
+  touch "$FAKE_LOG.checking"
+  while [[ ! -f "$FAKE_LOG.go" ]]; do sleep 0.05; done
+fi
 if [[ "$1 $2" == "data prepare" && "${FAKE_PREPARE:-ok}" == fail ]]; then
   echo "prepare failed (simulated)" >&2; exit 1
 fi
@@ -248,6 +252,31 @@ def test_forwards_a_term_to_the_step_as_usr1_and_requeues(tmp_path):
     assert "step got USR1" in calls and "step got TERM" not in calls, log
     assert "received SIGTERM" in log and "forwarding SIGUSR1 to the step" in log, log
     assert job.returncode == 0 and "scontrol requeue 42" in calls, log
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_before_the_step_requeues_without_starting_it(tmp_path, sig):
+    """A preemption's USR1 (or a TERM to the batch shell) while the job is still in its setup (here:
+    during the config check): before, its default action ended the job with no requeue."""
+    import os
+    import signal
+    import time
+
+    env = _job_env(tmp_path, FAKE_CHECK="wait", FAKE_STEP="ok")
+    job = subprocess.Popen(["bash", str(ROOT / "slurm" / "scale_8b.sh"), "--smoke"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "calls.checking").exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+        time.sleep(0.05)
+    os.kill(job.pid, getattr(signal, sig))
+    time.sleep(0.2)
+    (tmp_path / "calls.go").touch()
+    job.wait(timeout=30)
+    log = (tmp_path / "runs" / "scale_8b-42" / "logs" / "slurm-42.out").read_text()
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert job.returncode == 0 and "scontrol requeue 42" in calls, (job.returncode, log)
+    assert not any(c.startswith("srun ") for c in calls) and "before the step started" in log, (calls, log)
 
 
 def test_the_environment_wins_over_cluster_env(tmp_path):

@@ -317,6 +317,7 @@ requeue_failed() {  # the checkpoint is saved but the job cannot requeue itself:
 launch_step() {  # launch_step REPRO-ARGS... [--dry-run]: any other `repro` command, one task per GPU
   parse_flags "$@"
   [[ "$SMOKE" == 0 ]] || die "--smoke is for training scripts only"
+  repro slurm check-network  # NCCL_/GLOO_SOCKET_IFNAME, as `repro slurm check` does for training
   run_step ${EXTRA[@]+"${EXTRA[@]}"}
 }
 

@@ -37,3 +37,20 @@ def test_only_the_backend_in_use_is_checked_and_the_message_lists_the_interfaces
     assert interface_problem({"NCCL_SOCKET_IFNAME": "ib"}, NODE, "nccl", "gpu17") is None
     assert interface_problem({"NCCL_SOCKET_IFNAME": "eth"}, NODE, "gloo", "gpu17") is None  # a CPU smoke run
     assert interface_problem({}, NODE, "nccl", "gpu17") is None
+
+
+def test_check_network_runs_the_same_check_for_steps_that_train_nothing(capfd, monkeypatch):
+    """`repro slurm check-network` (launch.sh runs it before selftest, comm-bench, evaluation and RACE
+    steps): this machine's real interfaces; a name none matches fails naming them, exit 2."""
+    import psutil
+
+    from repro.cli import main
+
+    some = sorted(psutil.net_if_addrs())[0]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", some)
+    assert main(["slurm", "check-network", "--backend", "gloo"]) == 0
+    assert "socket interfaces ok for gloo" in capfd.readouterr().out
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "no-such-if")
+    assert main(["slurm", "check-network", "--backend", "nccl"]) == 2
+    err = capfd.readouterr().err
+    assert "NCCL_SOCKET_IFNAME=no-such-if matches no network interface" in err and some in err, err

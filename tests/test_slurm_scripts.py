@@ -419,6 +419,14 @@ def test_race_finetune_warns_and_continues_like_a_training_job(tmp_path):
     assert continue_line.endswith(f"REPRO_RUN_NAME=race_finetune-42 sbatch {ROOT}/slurm/race_finetune.sh --smoke --epochs 1")
 
 
+def test_a_step_that_trains_nothing_checks_the_network_settings_first(tmp_path):
+    """selftest.sh (launch_step): `repro slurm check-network` runs on the batch host before srun."""
+    env = _job_env(tmp_path, FAKE_STEP="ok", SLURM_JOB_NAME="selftest")
+    out, log, calls = _run_job(tmp_path, env, script="selftest.sh", run_dir=tmp_path / "runs" / "selftest-42")
+    steps = [c.split()[0] if c.startswith("srun ") else c for c in calls if not c.startswith("scontrol ")]
+    assert out.returncode == 0 and steps == ["slurm check-network", "srun"], (steps, log)
+
+
 def test_cpus_per_gpu_leaves_srun_its_own_setting(tmp_path):
     """sbatch --cpus-per-gpu puts SLURM_CPUS_PER_GPU in the job; srun reads it and refuses it beside
     SRUN_CPUS_PER_TASK ("mutually exclusive"), so launch.sh sets no CPUs per task then."""

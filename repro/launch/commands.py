@@ -72,14 +72,31 @@ def _check(args) -> int:
 
 def _check_interfaces(cfg) -> None:
     """The run's backend (gloo on CPU, else NCCL) must find the interface its *_SOCKET_IFNAME names."""
+    from repro.parallel.groups import backend_for
+
+    _require_interfaces(backend_for(cfg.train.device))
+
+
+def _require_interfaces(backend: str) -> str:
+    """This host's name, or a UserError when `backend`'s *_SOCKET_IFNAME names no interface of it."""
     import socket
 
     from repro.launch.interfaces import interface_problem, local_interfaces
-    from repro.parallel.groups import backend_for
 
-    backend = backend_for(cfg.train.device)
-    if problem := interface_problem(dict(os.environ), local_interfaces(), backend, socket.gethostname()):
+    host = socket.gethostname()
+    if problem := interface_problem(dict(os.environ), local_interfaces(), backend, host):
         raise _user_error(problem)
+    return host
+
+
+def _check_network(args) -> int:
+    """The socket-interface check of `check` alone, for the steps that train nothing (selftest,
+    comm-bench, evaluation, RACE): the backend this node's ranks will use unless one is given."""
+    from repro.parallel.groups import default_backend
+
+    backend = args.backend or default_backend()
+    print(f"socket interfaces ok for {backend} on {_require_interfaces(backend)}")
+    return 0
 
 
 def memory_line(cfg, derived) -> str:
@@ -280,6 +297,10 @@ def register(sub) -> None:
     w.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
     w.set_defaults(func=_sweep, unknown_hint="; the scripts' own arguments go after `--`: "
                    "repro slurm sweep TABLE -- --set KEY=VALUE")
+    n = ssub.add_parser("check-network", help="NCCL_/GLOO_SOCKET_IFNAME against this node's interfaces")
+    n.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="[nccl where a GPU is visible, else gloo]")
+    n.set_defaults(func=_check_network)
     t = ssub.add_parser("status", help="your queue, or the state of the given jobs")
     t.add_argument("jobs", nargs="*")
     t.set_defaults(func=_status)

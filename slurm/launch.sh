@@ -14,8 +14,8 @@
 # exits 0 and leaves RUN_DIR/stopped_by_signal, the job requeues itself and the next start resumes
 # from the checkpoint. A TERM that reaches the batch shell alone is forwarded as USR1. A TERM that
 # Slurm sends to the job's steps (time limit reached, plain scancel, preemption) also reaches srun,
-# which answers it by SIGKILLing every task ("forcing job termination"): no checkpoint. A USR1 or TERM
-# before the step started (a preemption's warning during setup) requeues the job without starting it.
+# which answers it by SIGKILLing every task ("forcing job termination"): no checkpoint. A USR1 before
+# the step started (a preemption's warning during setup) requeues the job without starting it.
 #
 # Arguments after the config (the job script's "$@"):
 #   --smoke     a tiny model of the config's family (GPT, or BERT for experiments/bert/) on CPU (gloo),
@@ -361,7 +361,7 @@ run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job i
     wait "$STEP_PID" || status=$?
   fi
   trap 'early_signal USR1' USR1
-  trap 'early_signal TERM' TERM
+  trap - TERM
   STEP_PID=""
   note "step exited with $status at $(date -Is)"
   if [[ "$status" == 0 && -f "$REPRO_RUN_DIR/stopped_by_signal" ]]; then
@@ -374,15 +374,15 @@ run_step() {  # srun one task per GPU running `repro ARGS...`; requeue the job i
   return "$status"
 }
 
-early_signal() {  # a stop signal while no step runs (setup, a lock wait): remembered, as its default
-  # action would end the job with no requeue; run_step then requeues the job without starting the step
+early_signal() {  # a USR1 while no step runs (setup, a lock wait): remembered, as its default action
+  # would end the job with no requeue; run_step then requeues the job without starting the step.
+  # (Not TERM: a plain scancel TERMs the batch shell too, and a requeue would undo the cancel.)
   EARLY_SIGNAL="$1"
   note "received SIG$1 at $(date -Is), while no step runs"
 }
 
 EARLY_SIGNAL=""
 trap 'early_signal USR1' USR1
-trap 'early_signal TERM' TERM
 load_cluster_env
 activate_env
 setup_job

@@ -255,9 +255,10 @@ def test_forwards_a_term_to_the_step_as_usr1_and_requeues(tmp_path):
 
 
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
-def test_a_stop_signal_before_the_step_requeues_without_starting_it(tmp_path, sig):
-    """A preemption's USR1 (or a TERM to the batch shell) while the job is still in its setup (here:
-    during the config check): before, its default action ended the job with no requeue."""
+def test_a_usr1_before_the_step_requeues_without_starting_it_and_a_term_ends_the_job(tmp_path, sig):
+    """A preemption's USR1 while the job is still in its setup (here: during the config check): before,
+    its default action ended the job with no requeue. A TERM then (a plain scancel sends one to the
+    batch shell too) ends the job, no requeue: requeueing would undo the cancel."""
     import os
     import signal
     import time
@@ -275,8 +276,11 @@ def test_a_stop_signal_before_the_step_requeues_without_starting_it(tmp_path, si
     job.wait(timeout=30)
     log = (tmp_path / "runs" / "scale_8b-42" / "logs" / "slurm-42.out").read_text()
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert job.returncode == 0 and "scontrol requeue 42" in calls, (job.returncode, log)
-    assert not any(c.startswith("srun ") for c in calls) and "before the step started" in log, (calls, log)
+    assert not any(c.startswith("srun ") for c in calls), (calls, log)
+    if sig == "SIGUSR1":
+        assert job.returncode == 0 and "scontrol requeue 42" in calls and "before the step started" in log, log
+    else:
+        assert job.returncode == -signal.SIGTERM and "scontrol requeue 42" not in calls, (job.returncode, log)
 
 
 def test_the_environment_wins_over_cluster_env(tmp_path):

@@ -209,6 +209,33 @@ def test_plan_prints_memory_time_and_fit(capsys):
     assert "512 GPUs = tp 8 x dp 64" in out and ": fits" in out and "300,000 iterations" in out
 
 
+@pytest.mark.parametrize("sets, grad_bytes", [([], 2), (["precision.main_grads=fp32"], 4),
+                                              (["precision.params=fp32"], 4)])
+def test_plan_times_the_dp_all_reduce_in_the_dtype_the_trainer_reduces(sets, grad_bytes):
+    """The paper's fp16 gradients (half model, main_grads: param) take half the DP time of fp32 main
+    grads or fp32 parameters; nothing else in the iteration changes."""
+    from repro.perf.clusters import BUILT_IN
+    from repro.perf.plan import dp_gradient_bytes, plan
+    from repro.train.config import load_config
+
+    config = str(ROOT / "experiments/gpt2/gpt2_8.3b.yaml")
+    paper = plan(load_config(config), 512, BUILT_IN["dgx2h"]).time.parts_s
+    cfg = load_config(config, sets)
+    parts = plan(cfg, 512, BUILT_IN["dgx2h"]).time.parts_s
+    assert dp_gradient_bytes(cfg) == grad_bytes
+    latency = 2 * 63 * BUILT_IN["dgx2h"].alpha_inter_s  # the ring over dp 64, across nodes
+    assert parts["dp_comm"] - latency == pytest.approx((paper["dp_comm"] - latency) * grad_bytes / 2, rel=1e-9)
+    assert {k: v for k, v in parts.items() if k != "dp_comm"} == {k: v for k, v in paper.items() if k != "dp_comm"}
+
+
+def test_plan_of_an_fp32_run_says_its_time_is_a_lower_bound(capsys):
+    args = ["plan", str(ROOT / "experiments/gpt2/gpt2_8.3b.yaml"), "--cluster", "dgx2h",
+            "--set", "precision.precision=fp32", "--set", "precision.params=fp32"]
+    assert main(args) == 0
+    assert "computes in fp32" in capsys.readouterr().out and main(args[:4]) == 0
+    assert "computes in fp32" not in capsys.readouterr().out
+
+
 def test_plan_says_what_does_not_fit_and_how_to_fix_it(capsys):
     args = ["plan", str(ROOT / "experiments/scaling/scale_8b.yaml"), "--gpus", "1", "--set", "parallel.tp=1",
             "--set", "model.activation_checkpointing=false", "--cluster", "dgx2h"]

@@ -129,13 +129,20 @@ class TimePlan:
     gpu_hours: float
 
 
+def dp_gradient_bytes(cfg: RunConfig) -> int:
+    """Bytes per gradient element the trainer all-reduces over DP: 2 only for a half-precision model
+    reducing in its own dtype (`main_grads: param`, the paper's recipe); fp32 main grads and fp32
+    parameters (autocast) reduce fp32."""
+    return 2 if cfg.precision.params == "half" and cfg.precision.main_grads == "param" else 4
+
+
 def time_plan(cfg: RunConfig, derived: Derived, cluster: Cluster) -> TimePlan:
     """Predicted seconds per iteration and in all for `cfg` on `cluster` (see scaling_model)."""
     gpus = cfg.parallel.tp * derived.dp
     per_replica = cfg.train.global_batch_size // derived.dp
     parts = iteration_time(cfg.model, per_replica, cfg.parallel.tp, derived.dp, cluster,
                            calibrate_gemm_efficiency(cluster), recompute=cfg.model.activation_checkpointing,
-                           bert=cfg.family == "bert")
+                           bert=cfg.family == "bert", grad_bytes=dp_gradient_bytes(cfg))
     total_s = parts["total"] * cfg.train.train_iters
     return TimePlan(parts["total"], {k: v for k, v in parts.items() if k != "total"},
                     cfg.train.global_batch_size * cfg.model.seq_length / parts["total"],
@@ -220,6 +227,9 @@ def format_plan(p: Plan, cfg: RunConfig) -> str:
         f"  throughput     {t.tokens_per_s:,.0f} tokens/s",
         f"  {cfg.train.train_iters:,} iterations: {t.days:.2f} days, {t.gpu_hours:,.0f} GPU-hours",
     ]
+    if cfg.precision.precision == "fp32":
+        lines.append("  note: the model times half-precision GEMMs at the cluster's fp16/bf16 peak; this config "
+                     "computes in fp32, several times slower on tensor-core GPUs: read the time as a lower bound")
     return "\n".join(lines)
 
 

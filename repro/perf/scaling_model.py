@@ -13,7 +13,8 @@ Assumptions (global; nothing is fitted per point):
   mask, softmax, dropout) + 20 b s h (GeLU, biases).
 - TP all-reduces: 6 per layer per iteration of b s h fp16 (2 forward, 2 in the recomputed forward,
   2 backward), ring inside one node: 2 (p-1)/p M / bw + 2 (p-1) alpha, bw = one direction of NVLink.
-- DP gradient all-reduce of this rank's parameters (fp16) after the backward, not overlapped; when a
+- DP gradient all-reduce of this rank's parameters (fp16: `grad_bytes` 2; `repro plan` passes 4 for a
+  config that reduces fp32 gradients) after the backward, not overlapped; when a
   DP group spans nodes its ring is limited by the node's network bandwidth shared by the tp groups
   of the node (each node holds gpus_per_node / tp members of each of tp DP groups).
 - Batch 8 per model replica (Table 1: 8 for TP-only, 512 global over 64 replicas for TP+DP).
@@ -88,10 +89,11 @@ def _elementwise_bytes(cfg: ModelConfig, batch: int, recompute: bool = True) -> 
 
 
 def iteration_time(cfg: ModelConfig, batch: int, tp: int, dp: int, cl: Cluster, gemm_eff: float,
-                   recompute: bool = True, bert: bool = False) -> dict[str, float]:
+                   recompute: bool = True, bert: bool = False, grad_bytes: int = 2) -> dict[str, float]:
     """Seconds per iteration by component, for one replica of `batch` sequences; without
     `recompute` the 72-formula's GEMMs, 3 element-wise passes and 4 TP all-reduces per layer;
-    `bert` adds BERT's head GEMMs and parameters (its layers are GPT's)."""
+    `bert` adds BERT's head GEMMs and parameters (its layers are GPT's); `grad_bytes` per gradient
+    element in the DP all-reduce."""
     heads = 3 * bert_head_flops(cfg, batch) if bert else 0.0  # replicated on every TP rank
     gemm = ((flops_per_iteration(cfg, batch, recompute=recompute, bert=bert) - heads) / tp + heads) \
         / (cl.peak_tflops * 1e12 * gemm_eff)
@@ -101,7 +103,7 @@ def iteration_time(cfg: ModelConfig, batch: int, tp: int, dp: int, cl: Cluster, 
                                                                           cl.alpha_intra_s)
     bw, alpha = dp_bandwidth_gbps(cl, tp, dp)
     params = (bert_params_per_rank if bert else params_per_rank)(cfg, tp)
-    dp_comm = ring_allreduce_s(params * 2, dp, bw, alpha)
+    dp_comm = ring_allreduce_s(params * grad_bytes, dp, bw, alpha)
     parts = {"gemm": gemm, "sharded_elementwise": shard / (cl.hbm_gbps * 1e9) / tp,
              "replicated_elementwise": repl / (cl.hbm_gbps * 1e9), "tp_comm": tp_comm, "dp_comm": dp_comm}
     parts["total"] = sum(parts.values())

@@ -27,9 +27,16 @@ MATMUL_MARKERS = ("gemm", "matmul", "::mm", "::bmm", "addmm", "cutlass", "sm90",
                   "xmma", "nvjet", "scaled_dot")
 
 
+def _is_range(event) -> bool:
+    """A named range, not a kernel: torch reports the optimizer's `Optimizer.step#AdamW.step` (and
+    record_function ranges) on the GPU timeline too, spanning kernels already counted."""
+    return bool(getattr(event, "is_user_annotation", False)) or "#" in event.key \
+        or event.key.startswith("ProfilerStep")
+
+
 def _summary(prof, device_type: str, top: int) -> str:
-    events = [e for e in prof.key_averages() if e.device_type.name.lower() == device_type.upper().lower()
-              or device_type == "cpu"]
+    events = [e for e in prof.key_averages() if (e.device_type.name.lower() == device_type.upper().lower()
+              or device_type == "cpu") and not (device_type == "cuda" and _is_range(e))]
     attr = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
     events = sorted(events, key=lambda e: getattr(e, attr), reverse=True)
     total = sum(getattr(e, attr) for e in events) or 1.0

@@ -2,7 +2,9 @@
 
 All values are dense (no 2:4 sparsity), boost clock, from NVIDIA's datasheets:
   V100:  "NVIDIA Tesla V100 GPU Accelerator" datasheet (SXM2: 125 fp16 tensor, 15.7 fp32;
-         PCIe: 112 / 14). The paper's DGX-2H V100 SXM3 is quoted at 125 (paper §2, Table 1 baseline).
+         PCIe: 112 / 14). The paper calls its 39 TFLOP/s baseline "30% of peak" without the peak:
+         125 gives 31%; the DGX-2H's 450 W V100 SXM3 is rated 2.1 PFLOP/s / 16 = 131 (30%). Issue 9
+         sets 125 for the DGX-2H, as here.
   A100:  "NVIDIA A100 Tensor Core GPU" datasheet: 312 bf16/fp16, 156 tf32, 19.5 fp32 (SXM and PCIe).
   H100:  "NVIDIA H100 Tensor Core GPU" datasheet: SXM 989 bf16/fp16, 494.7 tf32, 66.9 fp32;
          PCIe 756 / 378 / 51.2; NVL 835 / 417.5 / 60 (the datasheet's sparse figures halved).

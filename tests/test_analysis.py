@@ -722,4 +722,10 @@ def test_table2_days_per_epoch_from_a_gpt2_runs_logged_intervals(tmp_path):
     assert table.loc["custom L2-h64-a16-s1024", "gpus"] == 8
     shown = gpt2.display(gpt2.build(uri)).set_index("model")
     assert shown.loc["gpt2-2.5b", "measured days/epoch"] == "not run"
+    failed = _gpt2_run(uri, status="FAILED")  # a newer attempt that failed before its first interval
+    client.log_param(failed, "world_size", 64)
+    table = gpt2.build(uri)
+    rows = table[table["model"] == "gpt2-355m"]
+    assert list(rows["run_id"]) == [paper_run, failed]  # the paper row keeps the measured run; the failed
+    assert rows.iloc[0]["paper_days_per_epoch"] == 0.86  # one is listed after, as an extra row
     assert "gpt2_table2.md" in __import__("repro.analysis.notebook", fromlist=["TABLES"]).TABLES["zero_shot"]

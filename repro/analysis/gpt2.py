@@ -48,18 +48,21 @@ def _measured_row(uri: str, run) -> dict:
 
 
 def build(tracking_uri: str, experiment: str = "gpt2") -> pd.DataFrame:
-    """Paper rows (each with its newest run of that size at the paper's GPU count, or not run), then
+    """Paper rows (each with its newest run of that size at the paper's GPU count that logged an
+    interval, else its newest, or not run), then
     the other GPT-2 runs (other GPU counts, reduced shapes) with their own days per epoch."""
     paper, runs = paper_values(), R.load_runs(tracking_uri, experiment, finished_only=False)
     rows, used = [], set()
     for item in paper_items(paper, "gpt2"):
         row = {"model": item, "paper_gpus": GPT2_RUNS[item],
                "paper_days_per_epoch": paper_value(paper, "gpt2", item, "days_per_epoch")}
-        for index, run in runs.iterrows():  # newest first
-            if R.paper_size(run) == item and int(R.get(run, "params.world_size", 0) or 0) == GPT2_RUNS[item]:
-                row.update(_measured_row(tracking_uri, run))
-                used.add(index)
-                break
+        matching = [(index, _measured_row(tracking_uri, run)) for index, run in runs.iterrows()  # newest first
+                    if R.paper_size(run) == item and int(R.get(run, "params.world_size", 0) or 0) == GPT2_RUNS[item]]
+        # the newest that measured an interval (a newer attempt that failed at start does not hide it)
+        measured = [m for m in matching if pd.notna(m[1]["days_per_epoch"])] or matching
+        if measured:
+            row.update(measured[0][1])
+            used.add(measured[0][0])
         rows.append(row)
     for index, run in runs.iterrows():
         if index not in used:

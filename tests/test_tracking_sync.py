@@ -247,3 +247,49 @@ def test_a_tracking_server_restarted_mid_run_costs_no_row(tmp_path, monkeypatch)
         assert _steps(server.local_uri, logger.run_id) == [1, 2, 3, 4, 5]
     finally:
         server.stop()
+
+
+def _record(training_run_id, **metrics):
+    import time
+
+    from repro.eval.report import EvalRecord
+
+    return EvalRecord("wikitext", {"word_ppl": 20.5, "num_bpe_tokens": 270329.0, **metrics},
+                      {"window": 1024, "stride": 32, "file": "wiki.test.tokens"},
+                      training_run_id=training_run_id, time=time.time())
+
+
+def test_an_evaluation_logged_before_its_training_run_existed_is_linked_not_logged_again(tmp_path, store,
+                                                                                        monkeypatch):
+    """Training with MLflow down, then `repro eval` with it up (the record names no training run),
+    then `repro tracking sync RUN_DIR`: the training run is created and the evaluation run already
+    there is linked to it. It used to be logged a second time (Table 3 showed the model twice)."""
+    from mlflow import MlflowClient
+
+    from repro.eval.report import log_to_mlflow, sync_records, write_json
+
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as down, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        down.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        offline = RunLogger(run_dir, "gpt2", "r", {}, {})
+    _log(offline, (1, 2))
+    offline.close()
+    record = _record(None)
+    write_json(record, run_dir / "zero_shot.jsonl")
+    eval_run = log_to_mlflow(record)
+    training_run = sync_run(run_dir).run_id
+    for _ in range(2):
+        result = sync_records(run_dir / "zero_shot.jsonl")
+        assert (result.created, result.already) == ([], 1)
+    tags = MlflowClient(store).get_run(eval_run).data.tags
+    assert tags["training_run_id"] == training_run
+
+
+def test_an_evaluation_with_a_nan_metric_is_synced_once(tmp_path, store):
+    """A diverged model's perplexity is NaN, and NaN != NaN: every sync used to log it again."""
+    from repro.eval.report import sync_records, write_json
+
+    write_json(_record("abc", word_ppl=float("nan"), sum_nll=float("nan")), tmp_path / "zero_shot.jsonl")
+    created = [sync_records(tmp_path / "zero_shot.jsonl").created for _ in range(3)]
+    assert [len(c) for c in created] == [1, 0, 0]

@@ -8,6 +8,7 @@ run is in the same tracking store, so the UI nests it).
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from contextlib import contextmanager
@@ -115,15 +116,24 @@ def _log_record(client, experiment_id: str, record: EvalRecord) -> str:
 
 
 def _logged_run_id(client, experiment_id: str, record: EvalRecord) -> str | None:
-    """The run of the experiment holding this record (same task, training run, params and metrics)."""
-    query = f"tags.task = '{record.task}'"
-    if record.training_run_id:
-        query += f" and tags.training_run_id = '{record.training_run_id}'"
+    """The run of the experiment holding this record (same task, params and metrics; NaN equals NaN,
+    as a diverged model's perplexity): one linked to its training run, or one logged before that run
+    existed (training offline, evaluation live), which is linked to it now."""
     params, metrics = _mlflow_params(record), _mlflow_metrics(record)
-    for run in client.search_runs([experiment_id], query, max_results=1000):
-        if params.items() <= run.data.params.items() and metrics.items() <= run.data.metrics.items():
+    for run in client.search_runs([experiment_id], f"tags.task = '{record.task}'", max_results=1000):
+        linked = run.data.tags.get("training_run_id")
+        if linked not in (None, record.training_run_id) or not params.items() <= run.data.params.items():
+            continue
+        if all(_same_value(value, run.data.metrics.get(key)) for key, value in metrics.items()):
+            if linked is None and record.training_run_id:
+                for key, value in _link_tags(client, record.training_run_id, experiment_id).items():
+                    client.set_tag(run.info.run_id, key, value)
             return run.info.run_id
     return None
+
+
+def _same_value(ours: float, logged: float | None) -> bool:
+    return logged is not None and (ours == logged or (math.isnan(ours) and math.isnan(logged)))
 
 
 @contextmanager

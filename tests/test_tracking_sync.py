@@ -293,3 +293,63 @@ def test_an_evaluation_with_a_nan_metric_is_synced_once(tmp_path, store):
     write_json(_record("abc", word_ppl=float("nan"), sum_nll=float("nan")), tmp_path / "zero_shot.jsonl")
     created = [sync_records(tmp_path / "zero_shot.jsonl").created for _ in range(3)]
     assert [len(c) for c in created] == [1, 0, 0]
+
+
+def test_a_new_launch_removes_an_earlier_launchs_stop_marker(tmp_path, store):
+    """A run stopped for a signal and continued by hand (not by launch.sh, which removes the marker):
+    the stale marker made sync mark the finished run KILLED, and the tables dropped it."""
+    run_dir = tmp_path / "run"
+    first = RunLogger(run_dir, "exp-sync", "r", {}, {})
+    _log(first, (1, 2))
+    first.close("KILLED")
+    _write(run_dir / "stopped_by_signal", "2")
+    again = RunLogger(run_dir, "exp-sync", "r", {}, {}, resume_run_id=first.run_id)
+    assert not (run_dir / "stopped_by_signal").exists()
+    _log(again, (3, 4))
+    _write(run_dir / "final_metrics.json", '{"iteration": 4}')
+    again.close()
+    sync_run(run_dir)
+    assert _status(store, first.run_id) == "FINISHED"
+
+
+def test_a_run_begun_again_gets_none_of_the_dead_launchs_rows(tmp_path, store):
+    """Killed before its first checkpoint, then the same command again: the new launch starts over
+    (a new MLflow run); the dead launch's metrics.jsonl and run id are set aside, its run ends KILLED,
+    and sync no longer copies its rows into the new run (two values a step)."""
+    run_dir = tmp_path / "run"
+    dead = RunLogger(run_dir, "exp-sync", "r", {}, {})
+    _log(dead, (1, 2, 3))
+    dead.flush()  # then killed: no close
+    again = RunLogger(run_dir, "exp-sync", "r", {}, {}, starts_over=True)
+    _log(again, (1, 2, 3))
+    _write(run_dir / "final_metrics.json", '{"iteration": 3}')
+    again.close()
+    sync_run(run_dir)
+    assert _steps(store, again.run_id) == [1, 2, 3] and _status(store, dead.run_id) == "KILLED"
+    assert len(list(run_dir.glob("metrics.jsonl.before-*"))) == 1 == len(list(run_dir.glob("mlflow_run_id.before-*")))
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_a_resume_that_changes_a_param_shows_the_new_value_to_the_analysis(tmp_path, store, monkeypatch, online):
+    """A run extended on resume (train.train_iters 100 -> 1000): MLflow never changes a logged param,
+    so the new value goes in the tag resumed_with.train.train_iters, live or by sync after an
+    outage, and the analysis reads it as the param (it labelled the run a 100-iteration test)."""
+    from repro.analysis.runs import load_runs
+
+    run_dir = tmp_path / "run"
+    first = RunLogger(run_dir, "exp-sync", "r", {"train.train_iters": 100, "lr": "0.1"}, {})
+    _log(first, (1, 2))
+    first.close("KILLED")
+    with monkeypatch.context() as env, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if not online:
+            env.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        again = RunLogger(run_dir, "exp-sync", "r", {"train.train_iters": 1000, "lr": "0.1"}, {},
+                          resume_run_id=first.run_id)
+        _log(again, (3,))
+        again.close()
+    if not online:
+        assert sync_run(run_dir).action == "updated"
+    assert sync_run(run_dir).action == "up to date"
+    row = load_runs(store, "exp-sync", finished_only=False).iloc[0]
+    assert (row["params.train.train_iters"], row["params.lr"]) == ("1000", "0.1")

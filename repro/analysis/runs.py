@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from repro.models.sizes import SIZES
+from repro.tracking.logger import RESUMED_PARAM_TAG
 
 FAMILY_EXPERIMENTS = ("scaling", "gpt2", "zero-shot", "bert")
 PROVENANCE_KEYS = ("device_name", "world_size", "precision", "git_sha")
@@ -98,6 +99,8 @@ def _row(run, experiment: str) -> dict:
            "start_time": run.info.start_time, "experiment": experiment}
     row.update({f"params.{k}": v for k, v in run.data.params.items()})
     row.update({f"tags.{k}": v for k, v in run.data.tags.items() if not k.startswith("mlflow.")})
+    row.update({f"params.{k[len(RESUMED_PARAM_TAG):]}": v for k, v in run.data.tags.items()  # a resume's change
+                if k.startswith(RESUMED_PARAM_TAG)})
     row.update({f"metrics.{k}": v for k, v in run.data.metrics.items()})
     return row
 

@@ -243,7 +243,7 @@ def run(args) -> int:
     logged = read_stopped_seed(Path(args.run_dir))  # launch.sh removes stopped_by_signal before each step
     continued = bool(done) or bool(logged)
     log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, tags,
-                    use_mlflow=not args.no_mlflow,
+                    use_mlflow=not args.no_mlflow, starts_over=not continued,
                     resume_run_id=recorded_run_id(args.run_dir) if continued else None) if pg.rank == 0 else None
     try:
         with StopSignal(pg.world_group) as stop:
@@ -273,11 +273,12 @@ def _stopped(args, stopped, pg, log) -> int:
     if pg.rank == 0:
         from repro.eval.race_finetune import save_stopped_seed
         from repro.provenance import write_atomic
+        from repro.tracking.logger import STOP_MARKER
 
         print(f"stopping: {stopped} (a stop signal); finished seeds are in {Path(args.run_dir) / 'seeds'}, and "
               "the same command in the same --run-dir goes on from the next unfinished seed", flush=True)
         save_stopped_seed(Path(args.run_dir), stopped.seed, stopped.step)
-        write_atomic(Path(args.run_dir) / "stopped_by_signal", f"race seed {stopped.seed}".encode())
+        write_atomic(Path(args.run_dir) / STOP_MARKER, f"race seed {stopped.seed}".encode())
         if log:
             log.close("KILLED")
     return 0

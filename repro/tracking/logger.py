@@ -18,6 +18,8 @@ from pathlib import Path
 from repro.tracking.store import default_tracking_uri, experiment_id, tracking_hint
 
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
+STOP_MARKER = "stopped_by_signal"  # the last launch stopped for a signal (launch.sh requeues the job)
+RESUMED_PARAM_TAG = "resumed_with."  # + a param key: its value since a resume changed it (params are fixed)
 
 
 class TrackingError(RuntimeError):
@@ -66,10 +68,14 @@ class RunLogger:
 
     def __init__(self, run_dir: str | Path, experiment: str, run_name: str,
                  params: dict[str, str], tags: dict[str, str], use_mlflow: bool = True,
-                 resume_run_id: str | None = None) -> None:
+                 resume_run_id: str | None = None, starts_over: bool = False) -> None:
+        """`starts_over`: this launch begins the run again (nothing to resume from): what an earlier
+        launch left in the directory is moved aside, not mixed into this run's rows."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        (self.run_dir / STOP_MARKER).unlink(missing_ok=True)  # an earlier launch's stop, not this one's
+        earlier_run_id = _set_aside_earlier_launch(self.run_dir) if starts_over else None
         _drop_partial_row(self.metrics_path)
         _write_text(self.run_dir / "params.json", json.dumps(params, indent=1, sort_keys=True))
         _write_text(self.run_dir / "tags.json", json.dumps({**tags, "experiment": experiment,
@@ -81,9 +87,9 @@ class RunLogger:
         self.log_after_step = -1  # rows of earlier steps are dropped (a resumed run redoing logged steps)
         self._last_flush = time.monotonic()
         if use_mlflow:
-            self._start(experiment, run_name, params, tags, resume_run_id)
+            self._start(experiment, run_name, params, tags, resume_run_id, earlier_run_id)
 
-    def _start(self, experiment, run_name, params, tags, resume_run_id) -> None:
+    def _start(self, experiment, run_name, params, tags, resume_run_id, earlier_run_id=None) -> None:
         try:
             from mlflow import MlflowClient
 
@@ -92,11 +98,13 @@ class RunLogger:
             if resume_run_id:
                 client.update_run(resume_run_id, status="RUNNING")
                 self.run_id = resume_run_id
+                _log_param_changes(client, client.get_run(resume_run_id), params)
             else:
                 run = client.create_run(experiment_id(client, experiment), run_name=run_name,
                                         tags={k: str(v) for k, v in tags.items()})
                 self.run_id = run.info.run_id
                 _log_params(client, self.run_id, params)
+                _end_dead_launch(client, earlier_run_id)
             self._client = client
             _write_text(self.run_dir / RUN_ID_FILE, self.run_id)
         except Exception as err:  # tracking must never stop training
@@ -178,6 +186,48 @@ class RunLogger:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("FAILED" if exc_type else "FINISHED")
+
+
+def _set_aside_earlier_launch(run_dir: Path) -> str | None:
+    """Rename an earlier launch's metrics.jsonl and mlflow_run_id with a time suffix: a run begun
+    again (killed before its first checkpoint) must not have the dead launch's rows synced into it.
+    Returns the earlier launch's MLflow run id, if it had one."""
+    earlier, moved = recorded_run_id(run_dir), []
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for name in ("metrics.jsonl", RUN_ID_FILE):
+        path = run_dir / name
+        if path.is_file() and path.stat().st_size:
+            path.rename(run_dir / f"{name}.before-{stamp}")
+            moved.append(name)
+    if moved:
+        print(f"{run_dir}: this launch starts the run again (no checkpoint to resume from); the earlier "
+              f"launch's {' and '.join(moved)} kept as *.before-{stamp}", flush=True)
+    return earlier
+
+
+def _end_dead_launch(client, run_id: str | None) -> None:
+    """Mark the MLflow run of a launch that died before any checkpoint KILLED (it stayed RUNNING)."""
+    if run_id:
+        try:
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, "KILLED")
+        except Exception:  # deleted, or another store's: nothing to end
+            pass
+
+
+def _log_param_changes(client, run, params: dict) -> None:
+    """Log the params the run lacks; one whose value changed (a resume that raised train.train_iters)
+    goes in the tag resumed_with.KEY, as MLflow never changes a logged param (the analysis reads it)."""
+    held = run.data.params
+    _log_params(client, run.info.run_id, {k: v for k, v in params.items() if k not in held})
+    for key, value in params.items():
+        if key in held and str(value) != _param_now(run, key):
+            client.set_tag(run.info.run_id, RESUMED_PARAM_TAG + key, str(value))
+
+
+def _param_now(run, key: str) -> str | None:
+    """A param's value as the analysis reads it: a resume's change (tag) over the logged value."""
+    return run.data.tags.get(RESUMED_PARAM_TAG + key, run.data.params.get(key))
 
 
 def _log_params(client, run_id: str, params: dict) -> None:
@@ -315,8 +365,8 @@ def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple
     """Log the params, metric rows (a row = key, step, timestamp) and artifacts the run lacks:
     (metric values sent, whether anything was)."""
     run_id = run.info.run_id
-    new_params = {k: v for k, v in params.items() if k not in run.data.params}
-    _log_params(client, run_id, new_params)
+    new_params = {k for k, v in params.items() if str(v) != _param_now(run, k)}
+    _log_param_changes(client, run, params)
     metrics = _metric_rows(rows)
     logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
               for m in client.get_metric_history(run_id, key)}
@@ -340,7 +390,7 @@ def run_dir_status(run_dir: Path, rows: list[dict] = ()) -> str | None:
     (stopped_by_signal); FINISHED when its end was written (a training run's final_metrics.json from
     its last logged step, not an earlier end of a run extended since; RACE's results.json); else None:
     still running, or killed without a word (the store's status is then left as it is)."""
-    if (run_dir / "stopped_by_signal").is_file():
+    if (run_dir / STOP_MARKER).is_file():
         return "KILLED"
     if (run_dir / "results.json").is_file():
         return "FINISHED"

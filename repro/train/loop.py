@@ -20,7 +20,7 @@ from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro.provenance import git_sha, write_atomic
-from repro.tracking.logger import RunLogger, read_metrics, recorded_run_id
+from repro.tracking.logger import STOP_MARKER, RunLogger, read_metrics, recorded_run_id
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
@@ -214,8 +214,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         valid = _valid_loader(cfg, pg, eng.device.type)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
-        logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data), placement) \
-            if pg.rank == 0 else None
+        logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data), placement,
+                         starts_over=not meta) if pg.rank == 0 else None
         if logger and meta:  # a hard kill after the checkpoint: its steps are logged already, and are redone
             logger.log_after_step = max((row.get("step", 0) for row in read_metrics(cfg.run_dir)), default=0)
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
@@ -251,7 +251,7 @@ def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: 
     if logger:  # sends queued metrics
         logger.close("KILLED")
     if eng.pg.rank == 0:
-        write_atomic(Path(eng.cfg.run_dir) / "stopped_by_signal", str(state.iteration).encode())
+        write_atomic(Path(eng.cfg.run_dir) / STOP_MARKER, str(state.iteration).encode())
     return {**final, "stopped_by_signal": True, "iteration": state.iteration}
 
 
@@ -303,7 +303,7 @@ def placement_params(placement: Placement, eng: Engine) -> dict[str, str]:
 
 
 def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str],
-            placement: Placement) -> RunLogger:
+            placement: Placement, starts_over: bool) -> RunLogger:
     all_tags = {"family": cfg.tracking.experiment, "paper_ref": cfg.tracking.paper_ref,
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), **tags}
     print(f" train data {cfg.data.train_prefix}: {int(data['data_train_tokens']):,} tokens, "
@@ -312,7 +312,8 @@ def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, st
     print(" " + placement.summary(eng.pg.dims), flush=True)  # (init_distributed warned of any TP group across hosts)
     logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name,
                        {**run_params(cfg, eng), **data, **placement_params(placement, eng)},
-                       all_tags, use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id)
+                       all_tags, use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id,
+                       starts_over=starts_over)
     config_path = Path(cfg.run_dir) / "config.yaml"
     write_atomic(config_path, to_yaml(cfg).encode())
     logger.log_artifact(config_path)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 MIN_TORCH = (2, 6)
 WHOLE_TP_GRAPH_TORCH = (2, 9)
-"""The oldest torch seen to compile the whole training step at TP > 1 (2.9.1; 2.6.0 fails, 2.7 and 2.8 untried)."""
+"""The oldest torch `auto` trusts to compile the whole training step at TP > 1: 2.9.1 and the stable
+2.8.0 do (results/torch_versions.md), 2.6.0 fails; 2.7 and NGC's 2.8.0a0 pre-release are untried."""
 
 
 def release(version: str) -> tuple[int, int]:

@@ -137,7 +137,7 @@ def _megatron_core_loaded_rank(root: str, tp: int) -> list:
     with torch.no_grad():
         logits = _gather_vocab(model(IDS, torch.arange(SEQ).expand(2, SEQ), attention_mask=causal))
     parallel_state.destroy_model_parallel()
-    return logits[..., :VOCAB].tolist()
+    return logits.tolist()  # over Megatron's padded vocabulary: it scores every column
 
 
 def _megatron_core_bert_rank(root: str, tp: int) -> tuple[list, list]:
@@ -198,15 +198,20 @@ def test_a_megatron_core_bert_imports_to_megatron_cores_own_logits(tmp_path, tp)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_export_megatron_loads_into_megatron_core_with_the_same_logits(tmp_path, tp):
     """megatron-core (TP=2) -> import-megatron -> export-megatron at `tp` -> megatron-core's own GPTModel
-    loads each rank's file (only its empty _extra_state entries absent) and gives the original logits;
-    importing the export again gives back the same tensors."""
+    loads each rank's file (only its empty _extra_state entries absent) and gives the original logits,
+    its padded columns the last real one's; importing the export again gives back the same tensors."""
     reference = torch.tensor(run_ranks(_megatron_core_rank, 2, str(tmp_path / "megatron"), 2, timeout=240)[0])
     rs.import_megatron(tmp_path / "megatron", tmp_path / "ck", tp=1)
     proc = _cli("checkpoint", "export-megatron", str(tmp_path / "ck"), "--out", str(tmp_path / "exported"),
                 "--tp", str(tp))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    loaded = torch.tensor(run_ranks(_megatron_core_loaded_rank, tp, str(tmp_path / "exported"), tp, timeout=240)[0])
+    padded = torch.tensor(run_ranks(_megatron_core_loaded_rank, tp, str(tmp_path / "exported"), tp, timeout=240)[0])
+    loaded = padded[..., :VOCAB]
     assert (loaded - reference).abs().max() / reference.abs().max() < 1e-5
+    # Megatron masks no padded column: each carries the last real token's logit (a copy of its row,
+    # as Megatron's converter pads), never a 0 that would outrank a model's negative logits
+    assert padded.shape[-1] == _padded(VOCAB, tp) > VOCAB
+    assert torch.equal(padded[..., VOCAB:], padded[..., VOCAB - 1:VOCAB].expand_as(padded[..., VOCAB:]))
     rs.import_megatron(tmp_path / "exported", tmp_path / "again")
     first = rs.load_full_model_state(ck.resolve(tmp_path / "ck"))[1]
     again = rs.load_full_model_state(ck.resolve(tmp_path / "again"))[1]

@@ -6,7 +6,8 @@ Layout: OUT/latest_checkpointed_iteration.txt (`release`) and OUT/release/mp_ran
 model_optim_rng.pt, each holding `checkpoint_version` 3.0, the model's arguments and that TP rank's
 `model` state with megatron-core's local-spec names (`embedding`, `decoder.layers.N.input_layernorm`,
 `self_attention.linear_qkv` ...). Each rank's fused QKV rows go into Megatron's [np, 3, hn] order; the
-word embedding is padded to Megatron's multiple of 128 x tp rows. No optimizer or RNG state is
+word embedding is padded to Megatron's multiple of 128 x tp rows with copies of its last row
+(`fill_padded_vocab`). No optimizer or RNG state is
 written: Megatron-LM loads it with --no-load-optim --no-load-rng (and --finetune to start at
 iteration 0), given the same model arguments as are saved here.
 """
@@ -35,6 +36,17 @@ def megatron_vocab_rows(vocab_size: int, tp: int, divisible_by: int = 128) -> in
     """Megatron-LM's padded vocabulary: a multiple of divisible_by x tp."""
     unit = divisible_by * tp
     return -(-vocab_size // unit) * unit
+
+
+def fill_padded_vocab(shard: dict[str, torch.Tensor], rank: int, vocab_size: int, last_row: torch.Tensor) -> None:
+    """Give rank `rank`'s padded word-embedding rows (those past `vocab_size`) the last real row, as
+    Megatron-LM's own checkpoint converter pads. Megatron scores every padded column (it masks none,
+    where our model's padded logits are -inf), so zero rows would give each a logit of 0: above every
+    real logit of a model whose logits sit below 0 (GPT-2's do), most of the probability would go to
+    padding. A copy of the last row (<|endoftext|>) adds at most log(1 + n_pad p_eot) nats to a loss."""
+    weight = shard["transformer.wte.weight"]
+    first = max(vocab_size - rank * weight.shape[0], 0)
+    weight[first:] = last_row
 
 
 def qkv_to_megatron(tensor: torch.Tensor, heads: int) -> torch.Tensor:

@@ -215,7 +215,7 @@ def export_megatron(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
     """Write checkpoint `src`'s GPT (any saved TP degree) as a Megatron-LM `torch`-format release
     checkpoint at TP degree `tp` into the new directory `dst` (`repro.models.megatron_export`), one
     rank's tensors in memory at a time."""
-    from repro.models.megatron_export import megatron_vocab_rows, write_megatron_gpt
+    from repro.models.megatron_export import fill_padded_vocab, megatron_vocab_rows, write_megatron_gpt
 
     dst = Path(dst)
     _check_new_dir(dst)
@@ -226,8 +226,15 @@ def export_megatron(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
     cfg = ModelConfig(**meta["model"])
     cfg.validate(tp)
     rows = megatron_vocab_rows(cfg.vocab_size, tp)
+    last_row = MergedModelState(src, meta)["transformer.wte.weight"][cfg.vocab_size - 1].clone()
+
+    def rank_state(rank: int) -> dict:
+        state = resharded_state(src, meta, rank, tp, rows)
+        fill_padded_vocab(state, rank, cfg.vocab_size, last_row)
+        return state
+
     with new_directory(dst) as tmp:
-        write_megatron_gpt(tmp, (resharded_state(src, meta, rank, tp, rows) for rank in range(tp)), cfg, tp)
+        write_megatron_gpt(tmp, (rank_state(rank) for rank in range(tp)), cfg, tp)
     return dst
 
 

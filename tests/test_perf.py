@@ -187,3 +187,17 @@ def test_scaling_model_gemm_efficiency_the_paper_implies():
     assert implied[0] == pytest.approx(rows[0]["gemm_efficiency"])
     assert all(a > b for a, b in zip(implied, implied[1:]))
     assert scaling_model.implied_gemm_efficiency(cfg, 8, 8, cl, target_s=1e-3) is None  # faster than comm alone
+
+
+def test_a_tp_group_wider_than_a_node_is_timed_at_the_networks_share_not_nvlink():
+    """TP=16 on 8-GPU H200 nodes: each GPU's share of the node's 400 GB/s (50 GB/s), not NVLink's 450."""
+    from repro.models.sizes import get_size
+    from repro.perf.scaling_model import H200_CLUSTER, iteration_time, ring_allreduce_s, tp_bandwidth_gbps
+
+    cl = H200_CLUSTER
+    assert tp_bandwidth_gbps(cl, 8) == (cl.intra_gbps, cl.alpha_intra_s)
+    assert tp_bandwidth_gbps(cl, 16) == (50.0, cl.alpha_inter_s)
+    cfg = get_size("scaling-8.3b").model_config()
+    t = iteration_time(cfg, 8, 16, 1, cl, 0.5)
+    message = 8 * cfg.seq_length * cfg.hidden_size * 2
+    assert t["tp_comm"] == pytest.approx(6 * cfg.num_layers * ring_allreduce_s(message, 16, 50.0, cl.alpha_inter_s))

@@ -81,7 +81,7 @@ def write_baseline(bench_dir: Path, out_dir: Path, paper: pd.DataFrame, tracking
     bench = bench_baseline(bench_dir)
     if bench.empty:
         return ""
-    best = bench.loc[bench["mfu"].idxmax()]
+    best = bench.loc[bench["mfu"].fillna(-1.0).idxmax()]  # (NaN: a GPU without a known peak)
     notes = [f"Measured rows: every `repro.perf.gpu_bench` JSON measured on a GPU below {_shown(bench_dir)} (benchmarks, "
              "not MLflow runs; results/README.md says what each folder holds). TFLOP/s per device and fraction of peak count hardware "
              "FLOPs, as the paper's 39 TFLOP/s (30%) does: 96 B s l h^2 (1 + s/6h + V/16lh) with activation "

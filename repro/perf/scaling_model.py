@@ -12,7 +12,8 @@ Assumptions (global; nothing is fitted per point):
   rank 16 b s h (two layer norms, dropouts, residual adds); sharded over TP 8 b nh s^2 (scale,
   mask, softmax, dropout) + 20 b s h (GeLU, biases).
 - TP all-reduces: 6 per layer per iteration of b s h fp16 (2 forward, 2 in the recomputed forward,
-  2 backward), ring inside one node: 2 (p-1)/p M / bw + 2 (p-1) alpha, bw = one direction of NVLink.
+  2 backward), ring inside one node: 2 (p-1)/p M / bw + 2 (p-1) alpha, bw = one direction of NVLink
+  (a TP group wider than a node: each GPU's share of the node's network instead).
 - DP gradient all-reduce of this rank's parameters (fp16: `grad_bytes` 2; `repro plan` passes 4 for a
   config that reduces fp32 gradients) after the backward, not overlapped; when a
   DP group spans nodes its ring is limited by the node's network bandwidth shared by the tp groups
@@ -80,6 +81,14 @@ def dp_bandwidth_gbps(cl: Cluster, tp: int, dp: int) -> tuple[float, float]:
     return min(cl.intra_gbps, cl.node_net_gbps / min(tp, cl.gpus_per_node)), cl.alpha_inter_s
 
 
+def tp_bandwidth_gbps(cl: Cluster, tp: int) -> tuple[float, float]:
+    """(bandwidth, latency) of one TP group's ring: NVLink inside a node; a group wider than a node
+    crosses the network, each GPU's share of its node's NICs (every GPU of the node is in such a group)."""
+    if tp <= cl.gpus_per_node:
+        return cl.intra_gbps, cl.alpha_intra_s
+    return min(cl.intra_gbps, cl.node_net_gbps / cl.gpus_per_node), cl.alpha_inter_s
+
+
 def _elementwise_bytes(cfg: ModelConfig, batch: int, recompute: bool = True) -> tuple[float, float]:
     b, s, h, nh, l = batch, cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers
     passes = 4 if recompute else 3  # forward, (recomputed forward), backward ~2x
@@ -99,8 +108,7 @@ def iteration_time(cfg: ModelConfig, batch: int, tp: int, dp: int, cl: Cluster, 
         / (cl.peak_tflops * 1e12 * gemm_eff)
     repl, shard = _elementwise_bytes(cfg, batch, recompute)
     bsh_bytes = batch * cfg.seq_length * cfg.hidden_size * 2
-    tp_comm = (6 if recompute else 4) * cfg.num_layers * ring_allreduce_s(bsh_bytes, tp, cl.intra_gbps,
-                                                                          cl.alpha_intra_s)
+    tp_comm = (6 if recompute else 4) * cfg.num_layers * ring_allreduce_s(bsh_bytes, tp, *tp_bandwidth_gbps(cl, tp))
     bw, alpha = dp_bandwidth_gbps(cl, tp, dp)
     params = (bert_params_per_rank if bert else params_per_rank)(cfg, tp)
     dp_comm = ring_allreduce_s(params * grad_bytes, dp, bw, alpha)

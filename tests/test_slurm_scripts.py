@@ -230,21 +230,27 @@ def test_task_sh_local_world_size_is_this_nodes_task_count(spec, node, ntasks, e
     assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
 
 
+def _job_waiting_at(tmp_path: Path, marker: str, **extra: str) -> subprocess.Popen:
+    """`slurm/scale_8b.sh --smoke` started in the background, once the fake touched tmp_path/marker."""
+    import time
+
+    job = subprocess.Popen(["bash", str(ROOT / "slurm" / "scale_8b.sh"), "--smoke"], cwd=ROOT,
+                           env=_job_env(tmp_path, **extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / marker).exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+        time.sleep(0.05)
+    return job
+
+
 def test_forwards_a_term_to_the_step_as_usr1_and_requeues(tmp_path):
     """C1: srun answers TERM by SIGKILLing its tasks ("forcing job termination"), so a TERM to the batch
     shell goes to the step as USR1, on which the trainer checkpoints (here a fake srun that stops on
     USR1 like the trainer and dies on TERM like srun's tasks)."""
     import os
     import signal
-    import time
 
-    env = _job_env(tmp_path, FAKE_STEP="wait")
-    job = subprocess.Popen(["bash", str(ROOT / "slurm" / "scale_8b.sh"), "--smoke"], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "calls.started").exists():
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
-        time.sleep(0.05)
+    job = _job_waiting_at(tmp_path, "calls.started", FAKE_STEP="wait")
     os.kill(job.pid, signal.SIGTERM)
     job.wait(timeout=30)
     log = (tmp_path / "runs" / "scale_8b-42" / "logs" / "slurm-42.out").read_text()
@@ -263,13 +269,7 @@ def test_a_usr1_before_the_step_requeues_without_starting_it_and_a_term_ends_the
     import signal
     import time
 
-    env = _job_env(tmp_path, FAKE_CHECK="wait", FAKE_STEP="ok")
-    job = subprocess.Popen(["bash", str(ROOT / "slurm" / "scale_8b.sh"), "--smoke"], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "calls.checking").exists():
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
-        time.sleep(0.05)
+    job = _job_waiting_at(tmp_path, "calls.checking", FAKE_CHECK="wait", FAKE_STEP="ok")
     os.kill(job.pid, getattr(signal, sig))
     time.sleep(0.2)
     (tmp_path / "calls.go").touch()

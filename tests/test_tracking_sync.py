@@ -27,6 +27,14 @@ def _steps(uri: str, run_id: str, key: str = "loss") -> list[int]:
     return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
+def _offline_logger(monkeypatch, run_dir: Path, experiment: str) -> RunLogger:
+    """A logger started while MLflow was unreachable: metrics.jsonl only."""
+    with monkeypatch.context() as down, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        down.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        return RunLogger(run_dir, experiment, "r", {}, {})
+
+
 def _log(logger: RunLogger, steps) -> None:
     for step in steps:
         logger.log_metrics({"loss": 10.0 - step}, step)
@@ -113,10 +121,7 @@ def test_sync_sets_the_status_the_run_directory_shows(tmp_path, store, monkeypat
     assert sync_run(run_dir).action == "up to date" and _status(store, logger.run_id) == "KILLED"
 
     created = tmp_path / "created"
-    with monkeypatch.context() as down, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        down.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
-        offline = RunLogger(created, "exp-sync", "r2", {}, {})
+    offline = _offline_logger(monkeypatch, created, "exp-sync")
     _log(offline, (1, 2))
     assert _status(store, sync_run(created).run_id) == "RUNNING"  # mid-training: not FINISHED
 
@@ -269,10 +274,7 @@ def test_an_evaluation_logged_before_its_training_run_existed_is_linked_not_logg
     from repro.eval.report import log_to_mlflow, sync_records, write_json
 
     run_dir = tmp_path / "run"
-    with monkeypatch.context() as down, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        down.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
-        offline = RunLogger(run_dir, "gpt2", "r", {}, {})
+    offline = _offline_logger(monkeypatch, run_dir, "gpt2")
     _log(offline, (1, 2))
     offline.close()
     record = _record(None)

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import time
-
 from pathlib import Path
 
 HOW_TO_MAKE_RUNS = """make some runs first, e.g.

@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from repro.data.fetch import data_path
+
 # (false positive, false negative) weights for choosing the LSH bands: misses weigh 19x more, since
 # every candidate is verified by its estimated Jaccard anyway (threshold 0.7, 128 hashes: 21 x 6).
 LSH_WEIGHTS = (0.05, 0.95)
-
-from repro.data.fetch import data_path
 
 _NO_SPACES = "\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"  # Thai, kana, Han
 _WORD = re.compile(rf"[{_NO_SPACES}]|[^\W_{_NO_SPACES}]+")  # one character each, or a run of letters/digits

@@ -236,3 +236,17 @@ def test_export_megatron_refuses_what_it_cannot_write(tmp_path):
     proc = _cli("checkpoint", "export-megatron", str(tmp_path / "gpt"), "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "already exists" in proc.stderr and (tmp_path / "b" / "keep.txt").exists()
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("gelu", ["tanh", "erf"])
+def test_export_megatron_saves_the_switches_that_compute_the_models_gelu(gelu):
+    """megatron-core ignores --openai-gelu (F.gelu, erf, unless the bias-GeLU fusion runs, which is the
+    tanh form): a tanh model is saved with the fusion on, an erf one with it off, and importing the
+    saved arguments reads the same form back."""
+    from repro.models.config import ModelConfig
+    from repro.models.megatron import gelu_forms
+    from repro.models.megatron_export import model_arguments
+
+    args = model_arguments(ModelConfig(vocab_size=VOCAB, gelu=gelu), 2)
+    assert args.bias_gelu_fusion == args.bias_activation_fusion == (gelu == "tanh")
+    assert gelu_forms(args)[0] == gelu

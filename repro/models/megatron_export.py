@@ -78,11 +78,20 @@ def model_arguments(cfg: ModelConfig, tp: int) -> argparse.Namespace:
         position_embedding_type="learned_absolute", add_position_embedding=True, add_bias_linear=True,
         swiglu=False, untie_embeddings_and_output_weights=False, normalization="LayerNorm",
         apply_residual_connection_post_layernorm=False, layernorm_epsilon=cfg.layernorm_epsilon,
-        norm_epsilon=cfg.layernorm_epsilon, openai_gelu=cfg.gelu == "tanh", bias_gelu_fusion=False,
+        norm_epsilon=cfg.layernorm_epsilon, **_gelu_arguments(cfg.gelu),
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, tokenizer_type="GPT2BPETokenizer", make_vocab_size_divisible_by=128,
         padded_vocab_size=megatron_vocab_rows(cfg.vocab_size, tp), tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1, params_dtype=torch.float32, transformer_impl="local", ckpt_format="torch")
+
+
+def _gelu_arguments(gelu: str) -> dict[str, bool]:
+    """The switches that make Megatron-LM compute this GeLU form. Its fused bias-GeLU is the tanh form
+    in the legacy models and in megatron-core's (Megatron's default, --bias-gelu-fusion); megatron-core
+    ignores --openai-gelu and runs F.gelu, the erf form, without the fusion (legacy models honour
+    --openai-gelu, kept for them)."""
+    tanh = gelu == "tanh"
+    return {"openai_gelu": tanh, "bias_gelu_fusion": tanh, "bias_activation_fusion": tanh}
 
 
 def write_megatron_gpt(tmp: Path, shards, cfg: ModelConfig, tp: int) -> None:

@@ -355,3 +355,21 @@ def test_a_resume_that_changes_a_param_shows_the_new_value_to_the_analysis(tmp_p
     assert sync_run(run_dir).action == "up to date"
     row = load_runs(store, "exp-sync", finished_only=False).iloc[0]
     assert (row["params.train.train_iters"], row["params.lr"]) == ("1000", "0.1")
+
+
+def test_a_resume_into_a_run_deleted_in_the_ui_logs_into_a_new_run(tmp_path, store):
+    """Metrics sent to a deleted run are invisible to the analysis: the resumed launch warns and opens
+    a new run, which the run directory then names."""
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    first = RunLogger(run_dir, "exp-sync", "r", {}, {})
+    _log(first, (1,))
+    first.close("KILLED")
+    MlflowClient(store).delete_run(first.run_id)
+    with pytest.warns(UserWarning, match="was deleted: logging into a new run"):
+        again = RunLogger(run_dir, "exp-sync", "r", {}, {}, resume_run_id=first.run_id)
+    _log(again, (2,))
+    again.close()
+    assert again.run_id != first.run_id and recorded_run_id(run_dir) == again.run_id
+    assert _steps(store, again.run_id) == [2]

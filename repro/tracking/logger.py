@@ -95,10 +95,11 @@ class RunLogger:
 
             quiet_http_retries()
             client = MlflowClient(tracking_uri=default_tracking_uri())
-            if resume_run_id:
+            resumed = _live_run(client, resume_run_id)
+            if resumed is not None:
                 client.update_run(resume_run_id, status="RUNNING")
                 self.run_id = resume_run_id
-                _log_param_changes(client, client.get_run(resume_run_id), params)
+                _log_param_changes(client, resumed, params)
             else:
                 run = client.create_run(experiment_id(client, experiment), run_name=run_name,
                                         tags={k: str(v) for k, v in tags.items()})
@@ -203,6 +204,19 @@ def _set_aside_earlier_launch(run_dir: Path) -> str | None:
         print(f"{run_dir}: this launch starts the run again (no checkpoint to resume from); the earlier "
               f"launch's {' and '.join(moved)} kept as *.before-{stamp}", flush=True)
     return earlier
+
+
+def _live_run(client, run_id: str | None):
+    """The run to resume into, or None: none named, or one deleted in the UI since (metrics logged
+    into it would be invisible to the analysis), which gets a warning and a new run instead."""
+    if not run_id:
+        return None
+    run = client.get_run(run_id)
+    if run.info.lifecycle_stage == "deleted":
+        warnings.warn(f"MLflow run {run_id} of this run directory was deleted: logging into a new run",
+                      stacklevel=3)
+        return None
+    return run
 
 
 def _end_dead_launch(client, run_id: str | None) -> None:

@@ -229,14 +229,17 @@ def _end_dead_launch(client, run_id: str | None) -> None:
             pass
 
 
-def _log_param_changes(client, run, params: dict) -> None:
+def _log_param_changes(client, run, params: dict) -> bool:
     """Log the params the run lacks; one whose value changed (a resume that raised train.train_iters)
-    goes in the tag resumed_with.KEY, as MLflow never changes a logged param (the analysis reads it)."""
+    goes in the tag resumed_with.KEY, as MLflow never changes a logged param (the analysis reads it).
+    Whether anything was sent."""
     held = run.data.params
-    _log_params(client, run.info.run_id, {k: v for k, v in params.items() if k not in held})
-    for key, value in params.items():
-        if key in held and str(value) != _param_now(run, key):
-            client.set_tag(run.info.run_id, RESUMED_PARAM_TAG + key, str(value))
+    new = {k: v for k, v in params.items() if k not in held}
+    changed = {k: str(v) for k, v in params.items() if k in held and str(v) != _param_now(run, k)}
+    _log_params(client, run.info.run_id, new)
+    for key, value in changed.items():
+        client.set_tag(run.info.run_id, RESUMED_PARAM_TAG + key, value)
+    return bool(new or changed)
 
 
 def _param_now(run, key: str) -> str | None:
@@ -379,8 +382,7 @@ def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple
     """Log the params, metric rows (a row = key, step, timestamp) and artifacts the run lacks:
     (metric values sent, whether anything was)."""
     run_id = run.info.run_id
-    new_params = {k for k, v in params.items() if str(v) != _param_now(run, k)}
-    _log_param_changes(client, run, params)
+    new_params = _log_param_changes(client, run, params)
     metrics = _metric_rows(rows)
     logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
               for m in client.get_metric_history(run_id, key)}

@@ -294,6 +294,25 @@ def _repro(*args, timeout=300) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+# The command's threads before and after `repro.cli.main`, in-process: a command that fails with a
+# UserError leaves its gloo group in the traceback's reference cycle, and a gloo worker still alive at
+# interpreter shutdown aborts the process (rc -6, about 1 run in 100) unless main frees the group
+_THREADS_AROUND_MAIN = """
+import os, sys
+import torch.distributed
+from repro.cli import main
+before = len(os.listdir("/proc/self/task"))
+code = main(sys.argv[1:])
+print("threads", before, len(os.listdir("/proc/self/task")))
+sys.exit(code)
+"""
+
+
+def _threads_around_main(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _THREADS_AROUND_MAIN, *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.parametrize("override, needle", [
     ("train.no_such_key=1", "Key 'no_such_key' not in 'TrainConfig'"),
     ("train.train_iters=many", "could not be converted to Integer"),
@@ -313,6 +332,9 @@ def test_missing_shard_and_tp_mismatch_are_clear_errors(corpus, tmp_path):
     mismatch = _repro("train", TINY, *more, "--set", "parallel.tp=1")
     assert mismatch.returncode == 2 and "saved at tp=2 but this run has tp=1" in mismatch.stderr
     assert "repro checkpoint reshard" in mismatch.stderr
+    threads = _threads_around_main("train", TINY, *more, "--set", "parallel.tp=1")
+    assert threads.returncode == 2, threads.stderr[-2000:]
+    assert threads.stdout.split() == ["threads", "1", "1"], threads.stdout  # gloo's joined: see below
     latest = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text()
     (latest / "model_tp01.pt").unlink()
     missing = _repro("train", TINY, *more, "--nproc", "2")

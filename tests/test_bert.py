@@ -125,6 +125,14 @@ def test_bad_layernorm_order_is_a_clear_error():
         BERT(BertConfig(layernorm_order="sandwich", num_layers=1, hidden_size=16, num_attention_heads=2))
 
 
+@pytest.mark.parametrize("types", [0, 1])
+def test_fewer_than_two_token_types_is_a_clear_error(types):
+    """Samples have segments A and B (token types 0 and 1): one type used to pass validation, then fail
+    at the first forward with torch's bare `IndexError: index out of range in self`."""
+    with pytest.raises(ConfigError, match=f"num_tokentypes={types}: .*set model.num_tokentypes=2"):
+        BERT(BertConfig(num_tokentypes=types, num_layers=1, hidden_size=16, num_attention_heads=2))
+
+
 @pytest.mark.parametrize("name", [n for n, s in SIZES.items() if s.family == "bert"])
 def test_bert_sizes_round_to_the_papers(name):
     """Counted on the meta device (vocab 30,522 padded to 30,720, 512 positions, 2 token types,

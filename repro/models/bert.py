@@ -58,8 +58,9 @@ class BertConfig(ModelConfig):
         if self.layernorm_order not in LAYERNORM_ORDERS:
             raise ConfigError(f"layernorm_order={self.layernorm_order!r} is not one of "
                               f"{LAYERNORM_ORDERS}: use 'pre' (the paper's) or 'post' (original BERT)")
-        if self.num_tokentypes < 1:
-            raise ConfigError(f"num_tokentypes={self.num_tokentypes}: BERT needs >= 1 (2 for A/B segments)")
+        if self.num_tokentypes < 2:  # every BERT input here (SOP pairs, RACE) has token types 0 and 1
+            raise ConfigError(f"num_tokentypes={self.num_tokentypes}: BERT's inputs have two segments, token "
+                              "types 0 and 1; set model.num_tokentypes=2")
 
 
 def as_bert_config(cfg: ModelConfig) -> BertConfig:

@@ -109,6 +109,22 @@ def test_deterministic_and_new_masks_each_epoch(dataset):
     assert not np.array_equal(a["mlm_labels"], c["mlm_labels"])
 
 
+def test_empty_split_and_single_sentence_documents_say_what_is_wrong(bert_prefix, bert_tokenizer, tmp_path):
+    """An empty split (the fixture's valid, of --split 1,0,0) is named as such, not blamed on the
+    tokenizer; documents of one sentence each (as GPT-2 data) still ask for --tokenizer bert."""
+    from repro.data.errors import DataError
+    from repro.data.indexed_dataset import IndexedDatasetWriter
+
+    empty = str(bert_prefix).removesuffix("_train") + "_valid"
+    with pytest.raises(DataError, match="holds no documents .*--split"):
+        BertDataset(empty, bert_tokenizer, BertOptions(max_seq_length=SEQ), cache_dir=tmp_path)
+    with IndexedDatasetWriter(tmp_path / "one") as writer:
+        for _ in range(3):
+            writer.add_document([np.arange(1000, 1010)])
+    with pytest.raises(DataError, match="no document has two sentences.*--tokenizer bert"):
+        BertDataset(tmp_path / "one", bert_tokenizer, BertOptions(max_seq_length=SEQ), cache_dir=tmp_path)
+
+
 def test_loader_batches(dataset):
     loader = bert_loader(dataset, micro_batch_size=4, dp_rank=1, dp_size=2, consumed_samples=8)
     batch = next(iter(loader))

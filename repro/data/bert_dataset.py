@@ -177,6 +177,10 @@ class BertDataset:
         path = Path(f"{cache}_bert_map_{key}.npy")
         self.samples = cached_array(path, lambda: build_sample_map(self.data, opts),
                                     lambda a: a.ndim == 2 and a.shape[1] == 3, write_cache)
+        if self.data.num_documents == 0:
+            raise DataError(f"{prefix}: holds no documents (an empty split). Fix: give this split a "
+                            "share in `repro data prepare --split`, or point the config at another "
+                            "prefix (data.valid_prefix: '' skips evaluation)")
         if len(self.samples) == 0:
             raise DataError(f"{prefix}: no document has two sentences, so there is no sentence "
                             "pair. Fix: prepare the data with --tokenizer bert (one sentence a "

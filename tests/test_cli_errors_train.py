@@ -306,3 +306,25 @@ def test_a_failed_in_process_train_ends_the_group_it_started(corpus, tmp_path):
     with pytest.raises(CheckpointError, match="data.train_prefix is empty"):
         train_rank(TINY, tiny_overrides(corpus, tmp_path, **{**DONE, "data.train_prefix": ""}))
     assert not dist.is_initialized()
+
+
+# ---- a diverged run stops before it saves non-finite weights ----------------------------------
+
+@pytest.mark.parametrize("precision,layout", [("bf16", {"parallel.tp": 2}), ("fp32", {"parallel.tp": 2}),
+                                              ("bf16", {"train.zero_stage": 1})])
+def test_a_diverged_step_stops_the_run_before_it_saves(corpus, tmp_path, capfd, precision, layout):
+    """lr 1e30 makes step 1's weights ~1e30, so step 2's loss is not finite. bf16 and fp32 have no loss
+    scale to lower: the run must stop there on both ranks (TP=2, whose step left inf/nan weights, and
+    DeepSpeed at DP=2, which skips such a step and would skip every one after it), exit 2 naming the
+    iteration and the last checkpoint, with iteration 1's checkpoint still `latest` and nothing later.
+    (Before, both finished with exit 0 and a nan loss at every iteration from 2 on.)"""
+    rc, out = _train(capfd, corpus, tmp_path, "--nproc", "2", **{
+        "train.train_iters": 4, "optim.lr": 1e30, "optim.min_lr": 0.0, "optim.lr_warmup_iters": 0,
+        "precision.precision": precision, **layout})
+    assert rc == 2, out
+    assert re.search(r"iteration 2: loss (nan|inf), gradient norm", out), out
+    assert "iteration 1, saved before it" in out and "Fix: resume from the last checkpoint" in out
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "iter_0000001"
+    assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000001"]
+    assert not (tmp_path / "final_metrics.json").exists()

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError", "DataError")
+USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError", "DataError", "DivergedError")
 
 
 def train_rank(config_path: str | None, overrides: list[str]) -> dict:

@@ -27,7 +27,7 @@ from repro.train.engine import Engine, build_engine
 from repro.train.engine_state import TrainState, load, optimizer_state_bytes, resume_meta, save
 from repro.train.objectives import build_dataset, data_loader
 from repro.train.signals import STOP_SIGNALS, PendingStop
-from repro.train.step import evaluate, train_step
+from repro.train.step import evaluate, refuse_divergence, train_step
 
 FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
 BERT_HEADS_FLOPS = " + BERT's heads, 3 (2Bsh^2 + 2Bh^2 + 4Bh), never recomputed"
@@ -339,6 +339,7 @@ def _after_step(eng, state, result, interval, peak, logger, valid, stop: StopSig
         if logger:
             print(_log_line(state, cfg, metrics), flush=True)
     _log(logger, {**metrics, "consumed_samples": state.consumed_samples}, it)
+    refuse_divergence(result, it, state.saved_at, eng)  # logged (MLflow shows it), then neither evaluated nor saved
     if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0 and not stop.agreed(eng.device):
         began = time.perf_counter()
         held_out = evaluate(eng, valid())

@@ -97,6 +97,28 @@ def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
     return _result(sums, eng, norm, lr, scale, skipped)
 
 
+class DivergedError(RuntimeError):
+    """A non-finite loss or gradient norm that no loss scaler will recover from."""
+
+
+def refuse_divergence(result: StepResult, iteration: int, saved_at: int, eng: Engine) -> None:
+    """Stop the run at a non-finite loss or gradient norm, unless fp16's loss scaler skipped the step
+    (it lowers the scale and goes on). bf16 and fp32 have no scale to lower: a step taken has left
+    inf/nan weights, and one DeepSpeed skipped only wastes the iterations after it, so the run stops
+    before the iteration's evaluation and save (Megatron-LM's --check-for-nan-in-loss-and-grad).
+    Every rank holds the same DP-averaged loss and global norm, so all ranks stop together."""
+    finite = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+    if finite or (result.skipped and eng.cfg.precision.precision == "fp16"):
+        return
+    last = (f"{eng.cfg.run_dir}/checkpoints holds iteration {saved_at}, saved before it" if saved_at >= 0
+            else "no checkpoint was saved before it")
+    raise DivergedError(
+        f"iteration {iteration}: loss {result.loss}, gradient norm {result.grad_norm} in "
+        f"{eng.cfg.precision.precision}, which has no loss scale to lower: training diverged (or this "
+        f"iteration's data is bad), so the run stops without saving this iteration; {last}. Fix: resume from "
+        "the last checkpoint with a lower optim.lr or a longer optim.lr_warmup_iters")
+
+
 def train_step(eng: Engine, micro_batches: list) -> StepResult:
     """Forward/backward every micro batch of this DP rank, then step (skipped on fp16 overflow)."""
     eng.wrapped.train()

@@ -83,6 +83,18 @@ def test_perplexity_equals_hand_computation(stride, expected):
     assert result.token_ratio == pytest.approx(8 / 5)
 
 
+def test_a_diverged_models_overflowing_perplexities_are_inf_not_an_error():
+    """Finite per-token losses of 1000 nats (a diverged model's huge logits): exp overflows a float.
+    The metrics used to raise OverflowError after the whole evaluation, and nothing was saved."""
+    wrong = PositionalModel(torch.tensor([[1000.0, 0.0]] * 8, dtype=torch.float64))  # token 1 at -1000
+    ppl = evaluate_perplexity(wrong, ProcessGroups.single(), WikitextData([1] * 9, 6), window=4, stride=4)
+    metrics = ppl.metrics()
+    assert metrics["sum_nll"] == pytest.approx(8000.0) and metrics["avg_token_loss"] == pytest.approx(1000.0)
+    assert metrics["token_ppl"] == metrics["word_ppl"] == metrics["word_ppl_2020"] == math.inf
+    lam = evaluate_lambada(wrong, ProcessGroups.single(), [Example([0], [1])]).metrics()
+    assert lam["target_ppl"] == math.inf and lam["sum_nll"] == pytest.approx(1000.0)
+
+
 def _rotating_model() -> PositionalModel:
     """V=4; at position p token (p + 1) % 4 has probability 0.7, the others 0.1."""
     table = torch.full((8, 4), 0.1, dtype=torch.float64)

@@ -297,6 +297,16 @@ def test_an_evaluation_with_a_nan_metric_is_synced_once(tmp_path, store):
     assert [len(c) for c in created] == [1, 0, 0]
 
 
+def test_an_evaluation_with_an_infinite_perplexity_is_synced_once(tmp_path, store):
+    """An overflowing perplexity is inf in the record; MLflow stores it as the largest float, which
+    made every sync log the record again."""
+    from repro.eval.report import sync_records, write_json
+
+    write_json(_record("abc", word_ppl=float("inf"), sum_nll=8000.0), tmp_path / "zero_shot.jsonl")
+    created = [sync_records(tmp_path / "zero_shot.jsonl").created for _ in range(3)]
+    assert [len(c) for c in created] == [1, 0, 0]
+
+
 def test_a_new_launch_removes_an_earlier_launchs_stop_marker(tmp_path, store):
     """A run stopped for a signal and continued by hand (not by launch.sh, which removes the marker):
     the stale marker made sync mark the finished run KILLED, and the tables dropped it."""

@@ -17,13 +17,12 @@ does at 1024; a short-context demo model truncates some); the count is reported.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from repro.eval.scoring import dp_share, dp_sum, max_positions, model_device, score_positions
+from repro.eval.scoring import dp_share, dp_sum, max_positions, model_device, perplexity, score_positions
 from repro.parallel.groups import ProcessGroups
 
 
@@ -129,7 +128,7 @@ class LambadaResult:
     @property
     def target_ppl(self) -> float:
         """exp(mean NLL of the target tokens)."""
-        return math.exp(self.sum_nll / self.num_target_tokens)
+        return perplexity(self.sum_nll / self.num_target_tokens)
 
     def metrics(self) -> dict[str, float]:
         return dict(accuracy=self.accuracy, num_examples=self.num_examples, num_correct=self.num_correct,

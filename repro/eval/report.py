@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -133,7 +134,13 @@ def _logged_run_id(client, experiment_id: str, record: EvalRecord) -> str | None
 
 
 def _same_value(ours: float, logged: float | None) -> bool:
-    return logged is not None and (ours == logged or (math.isnan(ours) and math.isnan(logged)))
+    """Equal as MLflow keeps them: NaN equals NaN, and an infinite perplexity (an overflowing exp) is
+    stored as the largest float of its sign."""
+    if logged is None:
+        return False
+    if math.isinf(ours):
+        ours = math.copysign(sys.float_info.max, ours)
+    return ours == logged or (math.isnan(ours) and math.isnan(logged))
 
 
 @contextmanager

@@ -8,6 +8,8 @@ small model with a 50k vocabulary (a stride-32 window scores 32 of its 1024 posi
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,15 @@ def score_positions(model, tp_group, ids: torch.Tensor, targets: torch.Tensor,
     nll = vocab_parallel_cross_entropy(logits, wanted, tp_group).double()
     correct = vocab_parallel_argmax(logits, tp_group) == wanted
     return nll, correct
+
+
+def perplexity(mean_nll: float) -> float:
+    """exp(mean NLL), inf where that overflows a float (a diverged model's huge finite losses): the
+    evaluation still reports and saves its sums instead of raising OverflowError."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
 
 
 def model_device(model) -> torch.device:

@@ -15,7 +15,6 @@ Cost: about (T - window) / stride windows of `window` tokens, ~8.4k for T = 270k
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 
 from repro.data.fetch import sha256_file
 from repro.eval.detokenize import count_original_tokens, wikitext_detokenize
-from repro.eval.scoring import dp_share, dp_sum, max_positions, model_device, score_positions
+from repro.eval.scoring import dp_share, dp_sum, max_positions, model_device, perplexity, score_positions
 from repro.parallel.groups import ProcessGroups
 
 PAPER_WINDOW = 1024
@@ -90,17 +89,17 @@ class PerplexityResult:
 
     @property
     def token_ppl(self) -> float:
-        return math.exp(self.avg_token_loss)
+        return perplexity(self.avg_token_loss)
 
     @property
     def word_ppl(self) -> float:
         """The paper's exp(sum NLL / T_o)."""
-        return math.exp(self.sum_nll / self.num_original_tokens)
+        return perplexity(self.sum_nll / self.num_original_tokens)
 
     @property
     def word_ppl_2020(self) -> float:
         """Megatron-LM 2020 code: exp(sum NLL / (T_o - 1))."""
-        return math.exp(self.sum_nll / (self.num_original_tokens - 1))
+        return perplexity(self.sum_nll / (self.num_original_tokens - 1))
 
     @property
     def token_ratio(self) -> float:

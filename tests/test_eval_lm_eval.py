@@ -212,6 +212,21 @@ def test_rolling_loglikelihood_and_generation_of_a_tiny_gpt(setup):
     assert gen.generate_until([req])[0] == tok.decode(seq[k:k + 2])  # stops before the stop string
 
 
+def test_wikitext_pages_are_lm_evals_pages():
+    """lm-eval's wikitext documents (EleutherAI/wikitext_document_level) are wiki.test.raw's lines,
+    split at "\n" and joined again with "\n", a page at each article title: so the pages, joined with
+    "\n", give back the file after its leading blank line, and a page ends without the newline before
+    the next title. Pages cut with their line ends kept used to end in one newline more: 61 of 62
+    pages one byte longer, and a different last BPE token ("\n\n" for "\n") or one more."""
+    from repro.eval.local_tasks import wikitext_pages
+
+    raw = (mirror() / "wikitext" / "wiki.test.raw").read_text(encoding="utf-8")
+    pages = wikitext_pages(raw)
+    assert len(pages) == 62 and " \n" + "\n".join(pages) == raw
+    assert pages[0].startswith(" = Robert Boulter = \n") and pages[0].endswith(" = = = Theatre = = = \n \n \n ")
+    assert pages[1].startswith(" = Du Fu = \n") and len(pages[0].encode("utf-8")) == 5667
+
+
 def test_lm_eval_wikitext_word_perplexity_is_per_word_of_the_page(setup):
     """lm-eval's wikitext word_perplexity is exp(-sum log p / words of the original page), with
     sum log p the rolling loglikelihood of the detokenized page after [eot] in lm-eval's own windows

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -17,17 +16,26 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 LAMBADA = "lambada/lambada_openai.test.jsonl"
 WIKITEXT_RAW = "wikitext/wiki.test.raw"
 WIKITEXT_PAGES = "wikitext/wikitext_document_level.test.jsonl"
-_ARTICLE_TITLE = re.compile(r"^ = [^=].* = $")
+
+
+def _is_article_title(line: str) -> bool:
+    """A top-level ' = Title = ' line (section headers ' = = Title = = ' are not)."""
+    line = line.replace("= = =", "===").replace("= =", "==").strip()
+    return line.startswith("= ") and line.endswith(" =")
 
 
 def wikitext_pages(raw_text: str) -> list[str]:
-    """wiki.test.raw split into articles at top-level ' = Title = ' lines (one page each)."""
-    pages: list[list[str]] = []
-    for line in raw_text.splitlines(keepends=True):
-        if _ARTICLE_TITLE.match(line.rstrip("\n")) or not pages:
-            pages.append([])
-        pages[-1].append(line)
-    return ["".join(p) for p in pages if "".join(p).strip()]
+    """wiki.test.raw split into articles as lm-eval's wikitext dataset (EleutherAI/wikitext_document_level)
+    splits it: the text's lines (split at "\n") joined again with "\n", a new page at each article title,
+    blank pages dropped. A page so ends without the newline before the next title."""
+    pages, lines = [], []
+    for line in raw_text.split("\n"):
+        if _is_article_title(line):
+            pages.append("\n".join(lines))
+            lines = []
+        lines.append(line)
+    pages.append("\n".join(lines))
+    return [p for p in pages if p.strip()]
 
 
 def write_local_tasks(data_dir: Path, out_dir: Path) -> Path:

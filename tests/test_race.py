@@ -121,6 +121,25 @@ def test_cli_bad_file_exits_2_naming_it(tmp_path, vocab_file):
     assert re.search(r"error: .*train/high/2.txt: question 0 has answer 'Z'", out.stderr), out.stderr
 
 
+@pytest.mark.parametrize("option,value,message", [
+    ("--epochs", "0", "--epochs 0 must be at least 1"),  # used to crash writing results.json after every seed
+    ("--seq-length", "6", "--seq-length 6 must be at least 8"),  # used to be a ValueError traceback
+    ("--max-qa-tokens", "-1", "--max-qa-tokens -1 must be at least 1"),  # used to drop the qa's last token
+    ("--batch-size", "0", "--batch-size 0 must be at least 1"),  # used to become the paper's 32 silently
+    ("--lr", "0", "--lr 0.0 must be positive"),  # likewise 2e-5
+])
+def test_numbers_that_cannot_run_exit_2_naming_the_fix(tmp_path, vocab_file, capsys, option, value, message):
+    from repro.cli import main
+
+    argv = ["finetune", "race", "--race-dir", str(FIXTURE), "--vocab", str(vocab_file), "--model-config",
+            str(ROOT / "experiments" / "bert" / "tiny_cpu.yaml"), "--run-dir", str(tmp_path / "run"),
+            "--seeds", "1", "--no-mlflow", option, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Fix:" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=96, hidden_dropout=0.0,
             attention_dropout=0.0)
 

@@ -194,6 +194,24 @@ def _settings(args, size: str, cfg: BertConfig, train_questions: int) -> dict:
             "train_questions": train_questions, "eval_train": bool(args.eval_train)}
 
 
+MIN_SEQ_LENGTH = 8  # [CLS] qa [SEP] article [SEP] with a few tokens of each
+
+
+def check_numbers(args) -> None:
+    """A UserError for a count or rate that cannot run (0 epochs crashed after the last seed; a short
+    --seq-length raised a traceback; a negative --max-qa-tokens cut tokens off the end; --batch-size 0
+    and --lr 0 silently became the paper's values)."""
+    limits = [("--epochs", args.epochs, 1, "e.g. --epochs 3 (paper)"),
+              ("--seq-length", args.seq_length, MIN_SEQ_LENGTH, "e.g. --seq-length 512"),
+              ("--max-qa-tokens", args.max_qa_tokens, 1, "e.g. --max-qa-tokens 128 (paper)"),
+              ("--batch-size", args.batch_size, 1, "or leave it out for the paper's")]
+    for option, value, least, hint in limits:
+        if value is not None and value < least:
+            raise UserError(f"{option} {value} must be at least {least}. Fix: {hint}")
+    if args.lr is not None and not args.lr > 0:
+        raise UserError(f"--lr {args.lr} must be positive. Fix: e.g. --lr 2e-5, or leave it out for the paper's")
+
+
 def run(args) -> int:
     """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; report the median seed.
 
@@ -204,6 +222,7 @@ def run(args) -> int:
     from repro.eval.race_finetune import finished_seeds, read_stopped_seed, write_results
     from repro.train.checkpoint import CheckpointError
 
+    check_numbers(args)
     try:
         root = race_dir_from_env(args.race_dir)
         raw = {s: load_race(root, s) for s in ("train", "dev", "test")}

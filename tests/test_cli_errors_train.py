@@ -222,6 +222,23 @@ def test_non_positive_counts_are_refused_before_anything_is_written(corpus, tmp_
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("key, value, needle", [
+    ("optim.lr", -1, "optim.lr=-1.0 must be positive"),  # was torch's ValueError from a rank, a traceback
+    ("optim.min_lr", 1, "optim.min_lr=1.0 must be between 0 and optim.lr=0.001"),  # the decay climbed to 1.0
+    ("optim.weight_decay", -0.1, "optim.weight_decay=-0.1 must be >= 0"),  # trained, growing the weights
+    ("optim.clip_grad", -1, "optim.clip_grad=-1.0 must be >= 0"),  # trained without clipping
+    ("optim.adam_beta1", 1.5, "optim.adam_beta1=1.5 must be in [0, 1)"),
+    ("precision.initial_loss_scale", 0, "0 < min_loss_scale <= initial_loss_scale"),
+])
+def test_optimizer_values_out_of_range_are_refused_before_anything_is_written(corpus, tmp_path, capfd, key, value,
+                                                                              needle):
+    rc, out = _train(capfd, corpus, tmp_path / "fresh", "--nproc", "1", **{key: value})
+    assert rc == 2 and needle in out and "Traceback" not in out, out
+    assert not (tmp_path / "fresh").exists()
+    assert main(["plan", TINY, "--gpus", "1", "--set", f"{key}={value}"]) == 2  # and before a plan
+    assert needle in capfd.readouterr().err
+
+
 def test_slurm_check_refuses_zero_tasks(capfd):
     assert main(["slurm", "check", TINY, "--ntasks", "0"]) == 2
     assert "world size 0: launch at least one rank" in capfd.readouterr().err

@@ -64,7 +64,7 @@ def test_half_model_fp32_optimizer(corpus, tmp_path):
 
 def test_half_params_keep_sub_bf16_updates(corpus, tmp_path):
     """An update below bf16's resolution still moves the fp32 master (the point of master weights)."""
-    eng, batches = tiny_engine(corpus, tmp_path, **{**HALF_BF16, "optim.lr": 1e-6,
+    eng, batches = tiny_engine(corpus, tmp_path, **{**HALF_BF16, "optim.lr": 1e-6, "optim.min_lr": 0.0,
                                                             "optim.lr_warmup_iters": 0})
     name, master = next(eng.masters.named_parameters())
     before_master = master.detach().clone()

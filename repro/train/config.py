@@ -318,9 +318,33 @@ def _check_counts(cfg: RunConfig, world_size: int) -> None:
             raise RunConfigError(f"{key}={value} must be >= 0: set {key}=0 or more")
 
 
+def _check_optim_values(cfg: RunConfig) -> None:
+    """The optimizer's and loss scaler's numbers in their ranges (Megatron-LM asserts the same): a
+    min_lr above lr would make the decay climb, a negative weight decay or clip would train silently."""
+    o, p = cfg.optim, cfg.precision
+    if not o.lr > 0:
+        raise RunConfigError(f"optim.lr={o.lr} must be positive: the peak learning rate, e.g. --set optim.lr=1.5e-4")
+    if not 0 <= o.min_lr <= o.lr:
+        raise RunConfigError(f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}: the decay ends at "
+                             "min_lr, so above lr it would raise the lr; e.g. --set optim.min_lr=1e-5")
+    for key, value in {"optim.adam_beta1": o.adam_beta1, "optim.adam_beta2": o.adam_beta2}.items():
+        if not 0 <= value < 1:
+            raise RunConfigError(f"{key}={value} must be in [0, 1): e.g. --set {key}=0.9")
+    for key, value in {"optim.weight_decay": o.weight_decay, "optim.adam_eps": o.adam_eps,
+                       "optim.clip_grad": o.clip_grad}.items():
+        if not value >= 0:
+            off = " (0: no clipping)" if key == "optim.clip_grad" else ""
+            raise RunConfigError(f"{key}={value} must be >= 0: set {key}=0{off} or more")
+    if not 0 < p.min_loss_scale <= p.initial_loss_scale:
+        raise RunConfigError(f"precision.min_loss_scale={p.min_loss_scale} and precision.initial_loss_scale="
+                             f"{p.initial_loss_scale} must satisfy 0 < min_loss_scale <= initial_loss_scale: "
+                             "e.g. the defaults, 1 and 2**32")
+
+
 def derive(cfg: RunConfig, world_size: int) -> Derived:
     """Validate the layout and batch arithmetic for `world_size` ranks; compute derived values."""
     _check_counts(cfg, world_size)
+    _check_optim_values(cfg)
     dims = ParallelDims.from_world(cfg.parallel.tp, world_size)
     cfg.model.validate(dims.tp)
     t = cfg.train

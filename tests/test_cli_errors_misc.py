@@ -256,6 +256,16 @@ def test_scaling_model_names_an_out_that_is_a_file(tmp_path, capsys):
     assert rc == 2 and "is a file, not a directory" in err and "Fix:" in err and out.read_text() == "mine"
 
 
+@pytest.mark.parametrize("below", ["", "plan"])
+def test_plan_paper_names_an_out_that_is_a_file(tmp_path, capsys, below):
+    """Before, `repro plan --paper --out FILE` ended in mkdir's FileExistsError traceback."""
+    mine = tmp_path / "paper_configs.md"
+    mine.write_text("mine")
+    rc, out, err = _cli(capsys, "plan", "--paper", "--out", str(mine / below if below else mine))
+    assert rc == 2 and f"{mine} is a file, not a directory" in err and "Fix:" in err, err
+    assert "Traceback" not in err and out == "" and mine.read_text() == "mine"
+
+
 # --- repro eval, repro finetune race ---------------------------------------------------------------
 
 def _gpt_checkpoint(run_dir: Path, family: str = "gpt") -> Path:

@@ -100,16 +100,22 @@ def _comm_bench(args) -> int:
 
 
 def _scaling(args) -> int:
-    from repro.cli import UserError
     from repro.perf.scaling_model import write_tables
 
     clusters = [_cluster(spec) for spec in args.cluster] if args.cluster else None
-    blocking = next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise UserError(f"--out {args.out}: {blocking} is a file, not a directory (the tables are written "
-                        "into a directory). Fix: give a directory path, e.g. --out results/scaling_model")
+    _check_out_dir(args.out, "results/scaling_model")
     print(write_tables(args.out, clusters))
     return 0
+
+
+def _check_out_dir(out: Path, example: str) -> None:
+    """A UserError when `out`, or a folder above it, is a file (the tables go into a directory)."""
+    from repro.cli import UserError
+
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"--out {out}: {blocking} is a file, not a directory (the tables are written "
+                        f"into a directory). Fix: give a directory path, e.g. --out {example}")
 
 
 def _cluster(spec: str):
@@ -170,6 +176,8 @@ def _plan_paper(args) -> int:
     from repro.perf.scaling_model import _csv
     from repro.provenance import write_atomic
 
+    if args.out is not None:
+        _check_out_dir(args.out, "results/plan")
     rows = paper_config_rows({args.cluster: _cluster(args.cluster)} if args.cluster else None)
     md = paper_config_markdown(rows)
     if args.out is not None:

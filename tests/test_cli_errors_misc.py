@@ -373,6 +373,18 @@ def test_eval_counts_below_one_name_the_option(tmp_path, capsys, task, option, v
     assert "Traceback" not in err and not out and not (run / "zero_shot.jsonl").exists()
 
 
+@pytest.mark.parametrize("command", [["eval", "lambada"], ["eval", "wikitext"], ["generate", "--prompt", "x"]])
+@pytest.mark.parametrize("tp", ["0", "-1"])
+def test_eval_and_generate_refuse_a_tp_below_one(tmp_path, capsys, command, tp):
+    """Before, eval took --tp 0 for "not given" and ran at the default, and --tp -1 (and generate's 0
+    and -1) ran serially: an impossible TP silently accepted."""
+    run = _gpt_checkpoint(tmp_path / "g6")
+    extra = ["--no-mlflow"] if command[0] == "eval" else ["--max-new-tokens", "1"]
+    rc, out, err = _cli(capsys, *command, "--checkpoint", str(run), "--data-dir", str(mirror()), *extra, "--tp", tp)
+    assert rc == 2 and f"--tp {tp}: give a tensor-parallel size of 1 or more" in err, err
+    assert "Traceback" not in err and not out and not (run / "zero_shot.jsonl").exists()
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--size", "bert-999"], "--size bert-999 is not a BERT size"),
     (["--checkpoint", "EMPTY"], "no checkpoint at"),

@@ -83,6 +83,8 @@ def process_groups(tp: int, command: str = "eval ..."):
     """This launch's groups (TP of `tp`, the rest DP); one process without a launcher is serial."""
     from repro.parallel.groups import ProcessGroups, discover_launch_env, init_distributed
 
+    if tp < 1:
+        raise UserError(f"--tp {tp}: give a tensor-parallel size of 1 or more (1: no tensor parallelism)")
     if discover_launch_env().world_size > 1:  # torchrun, or srun with several tasks
         return init_distributed(tp)
     if tp > 1:
@@ -175,7 +177,7 @@ def _handle(args) -> int:
 
     opts, ckpt = _options(args), gpt_checkpoint(Path(args.checkpoint))
     meta = read_meta(ckpt)
-    pg = process_groups(args.tp or default_eval_tp(meta))
+    pg = process_groups(args.tp if args.tp is not None else default_eval_tp(meta))
     out = _out_path(args.out, ckpt)
     model, run_id = load_gpt(ckpt, pg)
     runner = run_wikitext if args.task == "wikitext" else run_lambada

@@ -78,3 +78,13 @@ def test_bad_config_and_damaged_report_are_named_not_tracebacks(corpus, tmp_path
     with pytest.warns(UserWarning, match="c_prepare.json: not a readable prepare report"):
         assert main(["data", "inspect", str(tmp_path / "c"), "--show", "0"]) == 0
     assert "c_train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option, value, least", [("--seq-length", "0", 1), ("--global-batch", "-8", 1),
+                                                  ("--show", "-1", 0), ("--chars", "0", 1)])
+def test_counts_below_their_least_are_named_not_ignored(corpus, capsys, option, value, least):
+    """Before, --seq-length 0 or --global-batch 0 left the epochs line out, --seq-length -5 printed
+    "0 samples", and --show -1 previewed nothing: all exit 0 with no word of the bad count."""
+    assert main(["data", "inspect", str(corpus), "--seq-length", "128", "--global-batch", "8", option, value]) == 2
+    out, err = capsys.readouterr()
+    assert f"{option} {value} must be at least {least}" in err and "Fix:" in err and not out, err

@@ -133,6 +133,10 @@ def _inspect(args: argparse.Namespace) -> int:
     from repro.data import summary as S
     from repro.data.fetch import data_dir_from_env
 
+    for option, value, least in (("--seq-length", args.seq_length, 1), ("--global-batch", args.global_batch, 1),
+                                 ("--show", args.show, 0), ("--chars", args.chars, 1)):
+        if value is not None and value < least:
+            raise UserError(f"{option} {value} must be at least {least}. Fix: give {least} or more, or leave it out")
     seq_length, global_batch, train_iters, family = args.seq_length, args.global_batch, None, args.tokenizer
     prefix = args.prefix
     if args.config:

@@ -69,27 +69,30 @@ DEMO_PROMPT = "The first season of the series"
 
 
 def _run(args) -> int:
-    data_dir = Path(os.environ.get("REPRO_DATA_DIR", project_root() / "data"))
+    # the user's relative paths are relative to where they ran this, not to the steps' working directory
+    data_dir = Path(os.environ.get("REPRO_DATA_DIR", project_root() / "data")).resolve()
     prefix = data_dir / "wt2_gpt"
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir).resolve()
+    data = ["--data-dir", str(data_dir)]
     iters = args.iters if args.iters is not None else SMOKE_ITERS if args.smoke else 300
     lambada_subset = ["--max-examples", str(SMOKE_PASSAGES)] if args.smoke else []
     wikitext_subset = ["--max-lines", str(SMOKE_LINES)] if args.smoke else []
-    _step("1/5 fetch data", "data", "fetch")
+    _step("1/5 fetch data", "data", "fetch", *data)
     if not Path(f"{prefix}_train.idx").exists():
         text = detokenized_copy(data_dir / "wikitext" / "wikitext-2.valid.tokens", data_dir / "wt2_valid_detok.txt")
         _step("2/5 prepare WikiText-2 valid (detokenized, as the evaluation text)", "data", "prepare",
-              "--input", str(text), "--layout", "wikitext", "--output-prefix", str(prefix), "--split", "95,5,0")
+              "--input", str(text), "--layout", "wikitext", "--output-prefix", str(prefix), "--split", "95,5,0", *data)
     overrides = [f"data.train_prefix={prefix}_train", f"data.valid_prefix={prefix}_valid",
                  f"run_dir={run_dir}", f"train.train_iters={iters}"]
     _step("3/5 train GPT at TP=2 on 2 processes", "train", CONFIG, "--nproc", "2",
           *sum((["--set", o] for o in overrides), []))
     passages = f"first {SMOKE_PASSAGES} of 5,153 passages" if args.smoke else "5,153 passages"
-    _step(f"4/5 zero-shot LAMBADA ({passages})", "eval", "lambada", "--checkpoint", str(run_dir), *lambada_subset)
+    _step(f"4/5 zero-shot LAMBADA ({passages})", "eval", "lambada", "--checkpoint", str(run_dir), *data,
+          *lambada_subset)
     _step("4/5 zero-shot WikiText test (window = stride = 128: the demo model's length)", "eval", "wikitext",
-          "--checkpoint", str(run_dir), "--window", "128", "--stride", "128", *wikitext_subset)
+          "--checkpoint", str(run_dir), "--window", "128", "--stride", "128", *data, *wikitext_subset)
     _step("5/5 sample text from the trained model", "generate", "--checkpoint", str(run_dir),
-          "--prompt", DEMO_PROMPT, "--max-new-tokens", "40", "--top-k", "40", "--seed", "1")
+          "--prompt", DEMO_PROMPT, "--max-new-tokens", "40", "--top-k", "40", "--seed", "1", *data)
     _summary(run_dir, str(prefix))
     return 0
 

@@ -11,8 +11,11 @@ over fp32 weights; `params half` is Megatron's recipe, a bf16/fp16 model without
 master weights live in the optimizer (repro.train.mixed_precision), with the trainer's fp32 main
 grads (repro.train.main_grads: backward then includes adding each gradient into its fp32 buffer, the
 optimizer phase rounding the masters back). fp16 adds the trainer's dynamic loss scaler; the
-cross-entropy is computed in fp32. Warm-up steps are excluded; every phase
-is timed between torch.cuda.synchronize() calls. A configuration that fails (OOM or other error) is
+cross-entropy is computed in fp32. Warm-up steps are excluded; a step is timed on the wall clock up to
+its one host sync (the loss read, as the trainer's divergence check reads it) and its phases by CUDA
+events, so the CPU queues each phase while the GPU still runs the one before, as in the trainer
+(until 2026-12-04 a sync between phases exposed the optimizer's Python time: about 7 ms a step on
+an H200). A configuration that fails (OOM or other error) is
 recorded, not raised; after a total time budget the script stops. JSON and Markdown are rewritten
 atomically after every configuration, with provenance (device, versions, date, git SHA, command).
 """
@@ -114,18 +117,45 @@ def build_model(cfg: ModelConfig, device: torch.device):
     return model.train()
 
 
+class PhaseClock:
+    """Phase boundaries on the device's own timeline: CUDA events on a GPU, so no host sync splits a
+    step and the CPU queues the next phase while the device still runs this one (as in the trainer);
+    the wall clock on CPU, where every op finishes before the next starts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks (after the step's host sync)."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
+
+
 def timed_step(model, loss_fn, opt, scaler: DynamicLossScaler | None, ids, spec: RunSpec, device,
                 masters=None, main=None) -> tuple[dict[str, float], float]:
-    """One training step as the trainer's (repro.train.step); returns seconds per phase and the loss value."""
-    t0 = time.perf_counter()
+    """One training step as the trainer's (repro.train.step); returns its seconds (`step`, wall clock
+    from the first launch to the end of the step's one host sync, which reads the loss as the trainer's
+    divergence check does) and per phase (`PhaseClock`), and the loss value."""
+    clock = PhaseClock(device)
+    start = time.perf_counter()
+    clock.mark()
     autocast = spec.dtype != "fp32" and masters is None
     with torch.autocast(device.type, dtype=DTYPES[spec.dtype], enabled=autocast):
         loss = loss_fn(ids, ids).float().mean()
-    _sync(device)
-    t1 = time.perf_counter()
+    clock.mark()
     (loss * scaler.scale if scaler is not None else loss).backward()
-    _sync(device)
-    t2 = time.perf_counter()
+    clock.mark()
     stepped = main.finish() if main is not None else [p for p in model.parameters() if p.grad is not None]
     _, skipped = clip_and_step(opt, stepped, spec.clip, scaler=scaler, fold=spec.fold_clip)
     if scaler is not None:
@@ -134,17 +164,20 @@ def timed_step(model, loss_fn, opt, scaler: DynamicLossScaler | None, ids, spec:
         masters.masters_to_model()
     if main is None:  # main grads are overwritten by the next step's first gradient
         opt.zero_grad(set_to_none=True)
+    clock.mark()
+    loss_value = float(loss.detach())
     _sync(device)
-    t3 = time.perf_counter()
-    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}, float(loss.detach())
+    step_s = time.perf_counter() - start
+    forward, backward, optimizer = clock.seconds()
+    return {"step": step_s, "forward": forward, "backward": backward, "optimizer": optimizer}, loss_value
 
 
 def _fill(result: RunResult, cfg: ModelConfig, phases: list[dict], losses: list[float], peak) -> None:
     spec = result.spec
-    steps = [sum(p.values()) for p in phases]
+    steps = [p["step"] for p in phases]
     result.steps_timed = len(steps)
     result.step_s_median = statistics.median(steps)
-    result.phase_s_median = {k: statistics.median([p[k] for p in phases]) for k in phases[0]}
+    result.phase_s_median = {k: statistics.median([p[k] for p in phases]) for k in phases[0] if k != "step"}
     result.tokens_per_s = spec.batch * cfg.seq_length / result.step_s_median
     model_f = flops_per_iteration(cfg, spec.batch, recompute=False)
     hw_f = flops_per_iteration(cfg, spec.batch, recompute=spec.checkpointing)

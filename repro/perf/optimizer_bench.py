@@ -1,0 +1,130 @@
+"""Where the optimizer phase of a half-parameter training step spends its time, part by part.
+
+    python -m repro.perf.optimizer_bench --out results/bench/gpu     # CUDA: the 1.2B config's parameters
+    python -m repro.perf.optimizer_bench --out /tmp/o --tiny          # CPU smoke run
+
+Builds the model of `gpu_bench` in bf16 with fp32 masters and main grads (random gradients, no
+forward or backward) and times each part of `gpu_bench.timed_step`'s optimizer phase alone: the
+host's time to issue it (`cpu ms`: Python and kernel launches, measured without a sync) and its time
+to finish (`wall ms`: from a synced start to a sync after it). A part whose cpu ms is close to its
+wall ms is bound by the host: in the trainer, where backward is still running on the GPU when the
+optimizer phase is issued, that time overlaps; after a sync it does not. Medians of `--reps` calls
+after two warm-up calls. Writes optimizer.json and optimizer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from repro.parallel.grads import global_grad_norm
+from repro.perf.gpu_bench import TINY, _sync, build_model
+from repro.provenance import finite_json, measurement_provenance, write_atomic
+from repro.train.main_grads import MainGrads
+from repro.train.mixed_precision import MasterWeights
+from repro.train.optim import clip_and_step
+
+
+def time_part(fn: Callable[[], object], device: torch.device, reps: int) -> dict[str, float]:
+    """Median host-issue and wall milliseconds of `fn` over `reps` calls after two warm-up calls."""
+    cpu, wall = [], []
+    for i in range(reps + 2):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        issued = time.perf_counter()
+        _sync(device)
+        done = time.perf_counter()
+        if i >= 2:
+            cpu.append((issued - start) * 1e3)
+            wall.append((done - start) * 1e3)
+    return {"cpu_ms": statistics.median(cpu), "wall_ms": statistics.median(wall)}
+
+
+def _all_written(main: MainGrads) -> None:
+    """Mark every main-grad slot written, as after a backward (finish() then zeroes nothing)."""
+    for slot in main.slots.values():
+        slot.written = True
+    for bucket in main.buckets:
+        bucket.ready, bucket.pending = True, 0
+    main.next_bucket = len(main.buckets)
+
+
+def parts(model, masters: MasterWeights, main: MainGrads, device) -> dict[str, Callable[[], object]]:
+    """The optimizer phase and its parts, each a callable."""
+    params = masters.parameters()
+    grads = [p.grad for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-8, weight_decay=0.01, fused=device.type == "cuda")
+    flat = [torch.zeros_like(b.flat, requires_grad=True) for b in main.buckets]
+    for f, b in zip(flat, main.buckets):
+        f.grad = b.flat
+    flat_opt = torch.optim.AdamW(flat, lr=1e-8, weight_decay=0.01, fused=device.type == "cuda")
+
+    def phase():
+        _all_written(main)
+        stepped = main.finish()
+        clip_and_step(opt, stepped, 1.0)
+        masters.masters_to_model()
+
+    return {
+        "whole phase (finish, norm, folded clip + fused AdamW, masters to model)": phase,
+        "main grads finish()": lambda: (_all_written(main), main.finish()),
+        "global_grad_norm": lambda: global_grad_norm(params),
+        "_foreach_norm, dtype=float32": lambda: torch._foreach_norm(grads, 2, dtype=torch.float32),
+        "_foreach_norm, no dtype": lambda: torch._foreach_norm(grads, 2),
+        "fused AdamW step": opt.step,
+        "clip_and_step, folded (norm + fused AdamW with grad_scale)": lambda: clip_and_step(opt, params, 1.0),
+        "clip_and_step, foreach clip then fused AdamW": lambda: clip_and_step(opt, params, 1.0, fold=False),
+        f"fused AdamW step on {len(flat)} flat buckets": flat_opt.step,
+        "masters_to_model (_foreach_copy_ fp32 -> bf16)": masters.masters_to_model,
+    }
+
+
+def markdown(report: dict) -> str:
+    p = report["provenance"]
+    lines = [f"# Optimizer phase by part: {report['model']}, {report['parameters']:,} parameters\n",
+             f"Device {p['device']}; torch {p['torch']}, CUDA {p['cuda']}; {p['date_utc']}; git {p['git_sha']}.",
+             f"Command: `{p['command']}`. Medians of {report['reps']} calls.\n",
+             "| part | cpu ms (issue) | wall ms |", "|---|---|---|"]
+    lines += [f"| {name} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} |" for name, r in report["parts"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.perf.optimizer_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for optimizer.json and optimizer.md")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    parser.add_argument("--size", default="scaling-1.2b", help="a repro.models.sizes name")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from repro.models.sizes import get_size
+
+    cfg = TINY if args.tiny else get_size(args.size).model_config()
+    model = build_model(cfg, device)
+    masters = MasterWeights(model, torch.bfloat16)
+    main_grads = MainGrads(masters.pairs())
+    gen = torch.Generator(device=device).manual_seed(0)
+    for bucket in main_grads.buckets:
+        bucket.flat.normal_(0.0, 1e-4, generator=gen)
+    results = {name: time_part(fn, device, args.reps) for name, fn in parts(model, masters, main_grads, device).items()}
+    report = {"model": "tiny" if args.tiny else args.size, "parameters": sum(p.numel() for p in masters.parameters()),
+              "reps": args.reps, "parts": results,
+              "provenance": measurement_provenance(device, sys.argv[1:] if argv is None else argv,
+                                                  prog="python -m repro.perf.optimizer_bench")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "optimizer.json", json.dumps(finite_json(report), indent=2, allow_nan=False))
+    write_atomic(args.out / "optimizer.md", markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

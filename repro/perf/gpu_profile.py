@@ -48,6 +48,19 @@ def _summary(prof, device_type: str, top: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gaps(prof) -> str:
+    """gpu_gaps' summary of the profiled steps (from a chrome trace in a temporary file)."""
+    import json
+    import tempfile
+
+    from repro.perf.gpu_gaps import gap_summary
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return gap_summary(json.loads(path.read_text())).text()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -57,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--params", choices=("fp32", "half"), default="fp32",
                         help="fp32: bf16 autocast over fp32 weights; half: bf16 model, fp32 masters")
+    parser.add_argument("--compile", action="store_true", help="profile torch.compile(model.loss), as gpu_bench --compile")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TINY if args.tiny else get_size(args.size).model_config()
@@ -67,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_length), device=device)
 
+    loss_fn = torch.compile(model.loss) if args.compile else model.loss
+
     def step() -> None:  # gpu_bench's timed step: forward, backward, clipping, AdamW
-        timed_step(model, model.loss, opt, None, ids, spec, device, masters, main)
+        timed_step(model, loss_fn, opt, None, ids, spec, device, masters, main)
 
     for _ in range(3):
         step()
@@ -80,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
     args.out.mkdir(parents=True, exist_ok=True)
     recipe = "bf16 autocast over fp32 weights" if masters is None else "bf16 model, fp32 master weights"
-    text = f"{args.size if not args.tiny else 'tiny'}, batch {args.batch}, {recipe}, {args.steps} steps, eager\n"
+    mode = "compiled" if args.compile else "eager"
+    text = f"{args.size if not args.tiny else 'tiny'}, batch {args.batch}, {recipe}, {args.steps} steps, {mode}\n"
     text += _summary(prof, device.type, top=30)
-    (args.out / f"profile_{args.params}.txt").write_text(text)
+    if device.type == "cuda":
+        text += "\n" + _gaps(prof)
+    (args.out / f"profile_{args.params}{'_compiled' if args.compile else ''}.txt").write_text(text)
     print(text)
     return 0
 

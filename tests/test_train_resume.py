@@ -96,7 +96,10 @@ def test_a_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(un
 def test_an_extended_run_killed_before_its_new_final_metrics_finishes_on_relaunch(corpus, tmp_path, capsys):
     """A finished run (final_metrics.json at iteration 2) extended to 4 and killed after its iteration-4
     checkpoint but before final_metrics.json was rewritten: the relaunch runs the final evaluation at 4.
-    Before, the old file's presence meant "nothing to train" and the analysis kept iteration 2's numbers."""
+    Before, the old file's presence meant "nothing to train" and the analysis kept iteration 2's numbers.
+    Its valid_loss is logged at step 4 once (before, a resumed launch dropped every row of a step the
+    earlier launch had logged, so the held-out loss was in final_metrics.json but not in metrics.jsonl
+    or MLflow)."""
     over = tiny_overrides(corpus, tmp_path, **{"train.eval_iters": 1})
     assert train_rank(TINY, over + ["train.train_iters=2"])["iteration"] == 2
     at_two = (tmp_path / "final_metrics.json").read_text()
@@ -104,10 +107,15 @@ def test_an_extended_run_killed_before_its_new_final_metrics_finishes_on_relaunc
     out = capsys.readouterr().out
     assert "resumed from" in out and "iter_0000002 at iteration 2" in out and "validation at iteration 3: valid_loss" in out
     (tmp_path / "final_metrics.json").write_text(at_two)  # as a kill during the final evaluation leaves it
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(r for r in rows if not ('"step": 4,' in r and "valid_loss" in r)))
     final = train_rank(TINY, over + ["train.train_iters=4"])
     assert not final.get("nothing_to_train") and final["iteration"] == 4 and "valid_loss" in str(final), final
     assert json.loads((tmp_path / "final_metrics.json").read_text())["iteration"] == 4
     assert train_rank(TINY, over + ["train.train_iters=4"])["nothing_to_train"]  # now it is finished
+    logged = [(row["step"], row["valid_loss"]) for row in read_metrics(tmp_path) if "valid_loss" in row]
+    assert logged == [(2, logged[0][1]), (3, logged[1][1]), (4, final["valid_loss"])], logged
+    assert [row["step"] for row in read_metrics(tmp_path) if "loss" in row] == [1, 2, 3, 4]
 
 
 def _resume_error(config: str, overrides: list[str]) -> str:

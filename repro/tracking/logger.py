@@ -84,7 +84,9 @@ class RunLogger:
         self._client = None  # an MlflowClient while MLflow is reachable (no process-global active run)
         self._pending: list = []  # MLflow Metric rows not yet sent
         self._paused_until: float | None = None  # after a failed request: no MLflow until then
-        self.log_after_step = -1  # rows of earlier steps are dropped (a resumed run redoing logged steps)
+        self.logged: dict[int, set[str]] = {}
+        """step -> metrics an earlier launch logged at it (`logged_metrics`): a resumed run redoing the
+        steps after its checkpoint logs only what they lack (the final evaluation a kill cut short)."""
         self._last_flush = time.monotonic()
         if use_mlflow:
             self._start(experiment, run_name, params, tags, resume_run_id, earlier_run_id)
@@ -136,9 +138,11 @@ class RunLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Append to metrics.jsonl now; queue for MLflow, sent in batches every `FLUSH_SECONDS`
         (one request instead of one per step keeps tracking off the training step's hot path)."""
-        if step <= self.log_after_step:
+        held = self.logged.get(step, ())
+        clean = {clean_metric_name(k): float(v) for k, v in metrics.items()
+                 if v is not None and clean_metric_name(k) not in held}
+        if not clean:
             return
-        clean = {clean_metric_name(k): float(v) for k, v in metrics.items() if v is not None}
         now = time.time()
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "time": now, **clean}) + "\n")
@@ -280,6 +284,15 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             warnings.warn(f"{path}:{n}: skipped a truncated last line (the run was killed while "
                           "writing it)", stacklevel=2)
     return rows
+
+
+def logged_metrics(run_dir: str | Path, first_step: int) -> dict[int, set[str]]:
+    """step -> the metric names metrics.jsonl holds at it, for the steps from first_step on."""
+    logged: dict[int, set[str]] = {}
+    for row in read_metrics(run_dir):
+        if row.get("step", -1) >= first_step:
+            logged.setdefault(row["step"], set()).update(k for k in row if k not in ("step", "time"))
+    return logged
 
 
 @dataclass(frozen=True)

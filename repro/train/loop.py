@@ -20,7 +20,7 @@ from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro.provenance import git_sha, write_atomic
-from repro.tracking.logger import STOP_MARKER, RunLogger, read_metrics, recorded_run_id
+from repro.tracking.logger import STOP_MARKER, RunLogger, logged_metrics, recorded_run_id
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, derive, flat_params, to_yaml
 from repro.train.engine import Engine, build_engine
@@ -216,8 +216,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
         logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data), placement,
                          starts_over=not meta) if pg.rank == 0 else None
-        if logger and meta:  # a hard kill after the checkpoint: its steps are logged already, and are redone
-            logger.log_after_step = max((row.get("step", 0) for row in read_metrics(cfg.run_dir)), default=0)
+        if logger and meta:  # a hard kill after the checkpoint: the steps it redoes are logged already
+            logger.logged = logged_metrics(cfg.run_dir, state.iteration)
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
         interval, final = _Interval(), {}
         if "rng" in meta:

@@ -78,6 +78,23 @@ def test_eval_iters_counts_global_batches():
     assert [eval_micro_batches(cfg, dp, 3) for dp in (1, 2)] == [1, 0]
 
 
+def test_a_held_out_split_shorter_than_one_micro_batch_is_refused(corpus, tmp_path):
+    """One held-out sample and micro batch 2: a DataError naming the split and the fix before any step;
+    before, every evaluation ran on no micro batch and the run finished without a valid_loss."""
+    import numpy as np
+
+    from repro.data.errors import DataError
+    from repro.data.indexed_dataset import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "short_valid") as writer:
+        writer.add_document([np.arange(100)])  # 100 tokens: one sample of 64 + 1
+    over = tiny_overrides({**corpus, "valid": str(tmp_path / "short_valid")}, tmp_path / "run",
+                          **{"train.train_iters": 1})
+    with pytest.raises(DataError, match=r"short_valid: the held-out split holds 1 sample.*micro_batch_size=2 x dp=1"):
+        train_rank(TINY, over)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2-one-graph", "dp2-per-layer"])
 def test_compiled_with_checkpointing_reproduces_serial_losses(serial_losses, corpus, tmp_path, tp):
     """train.compile with activation checkpointing, at TP=2 (collectives inside the compiled graph)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from repro.data.errors import DataError
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
@@ -115,7 +116,8 @@ def eval_micro_batches(cfg: RunConfig, dp: int, samples: int) -> int:
     """Micro batches per DP rank of one evaluation: `train.eval_iters` global batches, as in
     Megatron-LM, so every layout evaluates the same first eval_iters x global_batch_size held-out
     samples; fewer whole global batches when the split is shorter (whole micro-batch rounds of all
-    DP ranks when it is shorter than one global batch)."""
+    DP ranks when it is shorter than one global batch; 0 when shorter than one round, which the
+    trainer refuses)."""
     t = cfg.train
     per_global = t.global_batch_size // (t.micro_batch_size * dp)  # micro batches of a global batch, per rank
     whole = min(t.eval_iters, samples // t.global_batch_size) * per_global
@@ -123,10 +125,18 @@ def eval_micro_batches(cfg: RunConfig, dp: int, samples: int) -> int:
 
 
 def _valid_loader(cfg: RunConfig, pg: ProcessGroups, device_type: str):
+    """Each evaluation's micro batches; DataError for a split too short to give every DP rank one."""
     if not cfg.data.valid_prefix:
         return None
     data = build_dataset(cfg, cfg.data.valid_prefix, write_cache=pg.rank == 0)  # once; each evaluation restarts it
     count = eval_micro_batches(cfg, pg.dp_size, len(data))
+    if count == 0:
+        round_ = cfg.train.micro_batch_size * pg.dp_size
+        raise DataError(f"{cfg.data.valid_prefix}: the held-out split holds {len(data)} sample(s), fewer than one "
+                        f"micro batch on each DP rank (train.micro_batch_size={cfg.train.micro_batch_size} x dp="
+                        f"{pg.dp_size} = {round_}), so there would be nothing to evaluate. Fix: point "
+                        "data.valid_prefix at a larger split (repro data prepare --split), lower "
+                        "train.micro_batch_size, or set data.valid_prefix='' to train without evaluation")
     return lambda: _micro_batches(iter(data_loader(cfg, pg, data, device_type=device_type)), count)
 
 

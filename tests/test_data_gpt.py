@@ -232,3 +232,13 @@ def test_bad_loader_arguments(prefix):
         gpt_loader(ds, 4, dp_rank=0, dp_size=2, consumed_samples=5)
     with pytest.raises(DataError, match="cannot fill one sample"):
         GPTDataset(prefix, NUM_TOKENS)
+
+
+def test_sentence_split_data_is_refused_naming_the_gpt2_tokenizer(tmp_path):
+    """A BERT dataset (documents of several sentences, no end-of-document token) as GPT data: a
+    DataError naming the fix; before, GPT trained on its sentences shuffled apart one by one."""
+    with IndexedDatasetWriter(tmp_path / "bert_like", np.uint16) as writer:
+        for doc in range(20):
+            writer.add_document([np.arange(10) + 100 * doc, np.arange(12) + 100 * doc + 50])
+    with pytest.raises(DataError, match=r"bert_like: 40 sequences in 20 documents.*--tokenizer gpt2"):
+        GPTDataset(tmp_path / "bert_like", SEQ)

@@ -55,6 +55,12 @@ class GPTDataset:
     def __init__(self, prefix: str | Path, seq_length: int, seed: int = 1234,
                  cache_dir: Path | str | None = None, write_cache: bool = True) -> None:
         self.data = IndexedDataset(prefix)
+        if len(self.data) > self.data.num_documents:  # some document holds several sequences
+            raise DataError(f"{prefix}: {len(self.data):,} sequences in {self.data.num_documents:,} documents: "
+                            "sentence-split data (`repro data prepare --tokenizer bert`, or Megatron's "
+                            "--split-sentences), which GPT would shuffle apart sentence by sentence, with no "
+                            "end-of-document tokens. Fix: prepare GPT data with --tokenizer gpt2 (one "
+                            "sequence a document) and point the config at it")
         self.seq_length = seq_length
         tokens = self.data.num_tokens
         self.samples_per_epoch = samples_per_epoch(tokens, seq_length)

@@ -729,3 +729,24 @@ def test_table2_days_per_epoch_from_a_gpt2_runs_logged_intervals(tmp_path):
     assert list(rows["run_id"]) == [paper_run, failed]  # the paper row keeps the measured run; the failed
     assert rows.iloc[0]["paper_days_per_epoch"] == 0.86  # one is listed after, as an extra row
     assert "gpt2_table2.md" in __import__("repro.analysis.notebook", fromlist=["TABLES"]).TABLES["zero_shot"]
+
+
+def test_table2_counts_the_papers_epoch_in_tokens_at_a_runs_own_batch(tmp_path):
+    """One epoch is 68,507 iterations of 512 x 1024 tokens: a run at global batch 64 takes 8x the
+    iterations for it (not 68,507 of its own smaller ones), and does not fill the paper's row."""
+    from mlflow import MlflowClient
+
+    from repro.analysis import gpt2
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    small_batch = _gpt2_run(uri, ["train.global_batch_size=64"])
+    client.log_param(small_batch, "world_size", 64)
+    for step in (100, 200, 300):
+        client.log_metric(small_batch, "ms_per_iter", 200.0, step=step)
+    table = gpt2.build(uri)
+    paper_row, extra = table.iloc[0], table.iloc[3]
+    assert paper_row["model"] == "gpt2-355m" and pd.isna(paper_row.get("run_id"))  # not the paper's batch
+    assert extra["run_id"] == small_batch and "global batch 64" in extra["label"]
+    assert extra["days_steps"] == pytest.approx(200.0 * 68507 * 8 / 86_400_000)
+    assert gpt2.display(table).iloc[0]["measured days/epoch"] == NOT_RUN

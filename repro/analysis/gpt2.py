@@ -1,10 +1,12 @@
 """Table 2: GPT-2 training time per epoch, from the logged GPT-2 runs (experiment "gpt2").
 
 One epoch is 68,507 iterations of 512 x 1024 tokens (PAPER.md §3). A run's days per epoch are its
-median logged `ms_per_iter` (the first interval of every launch dropped as warm-up, as for Table 1) times 68,507,
+median logged `ms_per_iter` (the first interval of every launch dropped as warm-up, as for Table 1) times
+the iterations the epoch's tokens take at its global batch and sequence length (68,507 at 512 x 1024),
 plus the evaluation and checkpoint time an epoch carries at the run's intervals (mean logged
-`eval_seconds` x 68,507 / eval_interval, the same for `save_seconds`). Runs take weeks, so unfinished
-runs count, with their status in the label; per paper model the newest run at the paper's GPU count.
+`eval_seconds` x those iterations / eval_interval, the same for `save_seconds`). Runs take weeks, so
+unfinished runs count, with their status in the label; per paper model the newest run at the paper's
+GPU count and global batch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,22 @@ from repro.data.summary import PAPER_ITERS_PER_EPOCH
 from repro.perf.plan import GPT2_RUNS
 
 
+PAPER_BATCH, PAPER_SEQ = 512, 1024  # the sequences of one iteration and their length (PAPER.md §3)
+
+
+def epoch_iterations(run) -> float:
+    """Iterations a run takes for the paper's epoch of 68,507 x 512 x 1024 tokens at its logged global
+    batch and sequence length (the paper's where it logged none)."""
+    batch = float(R.get(run, "params.train.global_batch_size", PAPER_BATCH))
+    seq = R.logged_shape(run)["seq_length"] or PAPER_SEQ
+    return PAPER_ITERS_PER_EPOCH * PAPER_BATCH * PAPER_SEQ / (batch * seq)
+
+
+def _paper_batch(run) -> bool:
+    """The run's global batch is the paper's 512 (or was not logged)."""
+    return float(R.get(run, "params.train.global_batch_size", PAPER_BATCH)) == PAPER_BATCH
+
+
 def _mean(history: pd.DataFrame) -> float:
     return float(history["value"].mean()) if len(history) else 0.0
 
@@ -27,19 +45,20 @@ def _mean(history: pd.DataFrame) -> float:
 def epoch_days(uri: str, run) -> dict:
     """A run's iteration time and days per epoch (training steps alone, and with its evaluations and
     saves at its own intervals); NaN days when it logged no interval yet."""
-    ms = R.sustained(uri, run["run_id"], "ms_per_iter")
-    steps_days = ms * PAPER_ITERS_PER_EPOCH / 86_400_000
+    ms, iterations = R.sustained(uri, run["run_id"], "ms_per_iter"), epoch_iterations(run)
+    steps_days = ms * iterations / 86_400_000
     overhead_s = 0.0
     for metric, interval in (("eval_seconds", "train.eval_interval"), ("save_seconds", "train.save_interval")):
         every = float(R.get(run, f"params.{interval}", 0) or 0)
         if every > 0:
-            overhead_s += _mean(R.metric_history(uri, run["run_id"], metric)) * PAPER_ITERS_PER_EPOCH / every
+            overhead_s += _mean(R.metric_history(uri, run["run_id"], metric)) * iterations / every
     return {"ms_per_iter": ms, "days_steps": steps_days, "days_per_epoch": steps_days + overhead_s / 86_400}
 
 
 def _label(run) -> str:
     status = R.get(run, "status", "FINISHED")
-    return R.run_label(run) + ("" if status == "FINISHED" else f", {status.lower()} (unfinished run)")
+    batch = "" if _paper_batch(run) else f", global batch {int(float(run['params.train.global_batch_size']))}"
+    return R.run_label(run) + batch + ("" if status == "FINISHED" else f", {status.lower()} (unfinished run)")
 
 
 def _measured_row(uri: str, run) -> dict:
@@ -48,8 +67,8 @@ def _measured_row(uri: str, run) -> dict:
 
 
 def build(tracking_uri: str, experiment: str = "gpt2") -> pd.DataFrame:
-    """Paper rows (each with its newest run of that size at the paper's GPU count that logged an
-    interval, else its newest, or not run), then
+    """Paper rows (each with its newest run of that size at the paper's GPU count and global batch that
+    logged an interval, else its newest, or not run), then
     the other GPT-2 runs (other GPU counts, reduced shapes) with their own days per epoch."""
     paper, runs = paper_values(), R.load_runs(tracking_uri, experiment, finished_only=False)
     rows, used = [], set()
@@ -57,7 +76,8 @@ def build(tracking_uri: str, experiment: str = "gpt2") -> pd.DataFrame:
         row = {"model": item, "paper_gpus": GPT2_RUNS[item],
                "paper_days_per_epoch": paper_value(paper, "gpt2", item, "days_per_epoch")}
         matching = [(index, _measured_row(tracking_uri, run)) for index, run in runs.iterrows()  # newest first
-                    if R.paper_size(run) == item and int(R.get(run, "params.world_size", 0) or 0) == GPT2_RUNS[item]]
+                    if R.paper_size(run) == item and int(R.get(run, "params.world_size", 0) or 0) == GPT2_RUNS[item]
+                    and _paper_batch(run)]
         # the newest that measured an interval (a newer attempt that failed at start does not hide it)
         measured = [m for m in matching if pd.notna(m[1]["days_per_epoch"])] or matching
         if measured:
@@ -92,10 +112,12 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "gpt2") -> 
     """Write gpt2_table2.{csv,md}; return the Markdown."""
     table = build(tracking_uri, experiment)
     notes = [f"Measured days/epoch: median logged ms/iter (first interval dropped) x {PAPER_ITERS_PER_EPOCH:,} "
-             "iterations, plus the mean logged evaluation and checkpoint seconds x the evaluations and saves an "
-             "epoch holds at the run's eval_interval and save_interval. The paper does not say what its days "
-             "include.",
-             "Per paper model, the newest run of that size at the paper's GPU count; unfinished runs count (weeks "
-             "long), labelled with their status. Other GPT-2 runs follow with their own GPU count."]
+             f"iterations (the paper's epoch of {PAPER_ITERS_PER_EPOCH:,} x {PAPER_BATCH} x {PAPER_SEQ:,} tokens; "
+             "a run at another global batch or sequence length: the iterations those tokens take it), plus the "
+             "mean logged evaluation and checkpoint seconds x the evaluations and saves an epoch holds at the "
+             "run's eval_interval and save_interval. The paper does not say what its days include.",
+             "Per paper model, the newest run of that size at the paper's GPU count and global batch (512); "
+             "unfinished runs count (weeks long), labelled with their status. Other GPT-2 runs follow with their "
+             "own GPU count and batch."]
     return write_table(display(table), table, Path(out_dir), "gpt2_table2", "GPT-2 training time (Table 2)",
                        notes, tracking_uri)

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 9 for one lent GPU, in two parts that each fit one 10-minute device call
-# (about 8 minutes each on an H200, estimated from the budgets below; part 2 is the optional extras):
+# (about 6-8 minutes each on an H200, estimated from the budgets below; part 2 is the optional extras):
 #
 #   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh              # both parts; `python` has torch
 #   R=$OUT; PART=1 OUT=/tmp/gs PACK=$R/part1.tar.gz TRAIN_PREFIX=data/wt2_gpt_train bash scripts/gpu_session.sh
 #     (on a lent GPU: results/bench/gpu_h200/README.md gives the whole device call)
 #
-# Part 1, most valuable first: nvidia_smi.txt; headline/ (the configuration expected to be fastest:
-# compiled bf16 with half-precision parameters, no activation checkpointing); trainer_eager/ (the
-# trainer itself, `repro train experiments/scaling/scale_1b.yaml`, Table 1 config 1 in the paper's fp16
-# recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which
-# `repro tracking sync` turns into an MLflow run; its checkpoint is deleted); selftest_nccl.txt
-# (repro selftest on NCCL); eager/ (bf16/fp16 x activation checkpointing x autocast-over-fp32 vs
-# half-precision parameters); eager_foreach_clip/ (eager bf16 half with the clip as its own pass, the
-# baseline of the trainer's clip folded into the fused AdamW). Part 2: headline_foreach_clip/ (the headline with the clip as its own
-# pass, the baseline of the trainer's folded step), compile/ (compiled, fp32 parameters), compile_ckpt_half/
-# (compiled, half parameters, checkpointing on), profile_fp32.txt and profile_half.txt (kernel-level
-# profiles of two eager bf16 steps), compile_blocks/ (each layer compiled, the trainer's choice at DP >
-# 1) and trainer_compiled/ (the trainer run again with train.compile). Each benchmark folder holds
-# gpu_bench's JSON + Markdown (1.2B config, batch 8).
+# Part 1, most valuable first (the 2026-12-04 session measured the rest: results/bench/gpu_h200_2026-12-04):
+# nvidia_smi.txt; profile_half_compiled.txt (kernel profile of two compiled bf16 half-parameter steps
+# with gpu_gaps' account of where the GPU sits idle, by the host op that launched late: about 30 ms of
+# the 160 ms eager step on 2026-12-04, the largest lead left toward 45% MFU); headline/ (compiled bf16,
+# half-precision parameters, no activation checkpointing, the trainer's clip); optimizer/
+# (optimizer_bench: the optimizer phase by part); trainer_compiled/ (`repro train
+# experiments/scaling/scale_1b.yaml --set train.compile=true`, Table 1 config 1 in the paper's fp16
+# recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which `repro
+# tracking sync` turns into an MLflow run; its checkpoint is deleted). Part 2: eager/ (bf16/fp16 x
+# activation checkpointing x autocast-over-fp32 vs half-precision parameters) and eager_fold_clip/
+# (bf16 half with the clip folded into the fused AdamW, the CPU's way, against eager/'s foreach clip);
+# compile/ (compiled, fp32 parameters), compile_ckpt_half/ (compiled, half parameters, checkpointing
+# on), compile_blocks/ (each layer compiled, the trainer's choice at DP > 1), profile_fp32.txt and
+# profile_half.txt (eager, with their gaps), trainer_eager/ (the trainer without compile) and
+# selftest_nccl.txt (repro selftest on NCCL). Each benchmark folder holds gpu_bench's JSON + Markdown
+# (1.2B config, batch 8).
 #
 # PACK=FILE.tar.gz packs all of $OUT into that one file before each step and at the end, so a device
 # call cut short still returns every finished step (the device tool returns at most 8 files).
@@ -27,8 +30,7 @@
 # device image lacks: `pip install --target .device_pylib --no-deps omegaconf`) is put on PYTHONPATH
 # when present. Works from a copy of the tree without .git or an installed package: set REPRO_GIT_SHA
 # to record the commit. TINY=1 runs the same steps with a tiny model on the CPU and COMPILE=0 leaves
-# out the compiled runs after the headline (its baseline runs eager; the CPU dry run in
-# tests/test_perf_gpu_bench.py uses both).
+# out the compiled steps but the headline (the CPU dry run in tests/test_perf_gpu_bench.py uses both).
 set -euo pipefail
 PY="${PYTHON:-python}"  # the interpreter with torch (PYTHON=.venv/bin/python from a checkout)
 out="${OUT:?set OUT to the output folder, e.g. OUT=results/bench/gpu_h200_new}"
@@ -50,6 +52,8 @@ export REPRO_GIT_SHA="${REPRO_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo 
 tiny=()
 [[ "${TINY:-0}" == 1 ]] && tiny=(--tiny --batch 2)
 bench=("${tiny[@]}")
+compile=(--compile)
+[[ "${COMPILE:-1}" == 1 ]] || compile=()  # the dry run profiles eagerly (its headline still compiles)
 [[ "${TINY:-0}" == 1 ]] && bench+=(--steps 2 --warmup 1)
 pack() {
   if [[ -n "${PACK:-}" ]]; then tar -czf "$PACK.part" -C "$out" . && mv "$PACK.part" "$PACK"; fi
@@ -85,61 +89,53 @@ if [[ "$part" != 2 ]]; then
   nvidia-smi > "$out/nvidia_smi.txt" 2>&1 || echo "nvidia-smi failed" >> "$out/nvidia_smi.txt"
   "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
 
+  step "kernel profile and idle gaps: bf16 half params, compiled"
+  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half "${compile[@]}" > /dev/null
+  sed -n '2p;/GPU timeline/,$p' "$out"/profile_half*.txt | head -n 14
+
   step "headline: compiled bf16, half params, checkpointing off"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline" --dtypes bf16 --checkpointing off \
-    --params half --compile-only --budget-s 120
+    --params half --compile-only --budget-s 110
+
+  step "optimizer phase by part"
+  "$PY" -m repro.perf.optimizer_bench "${tiny[@]:0:1}" --out "$out/optimizer" | tail -n 11
+
+  if [[ -n "${TRAIN_PREFIX:-}" && "${COMPILE:-1}" == 1 ]]; then
+    step "trainer: repro train experiments/scaling/scale_1b.yaml (fp16, half params, checkpointing), compiled"
+    trainer trainer_compiled --set train.compile=true
+  fi
+fi
+
+if [[ "$part" != 1 ]]; then
+  step "eager: bf16/fp16 x checkpointing x params, and bf16 half with the clip folded into the fused AdamW"
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
+    --params fp32,half --budget-s 150
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_fold_clip" --dtypes bf16 --checkpointing off \
+    --params half --fold-clip --budget-s 30
+
+  if [[ "${COMPILE:-1}" == 1 ]]; then
+    step "compiled: fp32 params x checkpointing, half params with checkpointing, half per layer"
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile" --dtypes bf16 --checkpointing off,on \
+      --params fp32 --compile-only --budget-s 120
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_ckpt_half" --dtypes bf16 --checkpointing on \
+      --params half --compile-only --budget-s 80
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_blocks" --dtypes bf16 --checkpointing off \
+      --params half --compile-only --compile-scope blocks --budget-s 120
+  fi
+
+  step "profiles, eager"
+  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params fp32 > /dev/null
+  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half > /dev/null
 
   if [[ -n "${TRAIN_PREFIX:-}" ]]; then
     step "trainer: repro train experiments/scaling/scale_1b.yaml (fp16, half params, checkpointing), eager"
     trainer trainer_eager
-  else
-    step "trainer: left out (no TRAIN_PREFIX)"
   fi
 
   step "selftest on NCCL"
   "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m repro.parallel.selftest \
     > "$out/selftest_nccl.txt" 2>&1 || echo "selftest FAILED (see selftest_nccl.txt)"
   tail -n 3 "$out/selftest_nccl.txt"
-
-  step "eager: bf16/fp16 x checkpointing x params"
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
-    --params fp32,half --budget-s 180
-
-  step "eager bf16, half params, the clip as its own pass: the baseline of eager/'s folded step"
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_foreach_clip" --dtypes bf16 --checkpointing off \
-    --params half --foreach-clip --budget-s 40
-fi
-
-if [[ "$part" != 1 ]]; then
-  step "headline again with the unscale and clip as foreach passes (the baseline of the folded step)"
-  compiled_only=(--compile-only)
-  [[ "${COMPILE:-1}" == 1 ]] || compiled_only=()  # the dry run checks the flags eagerly
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_foreach_clip" --dtypes bf16 --checkpointing off \
-    --params half "${compiled_only[@]}" --foreach-clip --budget-s 90
-
-  if [[ "${COMPILE:-1}" == 1 ]]; then
-    step "compiled: bf16 x checkpointing x params, the headline's configuration left out"
-    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile" --dtypes bf16 --checkpointing off,on \
-      --params fp32 --compile-only --budget-s 120
-    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_ckpt_half" --dtypes bf16 --checkpointing on \
-      --params half --compile-only --budget-s 80
-  fi
-
-  step "profiles"
-  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params fp32 > /dev/null
-  head -n 2 "$out/profile_fp32.txt"
-  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half > /dev/null
-  head -n 2 "$out/profile_half.txt"
-
-  if [[ "${COMPILE:-1}" == 1 ]]; then  # what the trainer compiles at DP > 1, against headline/
-    step "compiled per layer: bf16, half params, checkpointing off"
-    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/compile_blocks" --dtypes bf16 --checkpointing off \
-      --params half --compile-only --compile-scope blocks --budget-s 150
-    if [[ -n "${TRAIN_PREFIX:-}" ]]; then
-      step "trainer: the same run with train.compile"
-      trainer trainer_compiled --set train.compile=true
-    fi
-  fi
 fi
 step "done"
 pack

@@ -5,8 +5,8 @@
 
 Each configuration (dtype x activation checkpointing x parameter dtype) times full training steps:
 forward, backward, gradient clipping to norm 1.0 (the trainer's default, `--clip`) and a fused AdamW
-step that applies the clip as its gradient divisor, as the trainer does (`--foreach-clip`: a separate
-clip pass first, the baseline). Two precision recipes: `params fp32` autocasts to bf16/fp16
+step, the clip applied as the trainer applies it (`clip_and_step`: on a GPU a foreach pass before the
+step, on CPU folded into the step as its gradient divisor; `--fold-clip` or `--foreach-clip` force one). Two precision recipes: `params fp32` autocasts to bf16/fp16
 over fp32 weights; `params half` is Megatron's recipe, a bf16/fp16 model without autocast whose fp32
 master weights live in the optimizer (repro.train.mixed_precision), with the trainer's fp32 main
 grads (repro.train.main_grads: backward then includes adding each gradient into its fp32 buffer, the
@@ -58,8 +58,9 @@ class RunSpec:
     """fp32: autocast over fp32 weights; half: half-precision model, fp32 main grads and masters."""
     clip: float = 1.0
     """Gradient clipping to this global norm, as the trainer's `optim.clip_grad` (0: none)."""
-    fold_clip: bool = True
-    """The trainer's fused step: unscale and clip as the fused AdamW's gradient divisor (False: foreach passes)."""
+    fold_clip: bool | None = None
+    """Unscale and clip as the fused AdamW's gradient divisor (True) or in foreach passes (False);
+    None: as the trainer does on this device (clip_and_step)."""
     compile_scope: str = "objective"
     """With compile: objective (model.loss as one graph) or blocks (each layer, the trainer at DP > 1)."""
 
@@ -295,6 +296,10 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None or x != x else format(x, spec)
 
 
+def _clip_label(fold: bool | None) -> str:
+    return {None: "", True: ", folded clip", False: ", foreach clip"}[fold]
+
+
 def _compiled(spec: dict) -> str:
     return spec.get("compile_scope", "objective") if spec["compile"] else "-"
 
@@ -313,7 +318,7 @@ def markdown(report: dict) -> str:
         s, ph = r["spec"], r["phase_s_median"]
         phases = " / ".join(f"{ph[k]:.3f}" for k in ("forward", "backward", "optimizer")) if ph else "-"
         lines.append(
-            f"| {s['dtype']} | {s.get('params', 'fp32')}{'' if s.get('fold_clip', True) else ', foreach clip'} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {_compiled(s)} | "
+            f"| {s['dtype']} | {s.get('params', 'fp32')}{_clip_label(s.get('fold_clip', True))} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {_compiled(s)} | "
             f"{r['status']} {r['error'][:60]} | {_fmt(r['step_s_median'], '.4f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['model_tflops'], '.3g')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['hfu'], '.1%')} | "
             f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | "
@@ -333,9 +338,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma list: fp32 (autocast over fp32 weights), half (half model, fp32 masters)")
     parser.add_argument("--clip", type=float, default=1.0,
                         help="clip gradients to this global norm as the trainer does (0: no clipping)")
-    parser.add_argument("--foreach-clip", action="store_true",
-                        help="unscale and clip in foreach passes before the fused AdamW (the baseline of the "
-                             "trainer's folded step)")
+    clip_way = parser.add_mutually_exclusive_group()
+    clip_way.add_argument("--foreach-clip", dest="fold_clip", action="store_false", default=None,
+                          help="unscale and clip in foreach passes before the fused AdamW (the trainer's way on a GPU)")
+    clip_way.add_argument("--fold-clip", dest="fold_clip", action="store_true", default=None,
+                          help="unscale and clip as the fused AdamW's gradient divisor (the trainer's way on CPU)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
@@ -361,11 +368,11 @@ def plan(args) -> list[RunSpec]:
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]
-    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, clip=args.clip, fold_clip=not args.foreach_clip)
+    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, clip=args.clip, fold_clip=args.fold_clip)
                                           for d, c, p in combos]
     if args.compile or args.compile_only:
         specs += [RunSpec(d, c, args.batch, compile=True, params=p, clip=args.clip, compile_scope=args.compile_scope,
-                          fold_clip=not args.foreach_clip) for d, c, p in combos]
+                          fold_clip=args.fold_clip) for d, c, p in combos]
     return specs
 
 
@@ -394,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": name, "config": asdict(cfg), "provenance": measurement_provenance(device, argv),
               "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 main grads, "
                            "fp32 masters in the optimizer (fp16: + the trainer's dynamic loss scaler from 2^16); clipping to the "
-                           f"global norm {args.clip:g} (0: none); fused AdamW, the unscale and clip folded into "
-                           "it unless `params` says foreach clip",
+                           f"global norm {args.clip:g} (0: none); fused AdamW, the unscale and clip as "
+                           "the trainer does on this device unless `params` says folded or foreach clip",
               "flops_formula": "model = 72 B s l h^2 (1 + s/6h + V/12lh); hardware = 96 B s l h^2 "
                                "(1 + s/6h + V/16lh) with checkpointing (Narayanan et al. 2021), V = padded vocab",
               "peak_source": entry.source if entry else "measured fp32 matmul (CPU)",

@@ -75,6 +75,11 @@ def _run(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     data = ["--data-dir", str(data_dir)]
     iters = args.iters if args.iters is not None else SMOKE_ITERS if args.smoke else 300
+    if iters < 1:  # before any step: the data steps take minutes, then training would refuse
+        from repro.cli import UserError
+
+        raise UserError(f"--iters {iters} trains nothing to evaluate. Fix: at least 1 (default 300; --smoke: "
+                        f"{SMOKE_ITERS})")
     lambada_subset = ["--max-examples", str(SMOKE_PASSAGES)] if args.smoke else []
     wikitext_subset = ["--max-lines", str(SMOKE_LINES)] if args.smoke else []
     _step("1/5 fetch data", "data", "fetch", *data)

@@ -195,7 +195,13 @@ def test_prepare_refuses_to_overwrite_and_overwrite_loses_nothing_on_failure(dat
     assert sorted(_snapshot(tmp_path / "out")) == sorted(first)  # no temporary files left behind
 
 
+BAD_PREPARE_FLAGS = {"threshold": ["--dedup-threshold", "2"], "min_tokens": ["--min-tokens", "-1"],
+                     "matches": ["--eval-min-matches", "0"]}
+
+
 @pytest.mark.parametrize("bad, needle", [("threshold", "--dedup-threshold 2.0 is not"),
+                                         ("min_tokens", "--min-tokens -1 is negative"),
+                                         ("matches", "--eval-min-matches 0 would mark every document"),
                                          ("dir", "is a directory without corpus files")])
 def test_prepare_names_a_bad_threshold_or_a_directory_without_corpus(data_dir, tmp_path, capsys, bad, needle):
     src = tmp_path / "docs.jsonl"
@@ -206,7 +212,7 @@ def test_prepare_names_a_bad_threshold_or_a_directory_without_corpus(data_dir, t
             str(tmp_path / "out" / "c"), "--data-dir", str(data_dir), "--no-progress"]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        rc, _, err = _cli(capsys, *argv, *(["--dedup-threshold", "2"] if bad == "threshold" else []))
+        rc, _, err = _cli(capsys, *argv, *BAD_PREPARE_FLAGS.get(bad, []))
     assert rc == 2 and needle in err and "Fix:" in err and not (tmp_path / "out").exists()
     if bad == "dir":  # the file it passes over is named too
         assert any("1 files are not read, e.g. README.md" in str(w.message) for w in seen), seen

@@ -45,3 +45,16 @@ def test_relative_run_and_data_dirs_are_the_callers_not_the_steps_cwd(tmp_path, 
     train = next(step for step in steps if step[0] == "train")
     assert f"run_dir={tmp_path / 'rel'}" in train and f"data.train_prefix={tmp_path / 'd' / 'wt2_gpt'}_train" in train
     assert all(step[step.index("--checkpoint") + 1] == str(tmp_path / "rel") for step in steps if "--checkpoint" in step)
+
+
+def test_iters_below_one_is_refused_before_any_step(monkeypatch, capsys):
+    """--iters 0 used to fetch and prepare the data (minutes) before training refused it."""
+    import repro.demo as demo
+
+    from repro.cli import main
+
+    steps = []
+    monkeypatch.setattr(demo, "_step", lambda title, *args: steps.append(args))
+    assert main(["demo", "--iters", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--iters 0 trains nothing" in err and "Fix:" in err and steps == []

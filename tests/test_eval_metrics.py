@@ -54,6 +54,16 @@ def test_original_and_bpe_token_counts():
     assert count_original_tokens(" a b \n") == 2
 
 
+def test_a_file_of_one_word_is_refused_not_divided_by_zero(tmp_path):
+    """Every perplexity divides by T - 1 or T_o - 1: a one-word file used to end in ZeroDivisionError."""
+    from repro.data.errors import DataError
+    from repro.data.tokenizers import build_tokenizer
+
+    (tmp_path / "one.txt").write_text("Hi\n")
+    with pytest.raises(DataError, match="holds 1 word.*Fix:"):
+        load_wikitext(tmp_path / "one.txt", build_tokenizer("gpt2", mirror()))
+
+
 def _telescoping_model(window: int) -> PositionalModel:
     """V=2; at window position p the probability of token 1 is (p + 1) / (p + 2)."""
     p = torch.arange(window, dtype=torch.float64)

@@ -51,6 +51,12 @@ def _prepare(args: argparse.Namespace) -> int:
     if not 0 < args.dedup_threshold <= 1:
         raise UserError(f"--dedup-threshold {args.dedup_threshold} is not a Jaccard similarity in (0, 1]. "
                         "Fix: e.g. --dedup-threshold 0.7 (the default), or --no-dedup")
+    if args.min_tokens < 0:
+        raise UserError(f"--min-tokens {args.min_tokens} is negative. Fix: 0 keeps every document, 128 (the "
+                        "default) drops those under 128 tokens")
+    if args.eval_min_matches < 1:
+        raise UserError(f"--eval-min-matches {args.eval_min_matches} would mark every document an eval overlap. "
+                        "Fix: a count of at least 1 (default 10), or --no-eval-filter to keep overlaps")
     filters = FilterOptions(min_tokens=args.min_tokens, dedup=not args.no_dedup,
                             dedup_threshold=args.dedup_threshold,
                             eval_overlap=not args.no_eval_filter, min_matches=args.eval_min_matches)

@@ -44,8 +44,14 @@ def load_wikitext(path: Path | str, tokenizer, max_lines: int | None = None) -> 
     text = Path(path).read_bytes().decode("utf-8")
     if max_lines is not None:
         text = "".join(text.splitlines(keepends=True)[:max_lines])
-    tokens = tokenizer.encode(wikitext_detokenize(text))
-    return WikitextData(tokens, count_original_tokens(text), sha256_file(Path(path)), str(path))
+    tokens, words = tokenizer.encode(wikitext_detokenize(text)), count_original_tokens(text)
+    if len(tokens) < 2 or words < 2:  # every perplexity divides by T - 1 or T_o - 1
+        from repro.data.errors import DataError
+
+        lines = f"its first {max_lines} lines hold" if max_lines is not None else "it holds"
+        raise DataError(f"{path}: {lines} {words} word(s), {len(tokens)} BPE token(s); perplexity needs at least "
+                        "2 of each. Fix: a longer file (or a larger --max-lines)")
+    return WikitextData(tokens, words, sha256_file(Path(path)), str(path))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,11 @@
 # nvidia_smi.txt; profile_half_compiled.txt (kernel profile of two compiled bf16 half-parameter steps
 # with gpu_gaps' account of where the GPU sits idle, by the host op that launched late: about 30 ms of
 # the 160 ms eager step on 2026-12-04, the largest lead left toward 45% MFU); headline/ (compiled bf16,
-# half-precision parameters, no activation checkpointing, the trainer's clip); optimizer/
+# half-precision parameters, no activation checkpointing, the trainer's clip); eager_hooks/ and
+# eager_half_grads/ (eager bf16 half with the trainer's per-parameter main-grad hooks and without
+# them, gradients cast once after backward: is the hooks' host time what idles the GPU?);
+# headline_cudagraphs/ (the headline under torch.compile's reduce-overhead mode, CUDA graphs: is it
+# kernel launches?); optimizer/
 # (optimizer_bench: the optimizer phase by part); trainer_compiled/ (`repro train
 # experiments/scaling/scale_1b.yaml --set train.compile=true`, Table 1 config 1 in the paper's fp16
 # recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which `repro
@@ -96,6 +100,16 @@ if [[ "$part" != 2 ]]; then
   step "headline: compiled bf16, half params, checkpointing off"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline" --dtypes bf16 --checkpointing off \
     --params half --compile-only --budget-s 110
+
+  step "two suspects of the idle GPU: the main-grad hooks (eager, with and without) and launch overhead (CUDA graphs)"
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_hooks" --dtypes bf16 --checkpointing off \
+    --params half --budget-s 30
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_half_grads" --dtypes bf16 --checkpointing off \
+    --params half --main-grads param --budget-s 30
+  if [[ "${COMPILE:-1}" == 1 ]]; then
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_cudagraphs" --dtypes bf16 --checkpointing off \
+      --params half --compile-only --compile-mode reduce-overhead --budget-s 110
+  fi
 
   step "optimizer phase by part"
   "$PY" -m repro.perf.optimizer_bench "${tiny[@]:0:1}" --out "$out/optimizer" | tail -n 11

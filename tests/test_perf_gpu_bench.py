@@ -134,7 +134,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, corpus):  # noqa: F811
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with tarfile.open(pack) as tar:
         packed = {Path(name).as_posix().removeprefix("./") for name in tar.getnames()}
-    assert {"headline/bench.json", "eager/bench.json", "eager_fold_clip/bench.json", "optimizer/optimizer.json",
+    assert {"headline/bench.json", "eager/bench.json", "eager_hooks/bench.json", "eager_fold_clip/bench.json", "optimizer/optimizer.json",
             "selftest_nccl.txt", "profile_fp32.txt", "profile_half.txt",
             "trainer_eager/metrics.jsonl", "trainer_eager/final_metrics.json"} <= packed, packed
     assert "19/19 checks passed" in (out / "selftest_nccl.txt").read_text()
@@ -144,6 +144,8 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, corpus):  # noqa: F811
     headline = json.loads((out / "headline" / "bench.json").read_text())["results"]
     assert [(r["status"], r["spec"]["compile"], r["spec"]["params"], r["spec"]["checkpointing"], r["spec"]["fold_clip"])
             for r in headline] == [("ok", True, "half", False, None)]  # None: the trainer's way on the device
+    half_grads = json.loads((out / "eager_half_grads" / "bench.json").read_text())["results"]
+    assert [(r["status"], r["spec"]["main_grads"]) for r in half_grads] == [("ok", "param")]
     folded = json.loads((out / "eager_fold_clip" / "bench.json").read_text())["results"]
     assert [(r["status"], r["spec"]["fold_clip"], r["spec"]["params"]) for r in folded] == [("ok", True, "half")]
     assert not (out / "trainer_eager" / "FAILED").exists()
@@ -250,3 +252,32 @@ def test_optimizer_bench_tiny_times_every_part(tmp_path):
     assert len(report["parts"]) == 10 and report["parameters"] > 0
     assert all(r["wall_ms"] >= 0 and r["cpu_ms"] >= 0 for r in report["parts"].values())
     assert "| fused AdamW step |" in (tmp_path / "optimizer.md").read_text()
+
+
+def test_half_gradients_cast_after_backward_train_as_the_main_grad_hooks():
+    """`--main-grads param` (no per-parameter hooks; each half gradient cast to fp32 once after
+    backward) takes the same steps as the trainer's hooks on one micro batch: both hand AdamW the
+    same fp32 values, so the losses agree exactly."""
+    losses = {}
+    for main_grads in ("fp32", "param"):
+        torch.manual_seed(0)  # the same dropout draws
+        model = gpu_bench.build_model(gpu_bench.TINY, torch.device("cpu"))
+        spec = gpu_bench.RunSpec("bf16", False, 2, params="half", main_grads=main_grads)
+        result = gpu_bench.run_config(model, gpu_bench.TINY, spec, torch.device("cpu"), 3, 0, None, float("inf"))
+        assert result.status == "ok" and result.steps_timed == 3
+        losses[main_grads] = (result.loss_first, result.loss_last)
+    assert losses["fp32"] == losses["param"] and losses["fp32"][0] != losses["fp32"][1]
+
+
+def test_compile_mode_needs_a_whole_step_compile():
+    for extra in ([], ["--compile", "--compile-scope", "blocks"]):
+        try:
+            gpu_bench.plan(gpu_bench.parse_args(["--out", "x", "--compile-mode", "reduce-overhead", *extra]))
+        except SystemExit as err:
+            assert "--compile-mode reduce-overhead needs --compile" in str(err)
+        else:
+            raise AssertionError(f"--compile-mode accepted with {extra}")
+    specs = gpu_bench.plan(gpu_bench.parse_args(["--out", "x", "--dtypes", "bf16", "--checkpointing", "off",
+                                                 "--params", "half", "--compile-only", "--compile-mode",
+                                                 "reduce-overhead", "--main-grads", "param"]))
+    assert [(s.compile_mode, s.main_grads) for s in specs] == [("reduce-overhead", "param")]

@@ -62,6 +62,11 @@ class RunSpec:
     """Unscale and clip as the fused AdamW's gradient divisor (True) or in foreach passes (False);
     None: as the trainer does on this device (clip_and_step)."""
     compile_scope: str = "objective"
+    main_grads: str = "fp32"
+    """With params half: fp32 main grads added by a hook per parameter during backward (the trainer's
+    default), or `param`: half gradients cast to fp32 once in the optimizer phase (no hooks)."""
+    compile_mode: str = "default"
+    """torch.compile's mode (reduce-overhead: CUDA graphs)."""
     """With compile: objective (model.loss as one graph) or blocks (each layer, the trainer at DP > 1)."""
 
 
@@ -157,7 +162,12 @@ def timed_step(model, loss_fn, opt, scaler: DynamicLossScaler | None, ids, spec:
     clock.mark()
     (loss * scaler.scale if scaler is not None else loss).backward()
     clock.mark()
-    stepped = main.finish() if main is not None else [p for p in model.parameters() if p.grad is not None]
+    if main is not None:
+        stepped = main.finish()
+    elif masters is not None:
+        stepped = masters.grads_to_masters()
+    else:
+        stepped = [p for p in model.parameters() if p.grad is not None]
     _, skipped = clip_and_step(opt, stepped, spec.clip, scaler=scaler, fold=spec.fold_clip)
     if scaler is not None:
         scaler.update(skipped)
@@ -198,7 +208,7 @@ def planned_memory_gib(cfg: ModelConfig, spec: RunSpec, device_type: str) -> flo
     from repro.train.config import PrecisionConfig, RunConfig, TrainConfig, derive
 
     run = RunConfig(model=replace(cfg, activation_checkpointing=spec.checkpointing),
-                    precision=PrecisionConfig(precision=spec.dtype, params=spec.params),
+                    precision=PrecisionConfig(precision=spec.dtype, params=spec.params, main_grads=spec.main_grads),
                     train=TrainConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch))
     return memory_plan(run, derive(run, 1), device_type).peak / 2**30
 
@@ -213,12 +223,13 @@ def run_config(model, cfg: ModelConfig, spec: RunSpec, device, steps: int, warmu
     result = RunResult(spec, peak_tflops=peak, planned_memory_gib=planned)
     model.cfg.activation_checkpointing = spec.checkpointing
     masters = MasterWeights(model, DTYPES[spec.dtype]) if spec.params == "half" else None
-    main = MainGrads(masters.pairs()) if masters is not None else None
+    main = MainGrads(masters.pairs()) if masters is not None and spec.main_grads == "fp32" else None
     try:
         _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline, masters, main)
     finally:
         if masters is not None:  # back to the fp32 model the next configuration expects
-            main.remove()
+            if main is not None:
+                main.remove()
             model.float()
             masters.masters_to_model()
     return result
@@ -231,7 +242,7 @@ def compiled_loss(model, spec: RunSpec):
     if not spec.compile:
         yield model.loss
     elif spec.compile_scope == "objective":
-        yield torch.compile(model.loss)
+        yield torch.compile(model.loss, mode=None if spec.compile_mode == "default" else spec.compile_mode)
     else:
         from repro.train.engine import compiled, transformer_layers
 
@@ -301,7 +312,15 @@ def _clip_label(fold: bool | None) -> str:
 
 
 def _compiled(spec: dict) -> str:
-    return spec.get("compile_scope", "objective") if spec["compile"] else "-"
+    if not spec["compile"]:
+        return "-"
+    mode = spec.get("compile_mode", "default")
+    return spec.get("compile_scope", "objective") + ("" if mode == "default" else f", {mode}")
+
+
+def _params_label(spec: dict) -> str:
+    grads = ", half grads" if spec.get("params") == "half" and spec.get("main_grads", "fp32") == "param" else ""
+    return f"{spec.get('params', 'fp32')}{grads}{_clip_label(spec.get('fold_clip', True))}"
 
 
 def markdown(report: dict) -> str:
@@ -318,7 +337,7 @@ def markdown(report: dict) -> str:
         s, ph = r["spec"], r["phase_s_median"]
         phases = " / ".join(f"{ph[k]:.3f}" for k in ("forward", "backward", "optimizer")) if ph else "-"
         lines.append(
-            f"| {s['dtype']} | {s.get('params', 'fp32')}{_clip_label(s.get('fold_clip', True))} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {_compiled(s)} | "
+            f"| {s['dtype']} | {_params_label(s)} | {'on' if s['checkpointing'] else 'off'} | {s['batch']} | {_compiled(s)} | "
             f"{r['status']} {r['error'][:60]} | {_fmt(r['step_s_median'], '.4f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['model_tflops'], '.3g')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['hfu'], '.1%')} | "
             f"{_fmt(r['peak_tflops'], '.3g')} | {_fmt(r['peak_memory_gib'], '.1f')} | "
@@ -350,6 +369,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile-only", action="store_true", help="time only the compiled configurations")
     parser.add_argument("--compile-scope", default="objective", choices=("objective", "blocks"),
                         help="compile model.loss whole, or each transformer layer (the trainer's choice at DP > 1)")
+    parser.add_argument("--compile-mode", default="default",
+                        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                        help="torch.compile's mode for the whole-step compile (reduce-overhead: CUDA graphs)")
+    parser.add_argument("--main-grads", default="fp32", choices=("fp32", "param"),
+                        help="with params half: fp32 main grads by a hook per parameter during backward (the "
+                             "trainer's default), or half gradients cast to fp32 once after backward")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return parser.parse_args(argv)
 
@@ -365,14 +390,16 @@ def plan(args) -> list[RunSpec]:
             raise SystemExit(f"unknown --params {p!r}; choose from fp32, half")
     if args.compile_scope != "objective" and not (args.compile or args.compile_only):
         raise SystemExit(f"--compile-scope {args.compile_scope} needs --compile or --compile-only")
+    if args.compile_mode != "default" and (args.compile_scope != "objective" or not (args.compile or args.compile_only)):
+        raise SystemExit(f"--compile-mode {args.compile_mode} needs --compile or --compile-only (whole-step scope)")
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]
-    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, clip=args.clip, fold_clip=args.fold_clip)
-                                          for d, c, p in combos]
+    common = {"clip": args.clip, "fold_clip": args.fold_clip, "main_grads": args.main_grads}
+    specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, **common) for d, c, p in combos]
     if args.compile or args.compile_only:
-        specs += [RunSpec(d, c, args.batch, compile=True, params=p, clip=args.clip, compile_scope=args.compile_scope,
-                          fold_clip=args.fold_clip) for d, c, p in combos]
+        specs += [RunSpec(d, c, args.batch, compile=True, params=p, compile_scope=args.compile_scope,
+                          compile_mode=args.compile_mode, **common) for d, c, p in combos]
     return specs
 
 

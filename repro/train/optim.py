@@ -41,9 +41,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parame
 
     `fold`: hand a fused optimizer the loss scale and the clip coefficient as its kernel's gradient
     divisor (`grad_scale`, the input GradScaler unscales through) instead of foreach passes over the
-    gradients before the step. Both round alike to within a few ulps. By default (None) only on CPU,
-    where it measured faster; on an H200 the fused AdamW with a `grad_scale` took about 3 ms more over
-    1.2B parameters than without, more than the clip pass it saves (results/bench/gpu_h200_2026-12-04)."""
+    gradients before the step. Both round alike to within a few ulps. By default (None) only on CPU:
+    on an H200 the fused AdamW with a `grad_scale` took about 3 ms more over 1.2B parameters than
+    without, more than the clip pass it saves (results/bench/gpu_h200_2026-12-04)."""
     device = params[0].grad.device if params else torch.device("cpu")
     if fold is None:
         fold = device.type == "cpu"

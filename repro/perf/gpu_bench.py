@@ -6,18 +6,19 @@
 Each configuration (dtype x activation checkpointing x parameter dtype) times full training steps:
 forward, backward, gradient clipping to norm 1.0 (the trainer's default, `--clip`) and a fused AdamW
 step, the clip applied as the trainer applies it (`clip_and_step`: on a GPU a foreach pass before the
-step, on CPU folded into the step as its gradient divisor; `--fold-clip` or `--foreach-clip` force one). Two precision recipes: `params fp32` autocasts to bf16/fp16
-over fp32 weights; `params half` is Megatron's recipe, a bf16/fp16 model without autocast whose fp32
-master weights live in the optimizer (repro.train.mixed_precision), with the trainer's fp32 main
-grads (repro.train.main_grads: backward then includes adding each gradient into its fp32 buffer, the
-optimizer phase rounding the masters back). fp16 adds the trainer's dynamic loss scaler; the
-cross-entropy is computed in fp32. Warm-up steps are excluded; a step is timed on the wall clock up to
-its one host sync (the loss read, as the trainer's divergence check reads it) and its phases by CUDA
-events, so the CPU queues each phase while the GPU still runs the one before, as in the trainer
-(until 2026-12-04 a sync between phases exposed the optimizer's Python time: about 7 ms a step on
-an H200). A configuration that fails (OOM or other error) is
-recorded, not raised; after a total time budget the script stops. JSON and Markdown are rewritten
-atomically after every configuration, with provenance (device, versions, date, git SHA, command).
+step, on CPU folded into the step as its gradient divisor; `--fold-clip` or `--foreach-clip` force
+one). Two precision recipes: `params fp32` autocasts to bf16/fp16 over fp32 weights; `params half` is
+Megatron's recipe, a bf16/fp16 model without autocast whose fp32 master weights live in the optimizer
+(repro.train.mixed_precision), with the trainer's fp32 main grads (repro.train.main_grads: backward
+then includes adding each gradient into its fp32 buffer, the optimizer phase rounding the masters
+back). fp16 adds the trainer's dynamic loss scaler; the cross-entropy is computed in fp32. Warm-up
+steps are excluded; a step is timed on the wall clock up to its one host sync (the loss read, as the
+trainer's divergence check reads it) and its phases by CUDA events, so the CPU queues each phase while
+the GPU still runs the one before, as in the trainer (until 2026-12-04 a sync between phases exposed
+the optimizer's Python time: 6-8 ms a step on an H200). A configuration that fails (OOM or other
+error) is recorded, not raised; after a total time budget the script stops. JSON and Markdown are
+rewritten atomically after every configuration, with provenance (device, versions, date, git SHA,
+command).
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ class RunSpec:
     """Unscale and clip as the fused AdamW's gradient divisor (True) or in foreach passes (False);
     None: as the trainer does on this device (clip_and_step)."""
     compile_scope: str = "objective"
+    """With compile: objective (model.loss as one graph) or blocks (each layer, the trainer at DP > 1)."""
+    compile_mode: str = "default"
+    """torch.compile's mode (reduce-overhead: CUDA graphs)."""
     main_grads: str = "fp32"
     """With params half: fp32 main grads added by a hook per parameter during backward (the trainer's
     default), or `param`: half gradients cast to fp32 once in the optimizer phase (no hooks)."""
-    compile_mode: str = "default"
-    """torch.compile's mode (reduce-overhead: CUDA graphs)."""
-    """With compile: objective (model.loss as one graph) or blocks (each layer, the trainer at DP > 1)."""
 
 
 @dataclass

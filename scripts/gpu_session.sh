@@ -8,8 +8,8 @@
 #
 # Part 1, most valuable first (the 2026-12-04 session measured the rest: results/bench/gpu_h200_2026-12-04):
 # nvidia_smi.txt; profile_half_compiled.txt (kernel profile of two compiled bf16 half-parameter steps
-# with gpu_gaps' account of where the GPU sits idle, by the host op that launched late: about 30 ms of
-# the 160 ms eager step on 2026-12-04, the largest lead left toward 45% MFU); headline/ (compiled bf16,
+# with kernel time by kind and gpu_gaps' account of where the GPU sits idle, by the host op that
+# launched late: roughly 11-17 ms of the 160 ms eager step on 2026-12-04); headline/ (compiled bf16,
 # half-precision parameters, no activation checkpointing, the trainer's clip); eager_hooks/ and
 # eager_half_grads/ (eager bf16 half with the trainer's per-parameter main-grad hooks and without
 # them, gradients cast once after backward: is the hooks' host time what idles the GPU?);

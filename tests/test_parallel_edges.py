@@ -143,6 +143,21 @@ def test_assert_async_raises_on_cpu():
         torch._assert_async(torch.tensor(False), "named failure")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_logits_take_the_loss_in_float32(dtype):
+    """Half logits lose nothing to the loss: it is bitwise the loss of the same logits given in
+    float32, and their gradient bitwise that gradient rounded once to half."""
+    gen = torch.Generator().manual_seed(0)
+    values = (4 * torch.randn(3, 16, 200, generator=gen)).to(dtype)
+    target, grad_loss = torch.randint(0, 200, (3, 16), generator=gen), torch.randn(3, 16, generator=gen)
+    half, wide = values.clone().requires_grad_(), values.float().requires_grad_()
+    loss_half, loss_wide = (vocab_parallel_cross_entropy(x, target) for x in (half, wide))
+    loss_half.backward(grad_loss)
+    loss_wide.backward(grad_loss)
+    assert half.grad.dtype == dtype and torch.equal(loss_half, loss_wide)
+    assert torch.equal(half.grad, wide.grad.to(dtype))
+
+
 def test_bert_losses_still_mask_ignored_positions():
     """BERT.losses clamps the -100 labels of unpredicted positions before the cross-entropy and
     masks their losses: the MLM loss is the mean over the predicted tokens only."""

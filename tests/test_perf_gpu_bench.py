@@ -218,6 +218,28 @@ def test_gpu_profile_counts_kernels_not_the_ranges_around_them():
     assert keys["Optimizer.step#AdamW.step"] and not keys["aten::mm"], keys
 
 
+
+def test_gpu_profile_keeps_kernels_named_after_lambdas():
+    """CUDA kernels instantiated from lambdas carry a `#` in their names (GELU, dropout backward,
+    copies): the 2026-12-04 H200 profile dropped them all as ranges. Real kernel names from that
+    GPU's torch build; the profiler's events are only stand-ins here, since no CUDA runs on CPU."""
+    from types import SimpleNamespace
+
+    from repro.perf.gpu_profile import _is_range, kernel_category
+
+    gelu = ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, "
+            "at::native::GeluType)::{lambda()#2}::operator()() const::{lambda(c10::BFloat16)#1}>")
+    copy = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>"
+    kernel = lambda key: SimpleNamespace(key=key, is_user_annotation=False)  # noqa: E731
+    assert not _is_range(kernel(gelu)) and not _is_range(kernel(copy))
+    assert _is_range(kernel("Optimizer.step#AdamW.step")) and _is_range(kernel("ProfilerStep#3"))
+    assert kernel_category(gelu) == "element-wise / other" and kernel_category(copy) == "copy / cat"
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matrix multiply"
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kernel_category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
+                           "(anonymous namespace)::FusedOptimizerTensorListMetadata<4>") == "optimizer"
+
+
 def test_gap_summary_blames_the_host_op_that_launched_late():
     """A kernel launched after the GPU went idle counts its gap against the launching host op
     (outermost > innermost); one queued before the GPU went idle is the device's own wait."""

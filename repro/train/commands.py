@@ -126,22 +126,18 @@ def _reshard(args) -> int:
 
 def _export_hf(args) -> int:
     from repro.models.config import ModelConfig
-    from repro.models.gpt import GPT
-    from repro.models.hf import to_hf_gpt2
-    from repro.parallel.layers import pad_vocab_rows
-    from repro.train.checkpoint import CheckpointError, resolve
-    from repro.train.reshard import load_full_model_state, new_directory
+    from repro.models.hf import hf_gpt2_for_export
+    from repro.train.checkpoint import CheckpointError, read_meta, resolve
+    from repro.train.reshard import MergedModelState, new_directory
 
-    out = Path(args.out)
+    out, ckpt = Path(args.out), resolve(args.checkpoint)
+    meta = read_meta(ckpt)
+    if meta.get("family", "gpt") != "gpt":
+        raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
     with new_directory(out) as tmp:  # an occupied --out is refused before loading; a failure leaves nothing
-        meta, full = load_full_model_state(resolve(args.checkpoint))
-        cfg = ModelConfig(**meta["model"])
-        if meta.get("family", "gpt") != "gpt":
-            raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
-        model = GPT(cfg)
-        full["transformer.wte.weight"] = pad_vocab_rows(full["transformer.wte.weight"], cfg.padded_vocab_size(1))
-        model.load_state_dict(full)
-        to_hf_gpt2(model).save_pretrained(tmp)
+        # merged tensor by tensor into the exported model: one copy of the weights in memory
+        hf = hf_gpt2_for_export(MergedModelState(ckpt, meta), ModelConfig(**meta["model"]))
+        hf.save_pretrained(tmp)
     print(f"wrote a transformers.GPT2LMHeadModel to {out}")
     return 0
 

@@ -56,12 +56,16 @@ def _efficiency_panel(ax, table: pd.DataFrame) -> None:
             ax.plot(paper["gpus"], 100 * paper[col], "x", color=color, markersize=8, label=name)
     meas = _measured(table)
     meas = meas[meas["efficiency"].notna()] if len(meas) else meas
-    for i, (_, m) in enumerate(meas.iterrows()):
+    keys = []
+    for i, (_, m) in enumerate(meas.iterrows(), start=1):
         ax.plot(m["gpus"], 100 * m["efficiency"], "*", color="red", markersize=12,
-                label="measured (see table for device/size)" if i == 0 else None)
-        ax.annotate(f"{m['label'].split(',')[0]}: {m['config']}, {int(m['tp'])}x{int(m['dp'])}",
-                    (m["gpus"], 100 * m["efficiency"]), fontsize=6, color="red", textcoords="offset points",
-                    xytext=(8, -4 - 9 * (i % 3)))
+                label="measured (key at lower right)" if i == 1 else None)
+        ax.annotate(str(i), (m["gpus"], 100 * m["efficiency"]), fontsize=7, color="red", textcoords="offset points",
+                    xytext=(7, 3))
+        keys.append(f"{i}: {m['label'].split(',')[0]}: {m['config']}, TP {int(m['tp'])} x DP {int(m['dp'])}")
+    if keys:  # a key in the empty lower right, not labels over the points and the paper's curve
+        ax.text(0.98, 0.03, "\n".join(keys), transform=ax.transAxes, fontsize=6, color="red", ha="right", va="bottom",
+                bbox=dict(facecolor="white", edgecolor="red", alpha=0.8, linewidth=0.5))
     _gpu_ticks(ax)
     ax.set(xlabel="number of devices (GPUs; CPU ranks for CPU runs)", ylabel="weak-scaling efficiency (%)",
            title="Fig. 5: scaling efficiency vs 1-device baseline", ylim=(0, 115))

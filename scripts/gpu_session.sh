@@ -14,7 +14,8 @@
 # eager_half_grads/ (eager bf16 half with the trainer's per-parameter main-grad hooks and without
 # them, gradients cast once after backward: is the hooks' host time what idles the GPU?);
 # headline_cudagraphs/ (the headline under torch.compile's reduce-overhead mode, CUDA graphs: is it
-# kernel launches?); optimizer/
+# kernel launches?); headline_half_grads/ (the headline without the hooks: a compiled backward hands
+# all 485 gradients over at its end, each to a Python hook); optimizer/
 # (optimizer_bench: the optimizer phase by part); trainer_compiled/ (`repro train
 # experiments/scaling/scale_1b.yaml --set train.compile=true`, Table 1 config 1 in the paper's fp16
 # recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which `repro
@@ -101,7 +102,7 @@ if [[ "$part" != 2 ]]; then
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline" --dtypes bf16 --checkpointing off \
     --params half --compile-only --budget-s 110
 
-  step "two suspects of the idle GPU: the main-grad hooks (eager, with and without) and launch overhead (CUDA graphs)"
+  step "two suspects of the idle GPU: the main-grad hooks (eager with and without; compiled without) and launch overhead (CUDA graphs)"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_hooks" --dtypes bf16 --checkpointing off \
     --params half --budget-s 30
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_half_grads" --dtypes bf16 --checkpointing off \
@@ -109,6 +110,8 @@ if [[ "$part" != 2 ]]; then
   if [[ "${COMPILE:-1}" == 1 ]]; then
     "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_cudagraphs" --dtypes bf16 --checkpointing off \
       --params half --compile-only --compile-mode reduce-overhead --budget-s 110
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_half_grads" --dtypes bf16 --checkpointing off \
+      --params half --compile-only --main-grads param --budget-s 90
   fi
 
   step "optimizer phase by part"

@@ -88,3 +88,42 @@ def test_counts_below_their_least_are_named_not_ignored(corpus, capsys, option, 
     assert main(["data", "inspect", str(corpus), "--seq-length", "128", "--global-batch", "8", option, value]) == 2
     out, err = capsys.readouterr()
     assert f"{option} {value} must be at least {least}" in err and "Fix:" in err and not out, err
+
+
+def test_verify_passes_a_faithful_copy_and_names_each_changed_or_missing_file(corpus, tmp_path, capfd):
+    """`repro data verify`: prepare recorded every split file's sha256; a copy with one flipped byte
+    in a .bin and a lost .idx fails (exit 2) naming both files and the fix."""
+    import shutil
+
+    assert main(["data", "verify", f"{corpus}_train"]) == 0  # a split prefix finds its dataset too
+    assert capfd.readouterr().out.count("      ok  ") == 6
+    copy = tmp_path / "wt"
+    for path in corpus.parent.glob(f"{corpus.name}_*"):
+        shutil.copy(path, tmp_path / path.name.replace(corpus.name, "wt", 1))
+    assert main(["data", "verify", str(copy)]) == 0
+    capfd.readouterr()
+    train_bin = Path(f"{copy}_train.bin")
+    data = bytearray(train_bin.read_bytes())
+    data[len(data) // 2] ^= 1
+    train_bin.write_bytes(bytes(data))
+    Path(f"{copy}_valid.idx").unlink()
+    assert main(["data", "verify", str(copy)]) == 2
+    err = capfd.readouterr().err
+    assert f"{copy}_train.bin: sha256" in err and f"{copy}_valid.idx: missing" in err and "Fix: copy them again" in err
+    assert "2 of 6 files" in err
+
+
+def test_verify_without_recorded_checksums_says_how_to_get_them(corpus, tmp_path, capfd):
+    import json
+    import shutil
+
+    for path in corpus.parent.glob(f"{corpus.name}_*"):
+        shutil.copy(path, tmp_path / path.name.replace(corpus.name, "old", 1))
+    record = tmp_path / "old_prepare.json"
+    old = json.loads(record.read_text())
+    del old["report"]["sha256"]
+    record.write_text(json.dumps(old))
+    assert main(["data", "verify", str(tmp_path / "old")]) == 2
+    assert "holds no checksums" in capfd.readouterr().err
+    assert main(["data", "verify", str(tmp_path / "nothing")]) == 2
+    assert "nothing_prepare.json not found" in capfd.readouterr().err

@@ -198,8 +198,24 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_inspect)
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from repro.data.verify import verify
+
+    for path, status in verify(args.prefix, progress=True):
+        print(f"{status:>8}  {path}")
+    print(f"{args.prefix}: every split file is what `repro data prepare` wrote (sha256)")
+    return 0
+
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check a prepared dataset's files against the sha256 prepare recorded "
+                                      "(after copying it to a cluster, before a long run)")
+    p.add_argument("prefix", help="prepare's --output-prefix, or one PREFIX_train/_valid/_test")
+    p.set_defaults(func=_verify)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `repro data fetch`, `repro data prepare` and `repro data inspect`."""
+    """Add `repro data fetch`, `repro data prepare`, `repro data inspect` and `repro data verify`."""
     data = subparsers.add_parser("data", help="evaluation data, vocabularies, indexed datasets")
     sub = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     f = sub.add_parser("fetch", help="copy (REPRO_DATA_MIRROR) or download the eval sets and "
@@ -210,3 +226,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.set_defaults(func=_fetch)
     _add_prepare(sub)
     _add_inspect(sub)
+    _add_verify(sub)

@@ -93,6 +93,7 @@ class PrepareReport:
     skipped_records: int = 0  # JSON lines without text, with skip_bad_records
     skipped_examples: list[str] = field(default_factory=list)  # the first few, "file:line: why"
     inputs: dict[str, dict[str, int]] = field(default_factory=dict)  # input file -> documents, kept
+    sha256: dict[str, str] = field(default_factory=dict)  # "_train.bin" etc. -> what `repro data verify` checks
 
     @property
     def tokens_per_s(self) -> float:
@@ -305,6 +306,8 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
 
     Everything is written under temporary names and renamed into place at the end, so a failure
     leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite)."""
+    from repro.data.verify import digests
+
     weights = parse_split(opts.split)
     files = input_files(opts.input)
     formats = check_inputs(opts, files)  # input errors first
@@ -328,6 +331,7 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
         del unsplit
         if train_leads:  # the unsplit file, cut after train's documents, becomes train: no second copy
             move_leading_documents(tmp_prefix, runs[0][0][1], f"{staged}_train")
+        report.sha256 = digests(staged, opts.progress)  # one more read of the outputs: a copy can be verified
         _write_report(opts, report, Path(f"{staged}_prepare.json"))
         for src, dst in zip(output_files(staged), output_files(opts.output_prefix)):
             os.replace(src, dst)

@@ -270,3 +270,30 @@ def test_truncation_lengths_and_sides_match_the_token_by_token_rule():
         assert np.array_equal(ta, np.arange(ta[0], ta[0] + 25)) and np.array_equal(tb, np.arange(tb[0], tb[0] + 25))
         fronts.append(ta[0])
     assert abs(np.mean(fronts) - 37.5) < 0.3 and abs(np.var(fronts) - 75 / 4) < 1.5  # Binomial(75, 1/2)
+
+
+def test_a_reprepared_corpus_with_the_same_counts_does_not_load_the_old_sample_map(data_dir, bert_tokenizer, tmp_path):
+    """The sample map depends on document bounds and sentence lengths, not only on the totals: the
+    same documents prepared again in another order (same tokens, same sentences) must get their own
+    map, not the cached one whose samples would pair sentences of different documents."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    docs = [" ".join(f"Sentence {d} {s} " + " ".join(rng.choice(["alpha", "beta", "gamma"])
+                                                    for _ in range(rng.randint(3, 30))) + "."
+                     for s in range(rng.randint(2, 12))) for d in range(40)]
+    order = list(range(40))
+    opts = BertOptions(max_seq_length=64)
+    for attempt in range(2):
+        (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": docs[i]}) + "\n" for i in order))
+        prepare(PrepareOptions(input=tmp_path / "c.jsonl", output_prefix=str(tmp_path / "c"), tokenizer="bert",
+                               data_dir=data_dir, workers=1, split="1,0,0", progress=False, overwrite=attempt > 0,
+                               filters=FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)))
+        data = BertDataset(tmp_path / "c_train", bert_tokenizer, opts, cache_dir=tmp_path / "cache")
+        random.Random(1).shuffle(order)
+    bounds = np.asarray(data.data.document_indices)
+    doc_of = lambda sentence: np.searchsorted(bounds, sentence, side="right") - 1  # noqa: E731
+    assert np.array_equal(data.samples, build_sample_map(data.data, opts))
+    assert np.array_equal(doc_of(data.samples[:, 0]), doc_of(data.samples[:, 1] - 1))
+    assert len(list((tmp_path / "cache").glob("*_bert_map_*.npy"))) == 2

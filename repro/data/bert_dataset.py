@@ -158,6 +158,18 @@ def _word_spans(tokens: np.ndarray, continuation: np.ndarray, real: np.ndarray) 
     return spans
 
 
+def index_stamp(prefix: str | Path) -> str:
+    """8 hex digits of the .idx file's size and modification time. The sample map depends on where
+    documents start and on every sentence's length, not only on the totals: a re-prepared corpus with
+    the same token and sentence counts (the same documents in another order) must not load the old
+    map, whose samples would then pair sentences of different documents. Cheap (no pass over a
+    billion sentence lengths); a copy that keeps modification times (rsync -a) keeps its cache."""
+    import hashlib
+
+    stat = Path(f"{prefix}.idx").stat()
+    return hashlib.blake2b(f"{stat.st_size}:{stat.st_mtime_ns}".encode(), digest_size=4).hexdigest()
+
+
 class BertDataset:
     """Map from a global position (epoch-aware) to one BERT sample (a dict of numpy arrays)."""
 
@@ -173,7 +185,7 @@ class BertDataset:
         self.random_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), special)
         cache = _cache_prefix(str(prefix), cache_dir)
         key = (f"L{opts.max_seq_length}_p{opts.short_seq_prob}_seed{opts.seed}"
-               f"_t{self.data.num_tokens}_n{len(self.data)}_v3")  # v3: Megatron's sample ends
+               f"_t{self.data.num_tokens}_n{len(self.data)}_i{index_stamp(prefix)}_v3")  # v3: Megatron's sample ends
         path = Path(f"{cache}_bert_map_{key}.npy")
         self.samples = cached_array(path, lambda: build_sample_map(self.data, opts),
                                     lambda a: a.ndim == 2 and a.shape[1] == 3, write_cache)

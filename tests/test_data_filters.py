@@ -77,3 +77,21 @@ def test_prepare_keeps_unrelated_russian_greek_and_english_documents(data_dir, t
     report = prepare(PrepareOptions(input=tmp_path / "c.jsonl", output_prefix=str(tmp_path / "out"),
                                     data_dir=data_dir, workers=1, progress=False, split="1,0,0"))
     assert (report.documents, report.too_short, report.kept, report.near_duplicates) == (5, 0, 4, 1)
+
+
+def test_eval_overlap_counts_distinct_shared_ngrams_not_repeats(data_dir):  # noqa: F811
+    """A list page that repeats one stock phrase of the eval sets ("certified gold by the Recording
+    Industry Association of America") shares its few 8-grams three times over: still under the
+    threshold of 10 distinct ones, so it is kept; the same n-grams counted with repeats dropped it."""
+    import numpy as np
+
+    from repro.data.filters import FilterOptions, count_overlap, eval_ngram_set, ngram_hashes
+
+    options = FilterOptions()
+    eval_set = eval_ngram_set(data_dir, options.eval_files, options.ngram)
+    line = ("Their album {} (released {}) sold well in the United States and Canada and toured widely, and was "
+            "certified gold by the Recording Industry Association of America.")
+    page = "\n".join(line.format(album, 1990 + i) for i, album in enumerate(["Red Sky", "Blue Night", "Open Road"]))
+    hashes = ngram_hashes(words(page), options.ngram)
+    repeats = int(np.isin(hashes, eval_set).sum())
+    assert repeats >= options.min_matches > count_overlap(hashes, eval_set) > 0

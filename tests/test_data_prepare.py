@@ -103,7 +103,7 @@ def test_split_by_documents(data_dir, tmp_path):
     assert counts == [48, 9, 3] and list(report.outputs.values()) == counts
     assert split_bounds((949, 50, 1), 1000) == [0, 949, 999, 1000]
     assert parse_split("949,50,1") == (949, 50, 1)
-    for bad in ("949,50", "a,b,c", "0,0,0", "1,-1,1"):
+    for bad in ("949,50", "a,b,c", "0,0,0", "1,-1,1", "nan,1,1", "inf,1,1"):
         with pytest.raises(DataError, match="Fix: e.g. --split 949,50,1"):
             parse_split(bad)
 

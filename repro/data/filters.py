@@ -16,7 +16,7 @@ compared by its own words, not by the few Latin ones it holds.
   of the pairs the Jaccard check passes; Megatron-LM's own dedup script used 20 bands of 5 of 100).
   A document with fewer words than a shingle (symbols, a table of numbers: rare past min_tokens)
   has no shingle and is never a near-duplicate: it is kept, and nothing is compared with it.
-- Eval overlap: a document that shares at least `min_matches` word 8-grams with an evaluation set
+- Eval overlap: a document that shares at least `min_matches` distinct word 8-grams with an evaluation set
   (WikiText test, LAMBADA test) is dropped, as the paper removed the WikiText-103 test articles.
   The default is 10, not 1: with 1, 5 of the 60 WikiText-2 validation articles went for one or
   three stock phrases ("by the recording industry association of america riaa"), while a copied
@@ -110,9 +110,11 @@ def eval_ngram_set(data_dir: Path | str, files: tuple[str, ...], n: int) -> np.n
 
 
 def count_overlap(hashes: np.ndarray, eval_set: np.ndarray) -> int:
-    """How many of these n-gram hashes occur in the sorted eval set."""
+    """How many distinct n-grams of these hashes occur in the sorted eval set: a stock phrase a list
+    page repeats three times is one shared n-gram of each of its words' windows, not three."""
     if len(hashes) == 0 or len(eval_set) == 0:
         return 0
+    hashes = np.unique(hashes)
     pos = np.minimum(np.searchsorted(eval_set, hashes), len(eval_set) - 1)
     return int(np.count_nonzero(eval_set[pos] == hashes))
 

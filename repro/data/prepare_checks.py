@@ -5,6 +5,7 @@ that names the fix."""
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 import warnings
 from collections.abc import Iterable
@@ -29,8 +30,8 @@ def parse_split(split: str) -> tuple[float, float, float]:
         weights = tuple(float(x) for x in split.split(","))
     except ValueError:
         weights = ()
-    if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
-        raise DataError(f"split {split!r} is not three non-negative weights with a positive sum. "
+    if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"split {split!r} is not three finite non-negative weights with a positive sum. "
                         "Fix: e.g. --split 949,50,1 (train,valid,test)")
     return weights
 

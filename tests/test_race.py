@@ -95,12 +95,32 @@ def _broken_copy(tmp_path: Path, mutate) -> Path:
     (lambda d: d["answers"].__setitem__(1, "E"), r"question 1 has answer 'E', not one of A, B, C, D"),
     (lambda d: d["options"][0].pop(), r"question 0 has 3 options, not 4"),
     (lambda d: d["questions"].pop(), r"1 questions, 2 option lists and 2 answers"),
+    (lambda d: d.__setitem__("article", 7), r"the article is a int, not text"),  # were TypeErrors in the tokenizer
+    (lambda d: d["questions"].__setitem__(1, None), r"question 1 is a NoneType, not text"),
+    (lambda d: d["options"][0].__setitem__(2, 3), r"question 0 has an option that is not text"),
+    (lambda d: d.__setitem__("answers", "AB"), r"'answers' must be JSON lists"),
 ])
 def test_bad_race_files_name_the_file(tmp_path, mutate, message):
     root = _broken_copy(tmp_path, mutate)
     with pytest.raises(RaceFormatError, match=message) as err:
         load_race(root, "train")
     assert str(root / "train" / "high" / "2.txt") in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_cli_split_without_questions_exits_2_naming_it(tmp_path, vocab_file, capsys):
+    """A split whose files hold no questions: a user error naming the split (was a traceback)."""
+    from repro.cli import main
+
+    root = tmp_path / "RACE"
+    shutil.copytree(FIXTURE, root)
+    for path in (root / "dev").glob("*/*.txt"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "questions": [], "options": [], "answers": []}))
+    argv = ["finetune", "race", "--race-dir", str(root), "--vocab", str(vocab_file), "--model-config",
+            str(ROOT / "experiments" / "bert" / "tiny_cpu.yaml"), "--run-dir", str(tmp_path / "run"),
+            "--seeds", "1", "--no-mlflow"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the dev split(s) hold no questions" in err and "Fix:" in err, err
 
 
 def test_missing_folder_and_bad_json_are_clear(tmp_path):
@@ -436,3 +456,25 @@ def test_the_default_paper_size_is_refused_on_cpu_without_a_checkpoint(tmp_path,
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "--model-config experiments/bert/tiny_cpu.yaml" in out.stderr, out.stderr
     assert not (tmp_path / "run").exists()
+
+
+
+def test_each_article_is_tokenized_once(tok):
+    """encode_race's cache: the questions of one file share its article's encoding (it encoded the
+    article again for every question: ~3.5 times the work on full RACE)."""
+    questions = load_race(FIXTURE, "train")
+    articles = {q.article for q in questions}
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text):
+            calls.append(text)
+            return tok.encode(text)
+
+    assert len(questions) > len(articles)
+    counted = encode_race(questions, Counting(), 64)
+    assert sum(text in articles for text in calls) == len(articles)
+    assert torch.equal(counted.tokens, encode_race(questions, tok, 64).tokens)

@@ -163,7 +163,7 @@ def _check_positive(args) -> None:
 def _options(args) -> EvalOptions:
     from repro.data.fetch import data_dir_from_env
 
-    if args.stride < 1 or args.window < args.stride:
+    if args.task == "wikitext" and (args.stride < 1 or args.window < args.stride):  # LAMBADA has no window
         raise UserError(f"--stride {args.stride} must be between 1 and --window {args.window}")
     _check_positive(args)
     return EvalOptions(Path(args.data_dir) if args.data_dir else data_dir_from_env(), args.window,

@@ -63,14 +63,23 @@ def parse_race_file(path: Path, level: str) -> list[RaceQuestion]:
     if missing:
         raise _bad(path, f"missing key(s) {', '.join(map(repr, missing))}")
     qs, opts, answers = doc["questions"], doc["options"], doc["answers"]
+    not_lists = [k for k in ("questions", "options", "answers") if not isinstance(doc[k], list)]
+    if not_lists:
+        raise _bad(path, f"{', '.join(map(repr, not_lists))} must be JSON lists")
     if not (len(qs) == len(opts) == len(answers)):
         raise _bad(path, f"{len(qs)} questions, {len(opts)} option lists and {len(answers)} answers "
                          "(they must be equal)")
+    if not isinstance(doc["article"], str):
+        raise _bad(path, f"the article is a {type(doc['article']).__name__}, not text")
     out = []
     for i, (q, options, answer) in enumerate(zip(qs, opts, answers)):
+        if not isinstance(q, str):
+            raise _bad(path, f"question {i} is a {type(q).__name__}, not text")
         if not isinstance(options, list) or len(options) != 4:
             n = len(options) if isinstance(options, list) else type(options).__name__
             raise _bad(path, f"question {i} has {n} options, not 4")
+        if not all(isinstance(o, str) for o in options):
+            raise _bad(path, f"question {i} has an option that is not text ({options!r})")
         if not isinstance(answer, str) or answer not in ANSWERS or len(answer) != 1:
             raise _bad(path, f"question {i} has answer {answer!r}, not one of A, B, C, D")
         out.append(RaceQuestion(level, str(path), doc["article"], q, tuple(options), ANSWERS.index(answer)))
@@ -151,7 +160,9 @@ def encode_race(questions: list[RaceQuestion], tokenizer, seq_length: int,
     cache: dict[str, list[int]] = {}
     rows = []
     for q in questions:
-        ids = cache.setdefault(q.source, tokenizer.encode(q.article))
+        ids = cache.get(q.source)
+        if ids is None:
+            ids = cache[q.source] = tokenizer.encode(q.article)
         rows.append(build_choice_inputs(q, tokenizer, seq_length, max_qa_tokens, ids))
     stack = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
     return RaceTensors(stack["tokens"], stack["token_types"], stack["padding_mask"],

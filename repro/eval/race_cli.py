@@ -230,12 +230,16 @@ def run(args) -> int:
         cfg, state = model_config(args, tok.vocab_size)
         size = size_label(args.size, cfg)
         cfg, state = shorten(cfg, state, args.seq_length)
+        empty = [s for s, q in raw.items() if not q]
+        if empty:
+            raise RaceFormatError(f"{root}: the {' and '.join(empty)} split(s) hold no questions. Fix: point "
+                                  "--race-dir (REPRO_RACE_DIR) at the full RACE release (train, dev and test)")
+        splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
     except (RaceFormatError, FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
     except CheckpointError as err:
         raise UserError(f"--checkpoint {args.checkpoint}: {err} (fine-tuning needs a BERT `repro train` "
                         "run)") from None
-    splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
     settings = _settings(args, size, cfg, len(splits["train"]))
     try:
         done = finished_seeds(Path(args.run_dir), args.seeds, settings)

@@ -49,7 +49,7 @@ def load_wikitext(path: Path | str, tokenizer, max_lines: int | None = None) -> 
         from repro.data.errors import DataError
 
         lines = f"its first {max_lines} lines hold" if max_lines is not None else "it holds"
-        raise DataError(f"{path}: {lines} {words} word(s), {len(tokens)} BPE token(s); perplexity needs at least "
+        raise DataError(f"{path}: {lines} {len(text.split())} word(s), {len(tokens)} BPE token(s); perplexity needs at least "
                         "2 of each. Fix: a longer file (or a larger --max-lines)")
     return WikitextData(tokens, words, sha256_file(Path(path)), str(path))
 

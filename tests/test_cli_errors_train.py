@@ -229,6 +229,7 @@ def test_non_positive_counts_are_refused_before_anything_is_written(corpus, tmp_
     ("optim.clip_grad", -1, "optim.clip_grad=-1.0 must be >= 0"),  # trained without clipping
     ("optim.adam_beta1", 1.5, "optim.adam_beta1=1.5 must be in [0, 1)"),
     ("precision.initial_loss_scale", 0, "0 < min_loss_scale <= initial_loss_scale"),
+    ("train.seed", -1, "train.seed=-1: use a seed in [0, 2**31)"),  # was numpy's ValueError from the data
 ])
 def test_optimizer_values_out_of_range_are_refused_before_anything_is_written(corpus, tmp_path, capfd, key, value,
                                                                               needle):

@@ -374,6 +374,8 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
                              "--set train.device=cuda (each rank takes the GPU of its local rank; no index)")
     if cfg.family not in ("gpt", "bert"):
         raise RunConfigError(f"family={cfg.family!r}: use gpt or bert")
+    if not 0 <= t.seed < 2**31:  # numpy's and torch's generators take it; a negative one raised mid-start
+        raise RunConfigError(f"train.seed={t.seed}: use a seed in [0, 2**31), e.g. --set train.seed=1234")
     if cfg.data.num_workers is not None and cfg.data.num_workers < 0:
         raise RunConfigError(f"data.num_workers={cfg.data.num_workers}: use 0 (batches built in the training "
                              "process) or more, e.g. --set data.num_workers=2")

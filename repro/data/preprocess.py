@@ -48,6 +48,7 @@ from repro.data.prepare_checks import (SPLIT_NAMES, check_inputs, check_output_d
                                        describe_inputs, input_files, make_output_dir, output_files, parse_split,
                                        warn_stale_temporaries)
 from repro.data.tokenizers import TextTokenizer, build_tokenizer
+from repro.data.verify import digests
 
 
 def available_cpus() -> int:
@@ -306,8 +307,6 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
 
     Everything is written under temporary names and renamed into place at the end, so a failure
     leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite)."""
-    from repro.data.verify import digests
-
     weights = parse_split(opts.split)
     files = input_files(opts.input)
     formats = check_inputs(opts, files)  # input errors first

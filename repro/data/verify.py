@@ -14,7 +14,7 @@ import hashlib
 from pathlib import Path
 
 from repro.data.errors import DataError
-from repro.data.preprocess import SPLIT_NAMES
+from repro.data.prepare_checks import SPLIT_NAMES
 
 BLOCK = 8 << 20
 

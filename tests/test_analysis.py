@@ -750,3 +750,19 @@ def test_table2_counts_the_papers_epoch_in_tokens_at_a_runs_own_batch(tmp_path):
     assert extra["run_id"] == small_batch and "global batch 64" in extra["label"]
     assert extra["days_steps"] == pytest.approx(200.0 * 68507 * 8 / 86_400_000)
     assert gpt2.display(table).iloc[0]["measured days/epoch"] == NOT_RUN
+
+
+def test_a_relative_sqlite_uri_reaches_the_notebooks(synthetic_store, tmp_path, monkeypatch, capsys):
+    """`repro report --tracking-uri sqlite:///mlruns/mlflow.db` from the directory holding it: the
+    notebooks run in analysis/, where that relative path named no store, so every row said 'not run'
+    (exit 0). The URI is made absolute first."""
+    import shutil
+
+    from repro.cli import main
+
+    (tmp_path / "mlruns").mkdir()
+    shutil.copy(R._sqlite_file(synthetic_store[0]), tmp_path / "mlruns" / "mlflow.db")
+    monkeypatch.chdir(tmp_path)
+    assert R.resolve_uri("sqlite:///mlruns/mlflow.db") == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    assert main(["report", "--tracking-uri", "sqlite:///mlruns/mlflow.db", "--out", "out", "--only", "scaling"]) == 0
+    assert "| 95.0% |" in (tmp_path / "out" / "scaling_table.md").read_text()

@@ -46,10 +46,17 @@ def store_errors(uri: str):
 
 
 def resolve_uri(uri: str | None) -> str:
-    """The given URI, else the project's default (MLFLOW_TRACKING_URI or the embedded sqlite store)."""
+    """The given URI, else the project's default (MLFLOW_TRACKING_URI or the embedded sqlite store),
+    a relative sqlite path made absolute: the notebooks run in analysis/, and read from there
+    `sqlite:///mlruns/mlflow.db` named a store that is not there (every row 'not run', exit 0)."""
     from repro.tracking.store import default_tracking_uri
 
-    return uri or default_tracking_uri()
+    uri = uri or default_tracking_uri()
+    path = _sqlite_file(uri)
+    if path is not None and not path.is_absolute() and str(path) not in ("", ":memory:"):
+        query = uri.partition("?")[1] + uri.partition("?")[2]
+        uri = f"sqlite:///{path.resolve()}{query}"
+    return uri
 
 
 def _sqlite_file(uri: str) -> Path | None:

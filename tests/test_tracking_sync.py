@@ -383,3 +383,38 @@ def test_a_resume_into_a_run_deleted_in_the_ui_logs_into_a_new_run(tmp_path, sto
     again.close()
     assert again.run_id != first.run_id and recorded_run_id(run_dir) == again.run_id
     assert _steps(store, again.run_id) == [2]
+
+
+def test_a_resume_into_a_run_another_store_holds_logs_into_a_new_run(tmp_path, store):
+    """The tracking URI changed between launches (or `mlflow gc` removed the run): the resumed launch
+    warns and opens a new run here, instead of switching MLflow off for the whole launch."""
+    run_dir = tmp_path / "run"
+    with pytest.warns(UserWarning, match="is not in .*logging into a new run"):
+        again = RunLogger(run_dir, "exp-sync", "r", {}, {}, resume_run_id="0123456789abcdef0123456789abcdef")
+    _log(again, (2,))
+    again.close()
+    assert recorded_run_id(run_dir) == again.run_id and _steps(store, again.run_id) == [2]
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"step": 1, "loss": 2.0}, "has time None, not a number of seconds"),
+    ({"step": 1, "time": 1.0, "loss": "n/a"}, "has non-numeric value(s) for loss"),
+    ([1, 2], "is a JSON list, not an object"),
+    ({"step": "1", "time": 1.0, "loss": 2.0}, "has step '1', not an integer"),
+])
+def test_sync_refuses_a_bad_metrics_row_before_creating_a_run(tmp_path, store, capsys, row, problem):
+    """A malformed metrics.jsonl row is a user error naming its line, found before MLflow is contacted:
+    it was a KeyError/ValueError traceback after an empty RUNNING run had been created."""
+    import json
+
+    from repro.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "params.json").write_text("{}")
+    (run_dir / "tags.json").write_text(json.dumps({"experiment": "exp-sync", "run_name": "r"}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 1.0, "loss": 3.0}) + "\n" + json.dumps(row) + "\n"
+                                           + json.dumps({"step": 2, "time": 2.0, "loss": 1.0}) + "\n")
+    assert main(["tracking", "sync", str(run_dir)]) == 2
+    assert f"metrics.jsonl:2 {problem}" in capsys.readouterr().err
+    assert recorded_run_id(run_dir) is None and not (tmp_path / "mlflow.db").exists()

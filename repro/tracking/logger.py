@@ -212,10 +212,20 @@ def _set_aside_earlier_launch(run_dir: Path) -> str | None:
 
 def _live_run(client, run_id: str | None):
     """The run to resume into, or None: none named, or one deleted in the UI since (metrics logged
-    into it would be invisible to the analysis), which gets a warning and a new run instead."""
+    into it would be invisible to the analysis), or one this store does not hold (the tracking URI
+    changed between launches, or `mlflow gc` removed it), each with a warning and a new run instead."""
+    from mlflow.exceptions import MlflowException
+
     if not run_id:
         return None
-    run = client.get_run(run_id)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        warnings.warn(f"MLflow run {run_id} of this run directory is not in {default_tracking_uri()} (another "
+                      "store's, or garbage-collected): logging into a new run", stacklevel=3)
+        return None
     if run.info.lifecycle_stage == "deleted":
         warnings.warn(f"MLflow run {run_id} of this run directory was deleted: logging into a new run",
                       stacklevel=3)
@@ -276,14 +286,33 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     rows = []
     for n, line in lines:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as err:
             if n != lines[-1][0]:
                 raise TrackingError(f"{path}:{n} is not JSON ({err}). Fix: delete or repair that line; "
                                     "every line must be one JSON object") from None
             warnings.warn(f"{path}:{n}: skipped a truncated last line (the run was killed while "
                           "writing it)", stacklevel=2)
+            continue
+        problem = _row_problem(row)
+        if problem:
+            raise TrackingError(f"{path}:{n} {problem}. Fix: delete or repair that line; every line is one "
+                                'object like {"step": 10, "time": 1733300000.0, "loss": 7.1}')
+        rows.append(row)
     return rows
+
+
+def _row_problem(row) -> str | None:
+    """What makes a metrics.jsonl row unusable (checked before any upload), or None."""
+    if not isinstance(row, dict):
+        return f"is a JSON {type(row).__name__}, not an object"
+    number = (int, float)
+    if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+        return f"has step {row.get('step')!r}, not an integer"
+    if not isinstance(row.get("time"), number):
+        return f"has time {row.get('time')!r}, not a number of seconds"
+    bad = [k for k, v in row.items() if k not in ("step", "time") and not isinstance(v, number)]
+    return f"has non-numeric value(s) for {', '.join(bad)}" if bad else None
 
 
 def logged_metrics(run_dir: str | Path, first_step: int) -> dict[int, set[str]]:

@@ -766,3 +766,24 @@ def test_a_relative_sqlite_uri_reaches_the_notebooks(synthetic_store, tmp_path, 
     assert R.resolve_uri("sqlite:///mlruns/mlflow.db") == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     assert main(["report", "--tracking-uri", "sqlite:///mlruns/mlflow.db", "--out", "out", "--only", "scaling"]) == 0
     assert "| 95.0% |" in (tmp_path / "out" / "scaling_table.md").read_text()
+
+
+def test_report_refuses_a_sqlite_uri_that_is_not_an_mlflow_store(tmp_path, capsys):
+    """A text file, a directory, or another program's sqlite database: a clear error, exit 2 (were
+    tracebacks; the last one silently got MLflow's tables written into it)."""
+    import sqlite3
+
+    from repro.cli import main
+
+    (tmp_path / "notes.txt").write_text("not a database\n")
+    (tmp_path / "dir.db").mkdir()
+    with sqlite3.connect(tmp_path / "other.db") as db:
+        db.execute("CREATE TABLE t (x)")
+    for name, needle in (("notes.txt", "which is not a sqlite database"), ("dir.db", "which is not a file"),
+                         ("other.db", "a sqlite database of other tables (t), not an MLflow store")):
+        assert main(["report", "--tracking-uri", f"sqlite:///{tmp_path / name}", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Fix:" in err, err
+    with sqlite3.connect(tmp_path / "other.db") as db:
+        assert [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["t"]
+    assert not (tmp_path / "out").exists()

@@ -73,8 +73,33 @@ def client(uri: str):
     from repro.tracking.logger import quiet_http_retries
 
     check_uri(uri)
+    check_sqlite_store(uri)
     quiet_http_retries()
     return MlflowClient(tracking_uri=uri)
+
+
+MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}
+
+
+def check_sqlite_store(uri: str) -> None:
+    """A StoreError for a sqlite URI naming a file that is not an MLflow store: a directory, not a
+    database, or a database of other tables (MLflow would add its own to it, from a read-only report)."""
+    import sqlite3
+
+    path = _sqlite_file(uri)
+    if path is None or not path.exists():
+        return
+    fix = f"Fix: {URI_FIX} naming the MLflow store (the mlflow.db `repro train` logged into)"
+    if not path.is_file():
+        raise StoreError(f"tracking URI {uri} names {path}, which is not a file. {fix}")
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as err:
+        raise StoreError(f"tracking URI {uri} names {path}, which is not a sqlite database ({err}). {fix}") from None
+    if tables and not MLFLOW_TABLES <= tables:
+        raise StoreError(f"tracking URI {uri} names {path}, a sqlite database of other tables "
+                         f"({', '.join(sorted(tables)[:5])}), not an MLflow store; nothing was written to it. {fix}")
 
 
 def store_exists(uri: str) -> bool:

@@ -787,3 +787,14 @@ def test_report_refuses_a_sqlite_uri_that_is_not_an_mlflow_store(tmp_path, capsy
     with sqlite3.connect(tmp_path / "other.db") as db:
         assert [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["t"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_point_prefers_a_run_with_an_efficiency_over_a_newer_one_without():
+    """Config 2 measured in bf16 (95% of the bf16 baseline) and, later, checked in fp32 with no fp32
+    baseline: the row shows the bf16 run's 95%, not the newer run's 'no 1-device baseline'."""
+    runs = _points(("scaling-1.2b", 1, 100.0, 1), ("scaling-2.5b", 2, 95.0, 2), ("scaling-2.5b", 2, 40.0, 3))
+    runs.loc[2, "precision"] = "fp32"
+    table = scaling.combine(scaling.paper_points(paper_values()), scaling.add_efficiency(runs), None)
+    point = table[table["paper_efficiency"].notna()].set_index(["config", "gpus"]).loc[("scaling-2.5b", 2)]
+    assert point["efficiency"] == pytest.approx(0.95) and point["run_id"] == "scaling-2.5b-2-95.0"
+    assert "scaling-2.5b-2-40.0" in set(table.loc[table["paper_efficiency"].isna(), "run_id"])  # listed below

@@ -167,10 +167,14 @@ def appendix_predictions() -> dict[str, dict[str, float]]:
 
 
 def _preferred_first(runs: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
-    """The runs in the order a table point takes them: a logged throughput first, then (when given)
-    runs on `device`, the table's baseline device, then full-length runs before test runs cut short
-    (a newer 100-iteration check of a script does not replace its measurement), then the newest."""
+    """The runs in the order a table point takes them: a logged throughput first, then one with an
+    efficiency (a 1-device baseline of its own precision, recipe and FLOP count: a newer fp32 check
+    does not hide the bf16 run the baseline measures), then (when given) runs on `device`, the table's
+    baseline device, then full-length runs before test runs cut short (a newer 100-iteration check of
+    a script does not replace its measurement), then the newest."""
     keys = {"_logged": runs["tflops_per_device"].notna()}
+    if "efficiency" in runs:
+        keys["_efficiency"] = runs["efficiency"].notna()
     if device is not None and "device" in runs:
         keys["_device"] = runs["device"] == device
     if "train_iters" in runs:

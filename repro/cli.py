@@ -42,7 +42,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _record_stop_signals_early(argv: list[str] | None) -> None:
+    """A rank of `repro train` under srun or torchrun records SIGTERM and SIGUSR1 from here on, before
+    building the parser imports torch (about 2 s here; minutes from shared storage on hundreds of
+    ranks): their default action would kill it, failing the job with no checkpoint and no requeue.
+    The trainer adopts the recorded signal (repro.train.signals) and stops after its first step."""
+    import os
+
+    words = sys.argv[1:] if argv is None else argv
+    launched = "SLURM_PROCID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
+    if words[:1] == ["train"] and launched:
+        import signal
+
+        from repro.train.signals import STOP_SIGNALS, PendingStop
+
+        pending = PendingStop()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, pending)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _record_stop_signals_early(argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a command may say where such arguments belong (`unknown_hint`)

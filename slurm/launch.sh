@@ -68,10 +68,10 @@ source_cluster_env() {  # source_cluster_env FILE: its variables, exported; for 
   # (PATH=/site/bin:$PATH, LD_LIBRARY_PATH, NCCL_*).
   local file="$1" item name saved=()
   while IFS= read -r -d '' item; do saved+=("$item"); done < <(env -0)
-  set -a
+  set -a +u  # a site's `LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH` with it unset is not an error here
   # shellcheck source=/dev/null
   source "$file"
-  set +a
+  set +a -u
   for item in ${saved[@]+"${saved[@]}"}; do
     name="${item%%=*}"
     [[ "$name" =~ ^REPRO_[A-Za-z0-9_]*$ && "${!name-}" != "${item#*=}" ]] || continue

@@ -184,3 +184,14 @@ def test_a_relative_cluster_env_reaches_the_job_as_an_absolute_path(sbatch, caps
     assert main(["slurm", "submit", SCRIPT]) == 0
     assert " -p gpu " in _calls(sbatch)[0]
     assert (tmp_path / "sbatch.log.env").read_text() == f"cluster env: {work}/mine.env\n"
+
+
+def test_a_dry_run_prints_a_command_that_pastes_as_one_word_per_argument(sbatch, capsys, monkeypatch):
+    """An account with a space: `-A my proj` printed would submit with account `my` and a script
+    `proj`; the real submission passes a list and was right, the printout now quotes like it."""
+    import shlex
+
+    monkeypatch.setenv("REPRO_ACCOUNT", "my proj")
+    assert main(["slurm", "submit", SCRIPT, "--dry-run", "--", "--set", "name=a b"]) == 0
+    words = shlex.split(capsys.readouterr().out.strip())
+    assert words[words.index("-A") + 1] == "my proj" and words[-2:] == ["--set", "name=a b"], words

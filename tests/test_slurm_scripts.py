@@ -310,6 +310,23 @@ def test_cluster_env_lines_other_than_repro_ones_apply_as_written(tmp_path):
     assert out.returncode == 2 and "die: REPRO_RUN_NAME is set in" in out.stdout, out
 
 
+def test_cluster_env_may_extend_a_library_path_the_job_does_not_have(tmp_path, monkeypatch):
+    """`LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH` (slurm/README's example of a site line) with
+    the variable unset at submit time: launch.sh sourced it under `set -u` and the job failed at once;
+    `repro slurm` checks read it the same way. launch.sh's own `set -u` is back afterwards."""
+    from repro.launch.scripts import cluster_settings
+
+    (tmp_path / "cluster.env").write_text("LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH\n")
+    script = ('set -euo pipefail; eval "$(sed -n \'/^source_cluster_env()/,/^}/p\' slurm/launch.sh)"; '
+              'source_cluster_env "$1"; echo "$LD_LIBRARY_PATH|$-"')
+    out = subprocess.run(["bash", "-c", script, "_", str(tmp_path / "cluster.env")], cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("/opt/nccl/lib:|"), out
+    assert "u" in out.stdout.strip().split("|")[1], out  # nounset on again
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    assert cluster_settings(tmp_path / "cluster.env")["LD_LIBRARY_PATH"] == "/opt/nccl/lib:"
+
+
 @pytest.mark.parametrize("line", ["REPRO_RUN_NAME=shared", "REPRO_MASTER_PORT=23456"])
 def test_a_per_job_variable_in_cluster_env_is_refused(tmp_path, line):
     """C2/C3: the shared file is read by every job: one run dir or one port for all of them."""

@@ -550,3 +550,39 @@ def test_latest_falls_back_to_the_copy_set_aside(tmp_path):
     (root / "iter_0000004.old" / "meta.json").unlink()
     with pytest.raises(ck.CheckpointError, match="no meta.json"):
         ck.latest_checkpoint(root)
+
+
+# `repro train` as a launched rank (RANK/WORLD_SIZE set, as srun's task.sh and torchrun set them) that
+# gets SIGUSR1 the moment it starts importing torch: Slurm's warning, or a manual stop, in the first
+# seconds of a (requeued) step. Deterministic: the signal is sent by an import hook, not a timer.
+_SIGNAL_AT_TORCH_IMPORT = """
+import importlib.abc, os, signal, sys
+
+class SignalOnTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return None
+
+sys.meta_path.insert(0, SignalOnTorch())
+from repro.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_while_torch_imports_is_kept_until_the_rank_can_checkpoint(corpus, tmp_path):
+    """Building the CLI's parser imports torch (seconds; minutes from shared storage on 512 ranks):
+    a USR1 then killed every rank, so the job FAILED with no checkpoint and no requeue. The launched
+    rank now records it from main()'s first line and stops after the first step, checkpointed."""
+    from repro.parallel.spawn import free_port
+
+    run_dir = tmp_path / "run"
+    over = tiny_overrides(corpus, run_dir, **{"train.train_iters": 10})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_AT_TORCH_IMPORT, "train", TINY,
+                           *sum((["--set", o] for o in over), [])], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:] + done.stderr[-2000:])
+    assert (run_dir / "stopped_by_signal").read_text() == "1"
+    assert ck.latest_checkpoint(run_dir / "checkpoints").name == "iter_0000001"

@@ -150,7 +150,7 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
                           f"stop as soon as it starts. Fix: `{needed}=RUNS/<run dir> repro slurm submit {script.name}` "
                           "(one job per checkpoint)")
     cmd = sbatch_command(script, extra, settings)
-    print(" ".join(cmd))
+    print(shlex.join(cmd))  # pasteable: an account or a checkout path with a space stays one word
     if dry_run:
         return ""
     if not shutil.which(cmd[0], path=settings.get("PATH", os.defpath)):  # where subprocess looks
@@ -206,7 +206,7 @@ def _partial_sweep(err: Exception, submitted: list[tuple[str, Path]], rest: list
     """The error of a sweep stopped part way: what is queued, and what is left to submit."""
     done = ", ".join(f"job {job} ({script.name})" for job, script in submitted)
     tail = f" -- {shlex.join(extra)}" if extra else ""
-    todo = "; ".join(f"repro slurm submit {script}{tail}" for script in rest)
+    todo = "; ".join(f"repro slurm submit {shlex.quote(str(script))}{tail}" for script in rest)
     return (f"{err}\nAlready submitted (queued or running; do not submit them again): {done}.\n"
             f"Not submitted: {', '.join(s.name for s in rest)}. Fix: remove the cause above, then submit "
             f"only those: {todo}")

@@ -83,7 +83,7 @@ PER_JOB = {"REPRO_RUN_NAME": "run dir", "REPRO_MASTER_PORT": "rendezvous port"}
 
 def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
     """The environment as launch.sh sees it: os.environ plus slurm/cluster.env, sourced by bash with
-    launch.sh's `set -eu`; for REPRO_* variables the environment wins (one given at submit time keeps
+    `set -e` (not -u: `LD_LIBRARY_PATH=/x:$LD_LIBRARY_PATH` with it unset is a site's usual line); for REPRO_* variables the environment wins (one given at submit time keeps
     its value), other lines apply as written (`PATH=/site/bin:$PATH`, NCCL_*). A file named
     by REPRO_CLUSTER_ENV (or env_file) must exist; the default slurm/cluster.env may be absent
     (everything then comes from the environment). A per-job variable (PER_JOB) set by the file is a
@@ -95,7 +95,7 @@ def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
             raise ClusterEnvError(f"REPRO_CLUSTER_ENV={path} does not exist. Fix: "
                                   f"`cp slurm/cluster.env.example {path}` and edit it, or unset REPRO_CLUSTER_ENV")
         return dict(os.environ)
-    out = subprocess.run(["bash", "-c", 'set -eu; set -a; source "$1"; set +a; env -0', "_", str(path)],
+    out = subprocess.run(["bash", "-c", 'set -e; set -a; source "$1"; set +a; env -0', "_", str(path)],
                          capture_output=True, text=True)
     if out.returncode:
         raise ClusterEnvError(f"{path} failed when sourced by bash (exit {out.returncode}): "

@@ -2,7 +2,8 @@
 
 Slurm's warning (SIGUSR1) or a TERM can reach a rank while it is still importing torch or joining
 its process group; their default action would kill it, failing the job instead of checkpointing.
-`repro train` records them from its first step on (`recording_stop_signals`); `loop.StopSignal`
+`repro train` as a launched rank records them from the first line of `repro.cli.main`, before torch is
+imported, and `recording_stop_signals` keeps them through its setup; `loop.StopSignal`
 adopts what was recorded.
 """
 

@@ -42,16 +42,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launched_train(argv: list[str] | None) -> bool:
+    """This process is a rank of `repro train` under srun or torchrun."""
+    import os
+
+    words = sys.argv[1:] if argv is None else argv
+    return words[:1] == ["train"] and ("SLURM_PROCID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys())
+
+
+def _exit_now(code: int) -> None:
+    """End a finished rank without interpreter finalization: its run is closed, its files written and
+    its group destroyed, but threads of the communication libraries (gloo, DeepSpeed's) can still be
+    torn down in the wrong order at shutdown and abort the rank ("terminate called without an active
+    exception", seen on one rank of a 4-rank DeepSpeed ZeRO-1 run across two Slurm nodes), which
+    fails the whole step after a good run."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _record_stop_signals_early(argv: list[str] | None) -> None:
     """A rank of `repro train` under srun or torchrun records SIGTERM and SIGUSR1 from here on, before
     building the parser imports torch (about 2 s here; minutes from shared storage on hundreds of
     ranks): their default action would kill it, failing the job with no checkpoint and no requeue.
     The trainer adopts the recorded signal (repro.train.signals) and stops after its first step."""
-    import os
-
-    words = sys.argv[1:] if argv is None else argv
-    launched = "SLURM_PROCID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
-    if words[:1] == ["train"] and launched:
+    if _launched_train(argv):
         import signal
 
         from repro.train.signals import STOP_SIGNALS, PendingStop
@@ -73,10 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started_with_a_group = _has_process_group()
     try:
-        return _run_command(args)
+        code = _run_command(args)
     finally:
         if not started_with_a_group:
             _release_command_group()
+    if _launched_train(argv) and not started_with_a_group:
+        _exit_now(code)
+    return code
 
 
 def _run_command(args: argparse.Namespace) -> int:

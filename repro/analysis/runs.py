@@ -54,8 +54,8 @@ def resolve_uri(uri: str | None) -> str:
     uri = uri or default_tracking_uri()
     path = _sqlite_file(uri)
     if path is not None and not path.is_absolute() and str(path) not in ("", ":memory:"):
-        query = uri.partition("?")[1] + uri.partition("?")[2]
-        uri = f"sqlite:///{path.resolve()}{query}"
+        _, sep, query = uri.partition("?")
+        uri = f"sqlite:///{path.resolve()}{sep}{query}"
     return uri
 
 

@@ -84,12 +84,16 @@ def manifest_entry(rel_path: str, manifest: tuple[DataFile, ...] = MANIFEST) -> 
     raise DataError(f"{rel_path}: not a file this project knows; known files: {known}")
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in 1 MiB blocks."""
+def sha256_file(path: Path, progress: bool = False) -> str:
+    """The hex sha256 of a file, read in 1 MiB blocks (with a progress bar in bytes if asked)."""
+    from tqdm import tqdm
+
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open(path, "rb") as handle, tqdm(total=Path(path).stat().st_size, unit="B", unit_scale=True,
+                                          desc=Path(path).name, disable=not progress, leave=False) as bar:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
+            bar.update(len(block))
     return digest.hexdigest()
 
 

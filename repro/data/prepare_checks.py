@@ -36,6 +36,14 @@ def parse_split(split: str) -> tuple[float, float, float]:
     return weights
 
 
+def base_prefix(prefix: str | Path) -> str:
+    """prepare's --output-prefix, given it or one of its PREFIX_train/_valid/_test."""
+    base = str(prefix)
+    for name in SPLIT_NAMES:
+        base = base.removesuffix(f"_{name}")
+    return base
+
+
 def output_files(prefix: str) -> list[Path]:
     """Every file `prepare` writes for PREFIX."""
     return [Path(f"{prefix}_{n}{x}") for n in SPLIT_NAMES for x in (".bin", ".idx")] + [Path(f"{prefix}_prepare.json")]

@@ -23,6 +23,7 @@ import numpy as np
 from repro.data.errors import DataError
 from repro.data.gpt_dataset import samples_per_epoch
 from repro.data.indexed_dataset import IndexedDataset
+from repro.data.prepare_checks import base_prefix
 from repro.data.preprocess import SPLIT_NAMES
 
 PAPER_ITERS_PER_EPOCH = 68_507  # GPT-2 runs: global batch 512, seq 1024 (PAPER.md §3)
@@ -82,10 +83,7 @@ def gpt_epoch(tokens: int, seq_length: int, global_batch: int) -> tuple[int, int
 def prepare_report(prefix: str | Path) -> dict | None:
     """The PREFIX_prepare.json `repro data prepare` wrote beside the splits, if any (an unreadable
     one is skipped with a warning: the datasets themselves are what counts)."""
-    base = str(prefix)
-    for name in SPLIT_NAMES:
-        base = base.removesuffix(f"_{name}")
-    path = Path(f"{base}_prepare.json")
+    path = Path(f"{base_prefix(prefix)}_prepare.json")
     if not path.is_file():
         return None
     try:

@@ -10,45 +10,17 @@ copy can be checked once before a long run (a 40 GB corpus reads in a few minute
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from repro.data.errors import DataError
-from repro.data.prepare_checks import SPLIT_NAMES
-
-BLOCK = 8 << 20
-
-
-def split_files(prefix: str) -> list[Path]:
-    """The split files `prepare` writes for PREFIX (whether or not they exist)."""
-    return [Path(f"{prefix}_{name}{ext}") for name in SPLIT_NAMES for ext in (".bin", ".idx")]
-
-
-def sha256_with_progress(path: Path, progress: bool = False) -> str:
-    """The hex sha256 of a file, with a progress bar in bytes."""
-    from tqdm import tqdm
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=path.name,
-                                          disable=not progress, leave=False) as bar:
-        for block in iter(lambda: handle.read(BLOCK), b""):
-            digest.update(block)
-            bar.update(len(block))
-    return digest.hexdigest()
+from repro.data.fetch import sha256_file
+from repro.data.prepare_checks import base_prefix, output_files
 
 
 def digests(prefix: str, progress: bool = False) -> dict[str, str]:
     """sha256 of each existing split file of PREFIX, keyed by its name after the prefix (`_train.bin`)."""
-    return {str(path)[len(prefix):]: sha256_with_progress(path, progress)
-            for path in split_files(prefix) if path.exists()}
-
-
-def base_prefix(prefix: str | Path) -> str:
-    """prepare's --output-prefix, given it or one of its PREFIX_train/_valid/_test."""
-    base = str(prefix)
-    for name in SPLIT_NAMES:
-        base = base.removesuffix(f"_{name}")
-    return base
+    return {str(path)[len(prefix):]: sha256_file(path, progress)
+            for path in output_files(prefix) if path.suffix in (".bin", ".idx") and path.exists()}
 
 
 def verify(prefix: str | Path, progress: bool = False) -> list[tuple[str, str]]:
@@ -72,7 +44,7 @@ def verify(prefix: str | Path, progress: bool = False) -> list[tuple[str, str]]:
         if not path.exists():
             bad.append(f"{path}: missing")
             continue
-        got = sha256_with_progress(path, progress)
+        got = sha256_file(path, progress)
         if got != want:
             bad.append(f"{path}: sha256 {got[:16]}... but prepare wrote {want[:16]}...")
         results.append((str(path), "ok" if got == want else "DIFFERS"))

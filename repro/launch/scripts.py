@@ -83,8 +83,8 @@ PER_JOB = {"REPRO_RUN_NAME": "run dir", "REPRO_MASTER_PORT": "rendezvous port"}
 
 def cluster_settings(env_file: Path | None = None) -> dict[str, str]:
     """The environment as launch.sh sees it: os.environ plus slurm/cluster.env, sourced by bash with
-    `set -e` (not -u: `LD_LIBRARY_PATH=/x:$LD_LIBRARY_PATH` with it unset is a site's usual line); for REPRO_* variables the environment wins (one given at submit time keeps
-    its value), other lines apply as written (`PATH=/site/bin:$PATH`, NCCL_*). A file named
+    `set -e` (not -u: `LD_LIBRARY_PATH=/x:$LD_LIBRARY_PATH` with it unset is a site's usual line);
+    for REPRO_* variables the environment wins (one given at submit time keeps its value), other lines apply as written (`PATH=/site/bin:$PATH`, NCCL_*). A file named
     by REPRO_CLUSTER_ENV (or env_file) must exist; the default slurm/cluster.env may be absent
     (everything then comes from the environment). A per-job variable (PER_JOB) set by the file is a
     ClusterEnvError, as in launch.sh: every job would share it."""

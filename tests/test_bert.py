@@ -171,3 +171,38 @@ def test_fig7_ablation_trains_both_orders_through_the_trainer(bert_corpus, data_
     assert out.with_suffix(".png").stat().st_size > 10_000
     record = json.loads(out.with_suffix(".json").read_text())
     assert set(record["curves"]) == {"pre", "post"} and record["options"]["iters"] == 20
+
+
+def test_a_bert_without_pretraining_heads_points_to_encode_and_pooled():
+    """RACE builds BERT(pretraining_heads=False) and calls encode() and pooled(); calling the model itself
+    names those, where it used to fail with AttributeError 'lm_head'."""
+    from repro.models.bert_checks import TINY_BERT, random_bert_batch
+
+    model, batch = BERT(TINY_BERT, seed=1, pretraining_heads=False), random_bert_batch(TINY_BERT, 2)
+    inputs = (batch["tokens"], batch["token_types"], batch["padding_mask"])
+    with pytest.raises(RuntimeError, match=r"pretraining_heads=False.*encode\(.*pooled\("):
+        model(*inputs)
+    assert model.pooled(model.encode(*inputs)).shape == (2, TINY_BERT.hidden_size)
+
+
+def _to_hf_bert_in_a_world_of(order: str) -> str:
+    import torch.distributed as dist
+
+    from repro.models.bert_checks import TINY_BERT
+    from repro.models.bert_hf import to_hf_bert
+
+    model = BERT(BertConfig(**{**TINY_BERT.__dict__, "layernorm_order": order}), dist.group.WORLD)
+    try:
+        return type(to_hf_bert(model)).__name__
+    except ValueError as err:
+        return str(err)
+
+
+def test_to_hf_bert_takes_a_size_one_group_and_names_each_problem_apart():
+    """A post-order BERT built with a TP group of one rank is a serial model; a pre-order one and one split
+    over two ranks are refused, each message naming its own problem."""
+    assert run_ranks(_to_hf_bert_in_a_world_of, 1, "post") == ["BertForPreTraining"]
+    [pre] = run_ranks(_to_hf_bert_in_a_world_of, 1, "pre")
+    assert pre.startswith("layernorm_order='pre'") and "TP" not in pre
+    split = run_ranks(_to_hf_bert_in_a_world_of, 2, "post")[0]
+    assert "split over 2 TP ranks" in split and "layernorm_order" not in split

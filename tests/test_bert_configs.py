@@ -75,3 +75,17 @@ def test_fig7_configs_are_a_paper_bert_with_one_order(size, order):
     script, sets = _documented_sets(path)
     assert script == f"slurm/bert_{size}.sh" and (ROOT / script).is_file()
     assert asdict(load_config(EXPERIMENTS / f"bert_{size}.yaml", sets)) == asdict(cfg)
+
+
+def test_repro_train_refuses_a_gpt_config_with_the_bert_layernorm_order(tmp_path, capfd):
+    """Porting the Fig. 7 post-LN ablation to a GPT: `repro train` stops with one line naming the
+    setting (no traceback, nothing written), where the GPT used to train pre-LN under a 'post' label."""
+    from repro.cli import main
+
+    sets = {"model.layernorm_order": "post", "run_dir": tmp_path / "run", "tracking.enabled": "false",
+            "data.train_prefix": tmp_path / "absent", "data.valid_prefix": tmp_path / "absent"}
+    rc = main(["train", str(ROOT / "experiments/tiny/gpt_tiny.yaml"), *(a for k, v in sets.items()
+                                                                         for a in ("--set", f"{k}={v}"))])
+    err = capfd.readouterr().err
+    assert rc == 2 and "layernorm_order='post': BERT-only" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()

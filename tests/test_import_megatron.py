@@ -345,3 +345,53 @@ def test_half_precision_weights_import_as_float32(tmp_path):
         assert all(t.dtype == torch.float32 for t in state.values())
         ref = _hf_logits(rounded.float())
         assert (_logits(tmp_path / f"ck-{dtype}") - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def _zero_centered(model, norms):
+    """A copy of `model` whose layer-norm weights named by `norms(name)` hold gamma - 1, as Megatron-LM
+    stores them under --apply-layernorm-1p (it computes with weight + 1)."""
+    stored = type(model)(model.config).eval()
+    stored.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, p in stored.named_parameters():
+            if norms(name):
+                p.sub_(1.0)
+    return stored
+
+
+@pytest.mark.parametrize("names, switch", [(LEGACY, "apply_layernorm_1p"), (CORE, "layernorm_zero_centered_gamma"),
+                                           (TE, "apply_layernorm_1p")], ids=["legacy", "core", "te"])
+def test_zero_centered_layer_norms_import_with_their_one_added(hf, tmp_path, names, switch):
+    """Under --apply-layernorm-1p (megatron-core: layernorm_zero_centered_gamma) each layer norm stores
+    gamma - 1; read as gamma it was another model (logits 0.9 off relatively). The import adds the 1 back."""
+    stored = _zero_centered(hf, lambda name: name.endswith("weight") and (".ln_" in name or "ln_f" in name))
+    write_megatron(tmp_path / "m", stored, names=names, tp=2, **{switch: True})
+    rs.import_megatron(tmp_path / "m", tmp_path / "ck")
+    ref = _hf_logits(hf)
+    assert (_logits(tmp_path / "ck") - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_megatron_core_ignores_openai_gelu_and_legacy_models_honour_it(tmp_path):
+    """--openai-gelu without the bias-GeLU fusion: the legacy models ran tanh, megatron-core's MLP (its
+    config.activation_func) erf; each import gives that model's logits."""
+    erf, tanh = _hf_model(activation_function="gelu"), _hf_model()
+    for names, model, form in ((CORE, erf, "erf"), (LEGACY, tanh, "tanh")):
+        out = tmp_path / form
+        write_megatron(out / "m", model, names=names, openai_gelu=True, bias_gelu_fusion=False)
+        rs.import_megatron(out / "m", out / "ck")
+        assert ck.read_meta(out / "ck")["model"]["gelu"] == form
+        ref = _hf_logits(model)
+        assert (_logits(out / "ck") - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_gelu_forms_follow_each_generations_rules():
+    """(MLP, BERT LM head): legacy honours --openai-gelu in both; megatron-core's MLP is tanh only with
+    the fusion, its BertLMHead always F.gelu (erf)."""
+    from repro.models.megatron import gelu_forms
+
+    cases = {(True, True): (("tanh", "tanh"), ("tanh", "erf")), (True, False): (("tanh", "tanh"), ("erf", "erf")),
+             (False, True): (("tanh", "erf"), ("tanh", "erf")), (False, False): (("erf", "erf"), ("erf", "erf"))}
+    for (openai, fused), (legacy, core) in cases.items():
+        args = argparse.Namespace(openai_gelu=openai, bias_gelu_fusion=fused)
+        assert (gelu_forms(args), gelu_forms(args, core=True)) == (legacy, core), (openai, fused)
+    assert gelu_forms(None) == ("tanh", "tanh") and gelu_forms(None, "erf", core=True) == ("erf", "erf")

@@ -46,8 +46,9 @@ def _hf_bert(hidden_act: str, vocab: int = VOCAB):
     return model
 
 
-def _megatron_bert_state(hf, *, version, tp, pp, rank, stage) -> dict:
-    """TP rank `rank`, pipeline stage `stage` of a legacy Megatron-LM BERT (nested as Megatron saves it)."""
+def _megatron_bert_state(hf, *, version, tp, pp, rank, stage, binary_head=True) -> dict:
+    """TP rank `rank`, pipeline stage `stage` of a legacy Megatron-LM BERT (nested as Megatron saves it);
+    without `binary_head` as --bert-no-binary-head saves it: no binary head, pooler or token types."""
     sd, cfg = hf.state_dict(), hf.config
     per_stage, heads = cfg.num_hidden_layers // pp, cfg.num_attention_heads
     rows = -(-cfg.vocab_size // (128 * tp)) * 128 * tp
@@ -82,18 +83,23 @@ def _megatron_bert_state(hf, *, version, tp, pp, rank, stage) -> dict:
                             **{f"layernorm.{k}": sd[f"cls.predictions.transform.LayerNorm.{k}"] for k in
                                ("weight", "bias")}}
         model["binary_head"] = {k: sd[f"cls.seq_relationship.{k}"] for k in ("weight", "bias")}
+        if not binary_head:
+            del model["binary_head"], lm["pooler"]
         if pp > 1:
             model["word_embeddings_for_head"] = {"weight": words.clone()}
+    if not binary_head and stage == 0:
+        del lm["embedding"]["tokentype_embeddings"]
     model["language_model"] = lm
     return model
 
 
-def write_megatron_bert(root: Path, hf, *, version=2.0, tp=1, pp=1, args=True, **arg_overrides) -> Path:
+def write_megatron_bert(root: Path, hf, *, version=2.0, tp=1, pp=1, args=True, binary_head=True,
+                        **arg_overrides) -> Path:
     folder = root / "release"
     for rank in range(tp):
         for stage in range(pp):
             saved = {"iteration": 2000, "model": _megatron_bert_state(hf, version=version, tp=tp, pp=pp, rank=rank,
-                                                                      stage=stage)}
+                                                                      stage=stage, binary_head=binary_head)}
             if version:
                 saved["checkpoint_version"] = version
             if args:
@@ -209,3 +215,39 @@ def test_finetune_race_starts_from_an_imported_megatron_bert(tmp_path):
     assert row["race_total"] == results["median"]["test"]["total"] and row["mlm_valid_ppl"] is None
     shown = bert_table.display(table)
     assert (shown[shown["model"] == row["model"]]["measured MLM val ppl"] == "pretrained elsewhere").all()
+
+
+def test_a_bert_trained_without_its_binary_head_imports_with_fresh_heads(tmp_path):
+    """--bert-no-binary-head saves no binary head, pooler or token-type embeddings: the import warns, naming
+    the flag, adds zero token types (Megatron's masked-LM logits unchanged) and a fresh pooler and SOP head
+    (which RACE fine-tuning trains). A file whose arguments say it has the head is refused instead."""
+    hf = _hf_bert("gelu")
+    with torch.no_grad():  # the model Megatron ran: no token types
+        hf.bert.embeddings.token_type_embeddings.weight.zero_()
+    write_megatron_bert(tmp_path / "m", hf, tp=2, pp=2, binary_head=False, bert_binary_head=False)
+    with pytest.warns(UserWarning, match="--bert-no-binary-head.*pooler.weight.*sop_head.weight"):
+        rs.import_megatron(tmp_path / "m", tmp_path / "ck", tp=2)
+    cfg, ours, theirs = _ours_and_hf(tmp_path / "ck", hf)
+    assert cfg.num_tokentypes == 2 and ours.sop_logits.shape == (2, 2)
+    assert _close(ours.mlm_logits[..., :VOCAB], theirs.prediction_logits)
+    write_megatron_bert(tmp_path / "damaged", hf, binary_head=False, bert_binary_head=True)
+    proc = _cli("checkpoint", "import-megatron", str(tmp_path / "damaged"), "--out", str(tmp_path / "c"))
+    assert proc.returncode == 2 and "bert_binary_head=True but no rank file holds binary_head" in proc.stderr, \
+        proc.stderr
+
+
+def test_zero_centered_layer_norms_of_a_legacy_bert_import_with_their_one_added(tmp_path):
+    """--apply-layernorm-1p stores gamma - 1 in the encoder's layer norms; the legacy LM head's
+    `layernorm` was a plain LayerNorm (the switch never reached it) and keeps its gamma."""
+    hf = _hf_bert("gelu")
+    stored = type(hf)(hf.config).eval()
+    stored.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for name, p in stored.named_parameters():
+            if name.startswith("bert.encoder.") and name.endswith("ln.weight"):
+                p.sub_(1.0)
+    write_megatron_bert(tmp_path / "m", stored, tp=2, apply_layernorm_1p=True)
+    rs.import_megatron(tmp_path / "m", tmp_path / "ck")
+    _, ours, theirs = _ours_and_hf(tmp_path / "ck", hf)
+    assert _close(ours.mlm_logits[..., :VOCAB], theirs.prediction_logits)
+    assert _close(ours.sop_logits, theirs.seq_relationship_logits)

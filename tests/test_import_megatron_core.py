@@ -249,4 +249,15 @@ def test_export_megatron_saves_the_switches_that_compute_the_models_gelu(gelu):
 
     args = model_arguments(ModelConfig(vocab_size=VOCAB, gelu=gelu), 2)
     assert args.bias_gelu_fusion == args.bias_activation_fusion == (gelu == "tanh")
-    assert gelu_forms(args)[0] == gelu
+    assert gelu_forms(args, core=True)[0] == gelu
+
+
+def test_export_megatron_saves_whole_layer_norm_gammas():
+    """Our layer norms hold gamma itself: the export says so, so that neither Megatron-LM nor our import
+    adds a 1 to them (--apply-layernorm-1p, megatron-core's layernorm_zero_centered_gamma)."""
+    from repro.models.config import ModelConfig
+    from repro.models.megatron import zero_centered
+    from repro.models.megatron_export import model_arguments
+
+    args = model_arguments(ModelConfig(vocab_size=VOCAB), 1)
+    assert args.apply_layernorm_1p is False and not zero_centered(args)

@@ -325,3 +325,74 @@ def test_per_layer_compile_replays_dropout_under_checkpointing():
     assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
     eager, per_layer = grads(checks.TINY, False), grads(replace(checks.TINY, activation_checkpointing=True), True)
     assert max((a - b).abs().max().item() / (a.abs().max().item() + 1e-12) for a, b in zip(eager, per_layer)) < 1e-5
+
+
+@pytest.mark.parametrize("setting", [{"layernorm_order": "post"}, {"num_tokentypes": 2}, {"lm_head_gelu": "erf"}])
+def test_a_gpt_refuses_bert_only_settings_by_name(setting):
+    """A GPT is pre-LN, without token types or an MLM head: these used to be ignored silently (a 'post'
+    GPT trained pre-LN curves labelled post)."""
+    from repro.models.gpt import GPT
+
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ConfigError, match=f"{name}={value!r}: BERT-only .* or train family: bert"):
+        GPT(ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=100, seq_length=8, **setting))
+
+
+def test_an_unknown_layernorm_order_is_refused_for_every_family():
+    with pytest.raises(ConfigError, match="layernorm_order='bogus' is not one of"):
+        ModelConfig(layernorm_order="bogus").validate()
+
+
+def test_gpt_and_bert_refuse_inputs_they_have_no_positions_for_alike():
+    from repro.models.bert import BERT
+    from repro.models.bert_checks import TINY_BERT
+    from repro.models.gpt import GPT
+
+    gpt, bert = GPT(checks.TINY, seed=1), BERT(TINY_BERT, seed=1)
+    long = torch.zeros(1, checks.TINY.seq_length + 1, dtype=torch.long)
+    for run in (lambda: gpt(long), lambda: bert.encode(long, long, torch.ones_like(long))):
+        with pytest.raises(ValueError, match=r"sequence length 17 exceeds the model's seq_length 16: truncate"):
+            run()
+    with pytest.raises(ValueError, match=r"token ids of shape \(5,\): .* batch"):
+        gpt(torch.zeros(5, dtype=torch.long))
+
+
+def test_strided_column_split_names_tp_times_stride():
+    from repro.parallel.layers import ColumnParallelLinear
+
+    with pytest.raises(ValueError, match=r"out_features=10 must be divisible by tp\*stride = 1\*3"):
+        ColumnParallelLinear(8, 10, stride=3)
+
+
+def _reduce_results() -> dict:
+    import torch.distributed as dist
+
+    from repro.parallel.mappings import reduce_from_tensor_parallel_region
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    x = torch.full((3,), float(rank + 1))
+    y = reduce_from_tensor_parallel_region(x, group)
+    leaf = torch.full((3,), float(rank + 1), requires_grad=True)
+    try:
+        reduce_from_tensor_parallel_region(leaf, group).mul(2).sum().backward()
+    except RuntimeError as err:
+        return {"x": x.tolist(), "y": y.tolist(), "leaf": str(err).splitlines()[0]}
+    return {"x": x.tolist(), "y": y.tolist(), "leaf_grad": leaf.grad.tolist()}
+
+
+def _in_place_reduce() -> bool:
+    import torch.distributed as dist
+
+    from repro.parallel.mappings import reduce_from_tensor_parallel_region_
+
+    fresh = torch.full((3,), float(dist.get_rank() + 1))
+    return reduce_from_tensor_parallel_region_(fresh, dist.group.WORLD).data_ptr() == fresh.data_ptr() and \
+        fresh.tolist() == [3.0] * 3
+
+
+def test_public_g_leaves_its_input_while_the_layers_reduce_in_place():
+    """TP=2: reduce_from_tensor_parallel_region sums into a new tensor (it used to overwrite the caller's,
+    and a leaf that requires grad raised); the layers' hot path keeps Megatron's in-place sum."""
+    for rank, got in enumerate(run_ranks(_reduce_results, 2)):
+        assert got == {"x": [rank + 1.0] * 3, "y": [3.0] * 3, "leaf_grad": [2.0] * 3}, got
+    assert run_ranks(_in_place_reduce, 2) == [True, True]

@@ -30,13 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from repro.models.config import GELU_FORMS, ConfigError, ModelConfig
-from repro.models.gpt import ParallelAttention, ParallelMLP
+from repro.models.gpt import ParallelAttention, ParallelMLP, check_seq_length, real_vocab_columns
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.layers import VocabParallelEmbedding, mark_tensor_parallel, normal_init
-from repro.parallel.mappings import copy_to_tensor_parallel_region, group_rank, group_size
+from repro.parallel.mappings import copy_to_tensor_parallel_region, group_size
 from repro.parallel.random import RNGTracker, checkpoint
 
-LAYERNORM_ORDERS = ("pre", "post")
 IGNORE_INDEX = -100  # mlm_labels value of positions that are not predicted (as the data pipeline)
 
 
@@ -53,11 +52,8 @@ class BertConfig(ModelConfig):
     """"pre": the paper's rearranged order (LN on the sublayer input); "post": original BERT."""
 
     def validate(self, tp: int = 1) -> None:
-        """ModelConfig's checks plus the layer-norm order and token types."""
+        """ModelConfig's checks (the layer-norm order among them) plus the token types."""
         super().validate(tp)
-        if self.layernorm_order not in LAYERNORM_ORDERS:
-            raise ConfigError(f"layernorm_order={self.layernorm_order!r} is not one of "
-                              f"{LAYERNORM_ORDERS}: use 'pre' (the paper's) or 'post' (original BERT)")
         if self.num_tokentypes < 2:  # every BERT input here (SOP pairs, RACE) has token types 0 and 1
             raise ConfigError(f"num_tokentypes={self.num_tokentypes}: BERT's inputs have two segments, token "
                               "types 0 and 1; set model.num_tokentypes=2")
@@ -181,15 +177,12 @@ class BERT(nn.Module):
         if pretraining_heads:
             self.lm_head = MaskedLMHead(cfg, self.padded_vocab, tp_group, generator, device)
             self.sop_head = _linear(cfg.hidden_size, 2, cfg, generator, device)
-        per_rank = self.padded_vocab // tp
-        self.num_real_local = max(0, min(per_rank, cfg.vocab_size - group_rank(tp_group) * per_rank))
+        self.num_real_local = real_vocab_columns(cfg, tp_group)
 
     def encode(self, tokens: torch.Tensor, token_types: torch.Tensor,
                padding_mask: torch.Tensor) -> torch.Tensor:
         """Final hidden states (b, s, h), replicated on every TP rank."""
-        if tokens.shape[1] > self.cfg.seq_length:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's seq_length "
-                             f"{self.cfg.seq_length}: truncate the input or raise seq_length")
+        check_seq_length(tokens, self.cfg)
         attn_mask = padding_mask.bool()[:, None, None, :]  # (b, 1, 1, s): True = attend to key
         x = self.embeddings(tokens, token_types)
         for layer in self.layers:
@@ -204,6 +197,10 @@ class BERT(nn.Module):
         return torch.tanh(self.pooler(hidden[:, 0]))
 
     def forward(self, tokens, token_types, padding_mask) -> BertOutput:
+        if not hasattr(self, "lm_head"):
+            raise RuntimeError("this BERT was built with pretraining_heads=False (as RACE fine-tuning builds it): it "
+                               "has no masked-LM or SOP head to run; call encode(tokens, token_types, padding_mask) "
+                               "for the hidden states and pooled(hidden) for the pooled [CLS]")
         hidden = self.encode(tokens, token_types, padding_mask)
         logits = self.lm_head(hidden, self.embeddings.word.weight)
         if self.num_real_local < logits.shape[-1]:  # padded vocab rows: never predicted

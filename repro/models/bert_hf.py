@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from repro.models.bert import BERT, BertConfig
+from repro.parallel.mappings import group_size
 
 _LAYER_MAP = {
     "attn.c_proj": "attention.output.dense",
@@ -98,9 +99,12 @@ def to_hf_bert(model: BERT) -> torch.nn.Module:
     """A BertForPreTraining holding the same weights as a serial, post-order BERT (eager attention)."""
     from transformers import BertForPreTraining
 
-    if model.cfg.layernorm_order != "post" or model.tp_group is not None:
-        raise ValueError("only a tp=1 BERT in the original ('post') layer-norm order maps onto "
-                         "BertForPreTraining; build it with layernorm_order='post'")
+    if model.cfg.layernorm_order != "post":
+        raise ValueError(f"layernorm_order={model.cfg.layernorm_order!r}: only the original ('post') layer-norm "
+                         "order maps onto BertForPreTraining; build the BERT with layernorm_order='post'")
+    if group_size(model.tp_group) > 1:
+        raise ValueError(f"a BERT split over {group_size(model.tp_group)} TP ranks: BertForPreTraining takes the "
+                         "whole model; build it at tp=1 (or gather a tp=1 state dict first)")
     hf = BertForPreTraining(hf_bert_config(model.cfg))
     hf.config._attn_implementation = "eager"
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)

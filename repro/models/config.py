@@ -13,6 +13,9 @@ class ConfigError(ValueError):
 
 GELU_FORMS = {"tanh": "tanh", "erf": "none"}
 """GeLU form -> torch.nn.functional.gelu's `approximate` argument."""
+LAYERNORM_ORDERS = ("pre", "post")
+GPT_ONLY_VALUES = {"layernorm_order": "pre", "num_tokentypes": 0, "lm_head_gelu": "tanh"}
+"""BERT-only settings -> the one value a GPT implements (pre-LN, no token types, no masked-LM head)."""
 
 
 def check_gelu(name: str, value: str) -> None:
@@ -55,8 +58,8 @@ class ModelConfig:
     layernorm_order: str = "pre"
     """BERT only: "pre" (the paper's rearranged order, GPT-2 style) or "post" (original BERT)."""
     lm_head_gelu: str = "tanh"
-    """BERT only: the masked-LM head's GeLU, "tanh" or "erf" (Megatron-LM computes erf there unless
-    --openai-gelu, even where its fused MLP computes tanh; an imported BERT keeps its own)."""
+    """BERT only: the masked-LM head's GeLU, "tanh" or "erf" (Megatron-LM computes erf there, even where
+    its fused MLP computes tanh, unless a legacy model's --openai-gelu; an imported BERT keeps its own)."""
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError for a layout these sizes cannot be split into."""
@@ -80,9 +83,23 @@ class ModelConfig:
             )
         check_gelu("gelu", self.gelu)
         check_gelu("lm_head_gelu", self.lm_head_gelu)
+        if self.layernorm_order not in LAYERNORM_ORDERS:
+            raise ConfigError(f"layernorm_order={self.layernorm_order!r} is not one of "
+                              f"{LAYERNORM_ORDERS}: use 'pre' (the paper's) or 'post' (original BERT)")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+    def validate_gpt(self, tp: int = 1) -> None:
+        """validate(tp), and a ConfigError naming each BERT-only setting a GPT would silently ignore."""
+        self.validate(tp)
+        ignored = [f"{name}={getattr(self, name)!r}" for name, value in GPT_ONLY_VALUES.items()
+                   if getattr(self, name) != value]
+        if ignored:
+            defaults = ", ".join(f"{name}={value!r}" for name, value in GPT_ONLY_VALUES.items())
+            raise ConfigError(f"{', '.join(ignored)}: BERT-only model settings that a GPT does not implement "
+                              f"(it is pre-LN, without token types or a masked-LM head): drop them from the GPT's "
+                              f"config (a GPT runs with {defaults}), or train family: bert")
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """The embedding's row count: vocab_size padded so that it splits evenly across tp."""

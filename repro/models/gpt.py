@@ -107,7 +107,7 @@ class GPT(nn.Module):
                  seed: int = 1234, device=None):
         super().__init__()
         tp = group_size(tp_group)
-        cfg.validate(tp)
+        cfg.validate_gpt(tp)
         self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
         self.padded_vocab = cfg.padded_vocab_size(tp)
         generator = torch.Generator().manual_seed(seed)  # shared by all ranks: master-weight init
@@ -124,15 +124,12 @@ class GPT(nn.Module):
         if not self.transformer.wpe.weight.is_meta:
             with torch.no_grad():
                 self.transformer.wpe.weight.copy_(_drawn((cfg.seq_length, cfg.hidden_size), init, generator))
-        per_rank = self.padded_vocab // tp
-        self.num_real_local = max(0, min(per_rank, cfg.vocab_size - group_rank(tp_group) * per_rank))
+        self.num_real_local = real_vocab_columns(cfg, tp_group)
 
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
         """Final-layer-norm output (b, s, h), replicated on every TP rank."""
-        b, s = ids.shape
-        if s > self.cfg.seq_length:
-            raise ValueError(f"sequence length {s} exceeds the model's seq_length {self.cfg.seq_length}")
-        pos = torch.arange(s, device=ids.device)
+        check_seq_length(ids, self.cfg)
+        pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(pos))  # (b, s, h)
         for block in self.transformer.h:
             if self.cfg.activation_checkpointing and self.training:
@@ -164,6 +161,22 @@ class GPT(nn.Module):
     def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy (b, s), computed in float32 without gathering logits."""
         return self(ids, labels)
+
+
+def real_vocab_columns(cfg: ModelConfig, tp_group) -> int:
+    """How many of this TP rank's vocabulary rows (columns of its logits) are real tokens, not padding."""
+    per_rank = cfg.padded_vocab_size(group_size(tp_group)) // group_size(tp_group)
+    return max(0, min(per_rank, cfg.vocab_size - group_rank(tp_group) * per_rank))
+
+
+def check_seq_length(tokens: torch.Tensor, cfg: ModelConfig) -> None:
+    """ValueError unless the inputs are (b, s) with s within the model's learned positions."""
+    if tokens.dim() != 2:
+        raise ValueError(f"token ids of shape {tuple(tokens.shape)}: the model takes a batch (b, s); add a "
+                         "batch dimension with ids.unsqueeze(0)")
+    if tokens.shape[1] > cfg.seq_length:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's seq_length {cfg.seq_length}: "
+                         "truncate the input or raise seq_length")
 
 
 def _drawn(shape, init, generator) -> torch.Tensor:

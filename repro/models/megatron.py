@@ -10,12 +10,15 @@ from 0, offset here by the stages before it). Both model generations' names are 
 `checkpoint_version`: 0 (2019) as [3, np, hn] (our order), 1.0 as [np, hn, 3], 2.0 and 3.0 as
 [np, 3, hn] (np: that rank's heads, hn: the head size). The weights are the model's own (fp16/bf16
 when trained so), as Megatron evaluates them; optimizer state is not read. The GeLU forms (tanh or
-erf) follow the saved arguments. Architectures our models lack are refused by name.
+erf) follow the saved arguments and the model generation (`gelu_forms`); zero-centred layer norms
+(--apply-layernorm-1p) get their 1 back; a BERT trained with --bert-no-binary-head gets a fresh pooler
+and SOP head, with a warning. Architectures our models lack are refused by name.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,18 +117,47 @@ def architecture_problems(args) -> list[str]:
     return problems
 
 
-def gelu_forms(args, override: str | None = None) -> tuple[str, str]:
-    """(the MLP's, BERT's masked-LM head's) GeLU form as Megatron-LM computed them: its fused bias-GeLU
-    and --openai-gelu compute the tanh form, plain F.gelu the erf form (the LM head never fuses). Without
-    saved arguments, or without these switches in them, tanh (2019's code used OpenAI's GeLU)."""
+def gelu_forms(args, override: str | None = None, core: bool = False) -> tuple[str, str]:
+    """(the MLP's, BERT's masked-LM head's) GeLU form as Megatron-LM computed them. Its fused bias-GeLU
+    computes the tanh form, plain F.gelu the erf form. Legacy models (`core` False): --openai-gelu is
+    tanh too, and the LM head never fuses; without saved arguments, or without these switches in them,
+    tanh (2019's code used OpenAI's GeLU). megatron-core ignores --openai-gelu: its MLP is tanh with
+    the fusion (Megatron-LM's default) and erf without, its BertLMHead always F.gelu (erf)."""
     if override:
         return override, override
     openai = getattr(args, "openai_gelu", None)
     fused = [getattr(args, s) for s in ("bias_gelu_fusion", "bias_activation_fusion")
              if getattr(args, s, None) is not None]
+    if core:
+        return ("tanh" if any(fused) or not fused else "erf"), "erf"
     if openai is None and not fused:
         return "tanh", "tanh"
     return ("tanh" if openai or any(fused) else "erf"), ("tanh" if openai else "erf")
+
+
+def is_core(state: dict) -> bool:
+    """Whether a rank file's model state has megatron-core's names (`decoder.`/`encoder.` layers, where
+    the legacy models nest theirs under `language_model.`)."""
+    return any(name.startswith(("decoder.", "encoder.")) for name in state)
+
+
+ZERO_CENTERED = ("apply_layernorm_1p", "layernorm_zero_centered_gamma")
+"""Saved switches under which each layer norm stores gamma - 1 (and computes with weight + 1)."""
+_NORM_WEIGHT = re.compile(r"(?:^|\.)(?:ln_1|ln_2|ln_f)\.weight$")
+
+
+def zero_centered(args) -> bool:
+    """Whether the run's layer norms were zero-centred (--apply-layernorm-1p, layernorm_zero_centered_gamma)."""
+    return any(getattr(args, name, False) is True for name in ZERO_CENTERED)
+
+
+def add_one_to_layer_norms(state: dict, core: bool) -> None:
+    """Our gamma (= Megatron's stored gamma - 1, plus 1, in the stored dtype as Megatron adds it) for
+    every zero-centred layer norm of one TP rank's state. BERT's LM-head norm is one in megatron-core
+    only: the legacy head's `layernorm` is a plain LayerNorm that the switch never reached."""
+    for name in list(state):
+        if _NORM_WEIGHT.search(name) or (core and name == "lm_head.ln.weight"):
+            state[name] = state[name] + 1
 
 
 def _arg(args, *names: str, default=None):
@@ -165,8 +197,10 @@ class ImportOptions:
     make_vocab_size_divisible_by: int = 1024  # our padding unit (Megatron's padded rows are dropped)
 
 
-def model_config(family: Family, args, state: dict, num_layers: int, tp: int, opts: ImportOptions) -> ModelConfig:
-    """Our config from TP rank 0's (stage-merged) state and the saved arguments, if any."""
+def model_config(family: Family, args, state: dict, num_layers: int, tp: int, opts: ImportOptions,
+                 core: bool = False) -> ModelConfig:
+    """Our config from TP rank 0's (stage-merged) state and the saved arguments, if any (`core`: the
+    file has megatron-core's names)."""
     saved_heads = _arg(args, "num_attention_heads")
     heads = opts.num_attention_heads or saved_heads
     if heads is None:
@@ -180,7 +214,7 @@ def model_config(family: Family, args, state: dict, num_layers: int, tp: int, op
             raise MegatronFormatError(f"the checkpoint has no {what} embeddings, which our models need "
                                       "(rotary or ALiBi position encodings are not implemented)")
     words, positions = state[family.word_embedding], state[family.position_embedding]
-    mlp_gelu, head_gelu = gelu_forms(args, opts.gelu)
+    mlp_gelu, head_gelu = gelu_forms(args, opts.gelu, core)
     cfg = ModelConfig(num_layers=num_layers, hidden_size=words.shape[1], num_attention_heads=heads,
                       seq_length=positions.shape[0],
                       vocab_size=_vocab_size(family, args, words.shape[0] * tp, tp, opts.vocab_size),
@@ -236,6 +270,40 @@ def qkv_to_ours(tensor: torch.Tensor, version: float, heads: int) -> torch.Tenso
     return tensor.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(tensor.shape)
 
 
+BINARY_HEAD_PARTS = ("embeddings.tokentype.weight", "pooler.weight", "pooler.bias", "sop_head.weight", "sop_head.bias")
+"""What Megatron-LM builds only with BERT's binary head: --bert-no-binary-head leaves them all out."""
+
+
+def add_fresh_binary_head(state: dict, std: float) -> list[str]:
+    """Add to one TP rank's state the binary-head parts it lacks: zero token-type embeddings for our two
+    segments (adding zeros leaves the model's function as Megatron ran it), and a pooler and SOP head
+    drawn as Megatron initialises them (N(0, std) weights, zero biases; the same on every rank).
+    Returns the names added."""
+    h, generator = state[BERT.word_embedding].shape[1], torch.Generator().manual_seed(1234)
+    fresh = {"embeddings.tokentype.weight": torch.zeros(2, h)}
+    for name, rows in (("pooler", h), ("sop_head", 2)):
+        fresh |= {f"{name}.weight": torch.randn(rows, h, generator=generator) * std, f"{name}.bias": torch.zeros(rows)}
+    added = [name for name in BINARY_HEAD_PARTS if name not in state]
+    state |= {name: fresh[name] for name in added}
+    return added
+
+
+def complete_binary_head(path, family: Family, args, shards: list[dict]) -> None:
+    """Fresh binary-head parts, with a warning, for a BERT saved without its binary (sentence-order) head
+    as --bert-no-binary-head trains it; a MegatronFormatError if its arguments say it has one."""
+    if family is not BERT or BERT.word_embedding not in shards[0] or any("sop_head.weight" in s for s in shards):
+        return
+    if getattr(args, "bert_binary_head", None) is True:
+        raise MegatronFormatError(f"{path}: the saved arguments say bert_binary_head=True but no rank file holds "
+                                  "binary_head: an incomplete checkpoint (give every pipeline stage's files)")
+    added = [add_fresh_binary_head(state, _arg(args, "init_method_std", default=0.02)) for state in shards][0]
+    zeros = " (token types as zeros: the masked-LM logits are Megatron's)" if added[0].startswith("embeddings.") else ""
+    warnings.warn(f"{path}: no binary (sentence-order) head, as --bert-no-binary-head (bert_binary_head=False) "
+                  f"trains a BERT: imported with {', '.join(added)} freshly initialised{zeros}. Fine-tuning "
+                  "(`repro finetune race`) trains the pooler; the SOP logits mean nothing until trained",
+                  stacklevel=3)
+
+
 @dataclass
 class MegatronModel:
     """A Megatron-LM checkpoint read into our names: the family, the config and each TP rank's state in
@@ -261,7 +329,23 @@ def read_megatron(path: str | Path, opts: ImportOptions | None = None) -> Megatr
     if saved != (found.tp, found.pp):
         raise MegatronFormatError(f"{path}: the run was TP={saved[0]} x PP={saved[1]} but {found.tp * found.pp} rank "
                                   f"file(s) were found: give the whole checkpoint directory")
-    shards, layers, family = [], None, None
+    family, core, shards, layers = _read_shards(path, found, first)
+    complete_binary_head(path, family, args, shards)
+    cfg = model_config(family, args, shards[0], layers, found.tp, opts, core)
+    _check_shapes(family, cfg, shards, found.tp)
+    for state in shards:
+        for name in [n for n in state if ".attn.c_attn." in n]:
+            state[name] = qkv_to_ours(state[name], version, cfg.num_attention_heads // found.tp)
+        if zero_centered(args):
+            add_one_to_layer_norms(state, core)
+    provenance = {"megatron_checkpoint_version": version, "megatron_iteration": first.get("iteration", found.iteration),
+                  "megatron_tp": found.tp, "megatron_pp": found.pp}
+    return MegatronModel(family.name, cfg, shards, provenance)
+
+
+def _read_shards(path, found, first: dict) -> tuple[Family, bool, list[dict], int]:
+    """(family, whether megatron-core names, each TP rank's stage-merged state in our names, layer count)."""
+    shards, layers, family, core = [], None, None, False
     progress = tqdm(total=found.tp * found.pp, desc="read rank files", unit="file", disable=found.tp * found.pp < 2)
     for t in range(found.tp):
         stages = []
@@ -269,7 +353,8 @@ def read_megatron(path: str | Path, opts: ImportOptions | None = None) -> Megatr
             stages.append(model_state(first if (t, p) == (0, 0) else load_rank_file(found.files[t, p]),
                                       found.files[t, p]))
             progress.update()
-        family = family or family_of({k: v for s in stages for k, v in s.items()})
+        if family is None:
+            family, core = family_of({k: v for s in stages for k, v in s.items()}), any(map(is_core, stages))
         state, head, count = rename_stages(family, stages, str(found.files[t, 0].parent))
         if layers is not None and count != layers:
             raise MegatronFormatError(f"{path}: TP rank {t} holds {count} layers, rank 0 {layers}: a damaged checkpoint")
@@ -279,14 +364,7 @@ def read_megatron(path: str | Path, opts: ImportOptions | None = None) -> Megatr
                                       "are tied, as GPT-2's, BERT's and Megatron-LM's default are")
         shards.append(state)
     progress.close()
-    cfg = model_config(family, args, shards[0], layers, found.tp, opts)
-    _check_shapes(family, cfg, shards, found.tp)
-    for state in shards:
-        for name in [n for n in state if ".attn.c_attn." in n]:
-            state[name] = qkv_to_ours(state[name], version, cfg.num_attention_heads // found.tp)
-    provenance = {"megatron_checkpoint_version": version, "megatron_iteration": first.get("iteration", found.iteration),
-                  "megatron_tp": found.tp, "megatron_pp": found.pp}
-    return MegatronModel(family.name, cfg, shards, provenance)
+    return family, core, shards, layers
 
 
 def _check_shapes(family: Family, cfg: ModelConfig, shards: list[dict], tp: int) -> None:

@@ -77,7 +77,8 @@ def model_arguments(cfg: ModelConfig, tp: int) -> argparse.Namespace:
         group_query_attention=False, max_position_embeddings=cfg.seq_length, seq_length=cfg.seq_length,
         position_embedding_type="learned_absolute", add_position_embedding=True, add_bias_linear=True,
         swiglu=False, untie_embeddings_and_output_weights=False, normalization="LayerNorm",
-        apply_residual_connection_post_layernorm=False, layernorm_epsilon=cfg.layernorm_epsilon,
+        apply_residual_connection_post_layernorm=False, apply_layernorm_1p=False,  # our gammas are stored whole
+        layernorm_epsilon=cfg.layernorm_epsilon,
         norm_epsilon=cfg.layernorm_epsilon, **_gelu_arguments(cfg.gelu),
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, tokenizer_type="GPT2BPETokenizer", make_vocab_size_divisible_by=128,

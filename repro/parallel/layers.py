@@ -22,7 +22,7 @@ from repro.parallel.mappings import (
     gather_from_tensor_parallel_region,
     group_rank,
     group_size,
-    reduce_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region_,
     scatter_to_tensor_parallel_region,
 )
 
@@ -143,7 +143,10 @@ class ColumnParallelLinear(nn.Module):
                              "order): keep the output parallel (gather_output=False)")
         self.tp_group, self.gather_output = tp_group, gather_output
         tp = group_size(tp_group)
-        self.out_per_rank = _divide(out_features, tp * stride, "out_features / stride") * stride
+        if out_features % (tp * stride):
+            raise ValueError(f"out_features={out_features} must be divisible by tp*stride = {tp}*{stride}: each TP "
+                             f"rank takes an equal slice of each of the {stride} strided parts (e.g. q, k, v)")
+        self.out_per_rank = out_features // tp
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=0, stride=stride)
         _init_sharded(self.weight, (out_features, in_features), 0, tp_group, stride, init, generator)
@@ -177,7 +180,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
+        y = reduce_from_tensor_parallel_region_(F.linear(x, self.weight), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -216,7 +219,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(rows, self.tp_group)
+        return reduce_from_tensor_parallel_region_(rows, self.tp_group)
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -1,7 +1,8 @@
 """The paper's conjugate operators f and g (Fig. 3), and scatter/gather along the last dimension.
 
-Each is a private autograd Function with a public wrapper. With `group=None` (or a group of
-one rank) every wrapper is the identity, so TP=1 is the serial model with no communication.
+Each is a private autograd Function with a public wrapper (g has two: one leaving its input as it
+was, and the layers' in-place `reduce_from_tensor_parallel_region_`). With `group=None` (or a group
+of one rank) every wrapper is the identity, so TP=1 is the serial model with no communication.
 """
 
 from __future__ import annotations
@@ -60,21 +61,19 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """g: forward all-reduce, backward identity."""
+    """g: forward all-reduce (of x itself when `inplace` and x is contiguous, else of a copy), backward identity."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        if not x.is_contiguous():
+    def forward(ctx, x, group, inplace):
+        if not (inplace and x.is_contiguous()):
             return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
-        # reduced in place, as Megatron does: x is a fresh matmul or embedding output that no autograd
-        # node saved (a copy would cost one more read and write of b*s*h per layer and direction)
         ctx.mark_dirty(x)
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
@@ -109,8 +108,17 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """The paper's g: all-reduce forward, identity backward (exit of a parallel block)."""
-    return x if group_size(group) == 1 else _ReduceFromTensorParallelRegion.apply(x, group)
+    """The paper's g: all-reduce forward, identity backward (exit of a parallel block). The sum is a
+    new tensor (x itself at TP=1): x is left as it was."""
+    return x if group_size(group) == 1 else _ReduceFromTensorParallelRegion.apply(x, group, False)
+
+
+def reduce_from_tensor_parallel_region_(x: torch.Tensor, group) -> torch.Tensor:
+    """g in place (torch's trailing underscore), as Megatron does: x is overwritten with the sum and
+    returned, saving a copy of b*s*h per layer and direction. Only for a fresh matmul or embedding
+    output that no autograd node saved and nothing else reads (RowParallelLinear, VocabParallelEmbedding);
+    anything else goes through reduce_from_tensor_parallel_region."""
+    return x if group_size(group) == 1 else _ReduceFromTensorParallelRegion.apply(x, group, True)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

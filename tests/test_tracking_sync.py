@@ -418,3 +418,96 @@ def test_sync_refuses_a_bad_metrics_row_before_creating_a_run(tmp_path, store, c
     assert main(["tracking", "sync", str(run_dir)]) == 2
     assert f"metrics.jsonl:2 {problem}" in capsys.readouterr().err
     assert recorded_run_id(run_dir) is None and not (tmp_path / "mlflow.db").exists()
+
+
+def _runs_of(uri: str) -> list[str]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    return [r.info.run_id for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+def test_a_sync_into_another_store_does_not_detach_the_directory_from_its_run(tmp_path, store, monkeypatch):
+    """Synced into store A, then (a wrong MLFLOW_TRACKING_URI) into B, which rewrote mlflow_run_id,
+    then into A again: A's run is found again by its run_dir tag, not uploaded a second time, and a
+    resumed launch against A logs into it too. Each store holds one run of the directory."""
+    run_dir = tmp_path / "run"
+    offline = _offline_logger(monkeypatch, run_dir, "exp-sync")
+    _log(offline, (1, 2))
+    offline.close()
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    first = sync_run(run_dir)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
+    wrong = sync_run(run_dir)
+    assert wrong.action == "created" and "uploading as a new run" in wrong.note
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    again = sync_run(run_dir)
+    assert (again.run_id, again.action) == (first.run_id, "up to date") and "syncing into" in again.note
+    assert recorded_run_id(run_dir) == first.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
+    assert sync_run(run_dir).run_id == wrong.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    with pytest.warns(UserWarning, match=f"resuming this directory's run {first.run_id}"):
+        resumed = RunLogger(run_dir, "exp-sync", "r", {}, {}, resume_run_id=wrong.run_id)
+    _log(resumed, (3,))
+    resumed.close()
+    assert resumed.run_id == first.run_id and _steps(store, first.run_id) == [1, 2, 3]
+    assert _runs_of(store) == [first.run_id] and _runs_of(other) == [wrong.run_id]
+
+
+def test_a_live_logged_run_is_found_again_after_a_sync_into_another_store(tmp_path, store, monkeypatch):
+    """The run the trainer logged live carries the run_dir tag too: a sync into another store and back
+    does not copy it."""
+    run_dir = tmp_path / "run"
+    live = RunLogger(run_dir, "exp-sync", "r", {}, {})
+    _log(live, (1, 2))
+    live.close()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'other.db'}")
+    sync_run(run_dir)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert sync_run(run_dir).run_id == live.run_id and _runs_of(store) == [live.run_id]
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"task": "wikitext", "metrics": {"word_ppl": "12.5x"}, "params": {"window": 1024}}',
+     "metrics: word_ppl='12.5x', not a number"),
+    ('{"task": "wikitext", "metrics": null, "params": {}}', "metrics is null, not an object"),
+    ('{"task": "wikitext", "metrics": {"word_ppl": 1.0}, "params": [1024]}', "params is [1024], not an object"),
+    ('{"task": "wikitext", "metrics": {"word_ppl": true}, "params": {}}', "metrics: word_ppl=True, not a number"),
+    ('{"task": "wikitext", "metrics": {}, "params": {"window": {"a": 1}}}', "params: window={'a': 1}, not a string"),
+    ('{"task": "wikitext", "metrics": {}}', "lacks params"),
+    ('[1, 2]', "a JSON list, not an object"),
+])
+def test_eval_sync_refuses_a_malformed_record_before_contacting_mlflow(tmp_path, store, capsys, line, problem):
+    """A non-numeric metric, null metrics or non-object params in a zero_shot.jsonl: a user error naming
+    the file and line, before MLflow is contacted (it was a traceback after the store was opened)."""
+    from repro.cli import main
+
+    path = tmp_path / "zero_shot.jsonl"
+    path.write_text(line + "\n")
+    assert main(["tracking", "sync", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:1 is not an evaluation record: {problem}" in err and "Fix:" in err, err
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_dead_launchs_run_is_not_found_again_for_the_run_begun_again(tmp_path, store, monkeypatch):
+    """Killed before its first checkpoint, begun again with MLflow down (the dead launch's id set
+    aside), synced into another store and back: the new launch gets a run of its own, its rows are not
+    put into the dead launch's run."""
+    run_dir = tmp_path / "run"
+    dead = RunLogger(run_dir, "exp-sync", "r", {}, {})
+    _log(dead, (1, 2))
+    dead.flush()  # then killed: no close
+    with monkeypatch.context() as down, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        down.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        again = RunLogger(run_dir, "exp-sync", "r", {}, {}, starts_over=True)
+    _log(again, (1, 2, 3))
+    again.close()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'other.db'}")
+    sync_run(run_dir)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    synced = sync_run(run_dir)
+    assert synced.action == "created" and synced.run_id != dead.run_id
+    assert _steps(store, dead.run_id) == [1, 2] and _steps(store, synced.run_id) == [1, 2, 3]

@@ -72,18 +72,26 @@ def race_runs(runs: pd.DataFrame) -> list[dict]:
     return list(out.values())
 
 
-def _pretraining_mlm(runs: pd.DataFrame, row: dict, by_size: dict) -> tuple[float, str] | None:
-    """The MLM perplexity of the pretraining run the RACE run fine-tuned (its training_run_id tag),
-    else of the newest pretraining run of its size (runs logged before the tag)."""
+def _pretraining_mlm(uri: str, row: dict, by_size: dict) -> tuple[float | None, str, str] | None:
+    """(MLM perplexity, run id, note) of the pretraining run the RACE run fine-tuned (its training_run_id
+    tag), whatever that run's status (the note names one not FINISHED); without the tag (runs logged
+    before it), of the newest pretraining run of its size, the note saying so. No perplexity (None, the
+    note why) when the tagged run logged none or is not in the store: another run's is not this model's."""
     if row.get("imported"):  # pretrained elsewhere: no MLM run of ours belongs to it
         return None
     trained = row.get("training_run_id")
-    if trained and "run_id" in runs:
-        match = runs[runs["run_id"] == trained]
-        ppl = _mlm_ppl(match.iloc[0]) if len(match) else None
-        if ppl is not None:
-            return ppl, trained
-    return by_size.get(row["model"])
+    if not trained:
+        mlm = by_size.get(row["model"])
+        fallback = "newest pretraining run of this size; the RACE run names none" if row.get("run_id") else ""
+        return (*mlm, fallback) if mlm else None
+    run = R.get_run_row(uri, trained)
+    if run is None:
+        return None, trained, f"its pretraining run {trained[:8]} is not in this store"
+    ppl = _mlm_ppl(run)
+    if ppl is None:
+        return None, trained, f"its pretraining run {trained[:8]} logged none"
+    status = "deleted" if run["deleted"] else run["status"]
+    return ppl, trained, "" if status == "FINISHED" else f"pretraining run {status}"
 
 
 def _ablation(run) -> bool:
@@ -104,12 +112,14 @@ def mlm_runs(runs: pd.DataFrame) -> dict[str, tuple[float, str]]:
     return out
 
 
-def _with_mlm(row: dict, mlm: tuple[float, str] | None) -> dict:
-    """The row with its MLM perplexity, and the MLM run's id in its provenance."""
-    if mlm is None:
-        return {**row, "mlm_valid_ppl": None}
-    prov = "; ".join(p for p in (row.get("provenance", ""), f"MLM val ppl: run {mlm[1][:8]}") if p)
-    return {**row, "mlm_valid_ppl": mlm[0], "mlm_run_id": mlm[1], "provenance": prov}
+def _with_mlm(row: dict, mlm: tuple[float | None, str, str] | None) -> dict:
+    """The row with its MLM perplexity and note, and the MLM run's id (and note) in its provenance."""
+    if mlm is None or mlm[0] is None:
+        return {**row, "mlm_valid_ppl": None, "mlm_note": mlm[2] if mlm else ""}
+    ppl, run_id, note = mlm
+    source = f"MLM val ppl: run {run_id[:8]}" + (f" ({note})" if note else "")
+    prov = "; ".join(p for p in (row.get("provenance", ""), source) if p)
+    return {**row, "mlm_valid_ppl": ppl, "mlm_run_id": run_id, "mlm_note": note, "provenance": prov}
 
 
 def build(tracking_uri: str, experiment: str = "bert") -> pd.DataFrame:
@@ -120,10 +130,20 @@ def build(tracking_uri: str, experiment: str = "bert") -> pd.DataFrame:
     for item in paper_items(paper, "bert"):
         row = {"model": item, **{f"paper_race_{lv}": paper_value(paper, "bert", item, f"race_{lv}") for lv in LEVELS},
                "paper_mlm_valid_ppl": paper_value(paper, "bert", item, "mlm_valid_ppl"), **race.pop(item, {})}
-        rows.append(_with_mlm(row, _pretraining_mlm(runs, row, mlm)))
+        rows.append(_with_mlm(row, _pretraining_mlm(tracking_uri, row, mlm)))
     for r in race.values():
-        rows.append(_with_mlm(r, _pretraining_mlm(runs, r, mlm)))
+        rows.append(_with_mlm(r, _pretraining_mlm(tracking_uri, r, mlm)))
     return pd.DataFrame(rows)
+
+
+def _mlm_cell(r, ran: bool) -> str:
+    """The measured MLM perplexity, with its note (a pretraining run not FINISHED, or not the tagged one)."""
+    ppl, note = R.get(r, "mlm_valid_ppl"), R.get(r, "mlm_note")
+    if ppl is not None:
+        return fmt(ppl) + (f" ({note})" if note else "")
+    if R.get(r, "imported"):
+        return "pretrained elsewhere"
+    return (note or "not logged") if ran else NOT_RUN
 
 
 def display(table: pd.DataFrame) -> pd.DataFrame:
@@ -136,10 +156,7 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
         for lv in LEVELS:
             cells += [fmt(R.get(r, f"paper_race_{lv}"), 1) if paper else "—",
                       fmt(R.get(r, f"race_{lv}"), 1) if ran else NOT_RUN]
-        ppl = R.get(r, "mlm_valid_ppl")
-        cells += [fmt(R.get(r, "paper_mlm_valid_ppl")) if paper else "—",
-                  fmt(ppl) if ppl is not None else
-                  ("pretrained elsewhere" if R.get(r, "imported") else "not logged" if ran else NOT_RUN),
+        cells += [fmt(R.get(r, "paper_mlm_valid_ppl")) if paper else "—", _mlm_cell(r, ran),
                   R.get(r, "label", ""), R.get(r, "provenance", "")]
         rows.append(cells)
     cols = ["model"] + [f"{w} {lv}" for lv in LEVELS for w in ("paper", "measured")]
@@ -200,7 +217,8 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "bert") -> 
 
     out_dir = Path(out_dir)
     notes = ["RACE: test-set accuracy (%) of the run's median seed by dev accuracy. Paper MLM perplexity is on a 3% held-out "
-             "set; 'not logged' means the run has no MLM validation metric.",
+             "set; 'not logged' means the run has no MLM validation metric. A RACE row's MLM perplexity is its "
+             "pretraining run's (tag training_run_id), with that run's status when not FINISHED.",
              "Rows labelled reduced size / random init are pipeline checks on the hand-written RACE fixture "
              "(tests/fixtures/race), not the RACE dataset: not comparable to the paper."]
     table = build(tracking_uri, experiment)

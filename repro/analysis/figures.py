@@ -35,9 +35,21 @@ def _save(fig, path: Path) -> Path:
 
 
 def _measured(table: pd.DataFrame) -> pd.DataFrame:
+    """The measured rows a figure draws: not the other runs of a paper point (`another_run`), which
+    the table lists below the one its row shows."""
     if "run_id" not in table:
         return table.iloc[0:0]
-    return table[table["run_id"].notna() & (table["run_id"].astype(str) != "")]
+    drawn = table["run_id"].notna() & (table["run_id"].astype(str) != "")
+    return table[drawn & ~_other_runs(table)]
+
+
+def _other_runs(table: pd.DataFrame) -> pd.Series:
+    return table["another_run"].eq(True) if "another_run" in table else pd.Series(False, index=table.index)
+
+
+def _other_runs_note(table: pd.DataFrame) -> str:
+    count = int(_other_runs(table).sum())
+    return f"{count} other run(s) of paper points not drawn (see table)" if count else ""
 
 
 def _gpu_ticks(ax) -> None:
@@ -63,6 +75,7 @@ def _efficiency_panel(ax, table: pd.DataFrame) -> None:
         ax.annotate(str(i), (m["gpus"], 100 * m["efficiency"]), fontsize=7, color="red", textcoords="offset points",
                     xytext=(7, 3))
         keys.append(f"{i}: {m['label'].split(',')[0]}: {m['config']}, TP {int(m['tp'])} x DP {int(m['dp'])}")
+    keys += [note for note in (_other_runs_note(table),) if note]
     if keys:  # a key in the empty lower right, not labels over the points and the paper's curve
         ax.text(0.98, 0.03, "\n".join(keys), transform=ax.transAxes, fontsize=6, color="red", ha="right", va="bottom",
                 bbox=dict(facecolor="white", edgecolor="red", alpha=0.8, linewidth=0.5))
@@ -82,9 +95,11 @@ def _aggregate_panel(ax, table: pd.DataFrame) -> None:
     gpu = meas[~meas["label"].str.startswith("CPU")] if len(meas) else meas
     if len(gpu):
         ax.plot(gpu["gpus"], gpu["aggregate_pflops"], "*", color="red", markersize=12, label="measured (GPU)")
-    if len(meas) > len(gpu):
-        ax.text(0.02, 0.97, f"{len(meas) - len(gpu)} CPU run(s) not drawn here\n(~1e-5 PFLOP/s; see table)",
-                transform=ax.transAxes, fontsize=7, va="top", color="red")
+    cpu = len(meas) - len(gpu)
+    notes = [f"{cpu} CPU run(s) not drawn here\n(~1e-5 PFLOP/s; see table)"] * bool(cpu) + [_other_runs_note(table)]
+    if any(notes):
+        ax.text(0.02, 0.97, "\n".join(n for n in notes if n), transform=ax.transAxes, fontsize=7, va="top",
+                color="red")
     _gpu_ticks(ax)
     ax.set_yscale("log")
     ax.set(xlabel="number of GPUs", ylabel="aggregate PFLOP/s", title="Fig. 1: aggregate throughput")
@@ -124,5 +139,7 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path, ylabel: str, title:
 
 
 def short_label(row) -> str:
-    """Run name, label and short run id for a legend entry."""
-    return f"{R.get(row, 'run_name', '?')} [{R.run_label(row)}; run {str(row['run_id'])[:8]}]"
+    """Run name, label, status when not FINISHED and short run id for a legend entry."""
+    status = R.get(row, "status", "FINISHED")
+    unfinished = "" if status == "FINISHED" else f"; {status.lower()} (unfinished run)"
+    return f"{R.get(row, 'run_name', '?')} [{R.run_label(row)}{unfinished}; run {str(row['run_id'])[:8]}]"

@@ -5,8 +5,9 @@ median logged `ms_per_iter` (the first interval of every launch dropped as warm-
 the iterations the epoch's tokens take at its global batch and sequence length (68,507 at 512 x 1024),
 plus the evaluation and checkpoint time an epoch carries at the run's intervals (mean logged
 `eval_seconds` x those iterations / eval_interval, the same for `save_seconds`). Runs take weeks, so
-unfinished runs count, with their status in the label; per paper model the newest run at the paper's
-GPU count and global batch.
+unfinished runs count, with their status in the label; per paper model the run at the paper's GPU
+count and global batch that logged an interval after warm-up, FINISHED or RUNNING before FAILED or
+KILLED, then the newest (_rank).
 """
 
 from __future__ import annotations
@@ -44,32 +45,44 @@ def _mean(history: pd.DataFrame) -> float:
 
 def epoch_days(uri: str, run) -> dict:
     """A run's iteration time and days per epoch (training steps alone, and with its evaluations and
-    saves at its own intervals); NaN days when it logged no interval yet."""
-    ms, iterations = R.sustained(uri, run["run_id"], "ms_per_iter"), epoch_iterations(run)
+    saves at its own intervals); NaN days when it logged no interval yet. `steady`: it logged an
+    interval after warm-up (else its time is a warm-up interval's)."""
+    hist, warmup = (R.metric_history(uri, run["run_id"], k) for k in ("ms_per_iter", R.WARMUP_METRIC))
+    ms, iterations = R.median_after_warmup(hist, warmup), epoch_iterations(run)
     steps_days = ms * iterations / 86_400_000
     overhead_s = 0.0
     for metric, interval in (("eval_seconds", "train.eval_interval"), ("save_seconds", "train.save_interval")):
         every = float(R.get(run, f"params.{interval}", 0) or 0)
         if every > 0:
             overhead_s += _mean(R.metric_history(uri, run["run_id"], metric)) * iterations / every
-    return {"ms_per_iter": ms, "days_steps": steps_days, "days_per_epoch": steps_days + overhead_s / 86_400}
+    return {"ms_per_iter": ms, "days_steps": steps_days, "days_per_epoch": steps_days + overhead_s / 86_400,
+            "steady": bool(len(R.after_warmup(hist, warmup)))}
 
 
-def _label(run) -> str:
+def _label(run, days: dict) -> str:
     status = R.get(run, "status", "FINISHED")
     batch = "" if _paper_batch(run) else f", global batch {int(float(run['params.train.global_batch_size']))}"
-    return R.run_label(run) + batch + ("" if status == "FINISHED" else f", {status.lower()} (unfinished run)")
+    warm = ", warm-up interval only" if pd.notna(days["days_per_epoch"]) and not days["steady"] else ""
+    return (R.run_label(run) + batch + ("" if status == "FINISHED" else f", {status.lower()} (unfinished run)")
+            + warm)
 
 
 def _measured_row(uri: str, run) -> dict:
-    return {"gpus": int(R.get(run, "params.world_size", 0) or 0), **epoch_days(uri, run), "label": _label(run),
-            "provenance": R.provenance(run), "run_id": run["run_id"]}
+    days = epoch_days(uri, run)
+    return {"gpus": int(R.get(run, "params.world_size", 0) or 0), **days, "label": _label(run, days),
+            "provenance": R.provenance(run), "run_id": run["run_id"], "status": R.get(run, "status", "FINISHED")}
+
+
+def _rank(row: dict) -> tuple[bool, bool, bool]:
+    """How a paper row ranks its candidate runs: an interval logged after warm-up, then a FINISHED or
+    RUNNING run before a FAILED or KILLED one, then any interval logged (warm-up only)."""
+    return row["steady"], row["status"] in ("FINISHED", "RUNNING"), pd.notna(row["days_per_epoch"])
 
 
 def build(tracking_uri: str, experiment: str = "gpt2") -> pd.DataFrame:
-    """Paper rows (each with its newest run of that size at the paper's GPU count and global batch that
-    logged an interval, else its newest, or not run), then
-    the other GPT-2 runs (other GPU counts, reduced shapes) with their own days per epoch."""
+    """Paper rows (each with its run of that size at the paper's GPU count and global batch that ranks
+    first by _rank, the newest among equals, or not run), then the other GPT-2 runs (other GPU counts,
+    reduced shapes, attempts not shown in a paper row) with their own days per epoch."""
     paper, runs = paper_values(), R.load_runs(tracking_uri, experiment, finished_only=False)
     rows, used = [], set()
     for item in paper_items(paper, "gpt2"):
@@ -78,11 +91,11 @@ def build(tracking_uri: str, experiment: str = "gpt2") -> pd.DataFrame:
         matching = [(index, _measured_row(tracking_uri, run)) for index, run in runs.iterrows()  # newest first
                     if R.paper_size(run) == item and int(R.get(run, "params.world_size", 0) or 0) == GPT2_RUNS[item]
                     and _paper_batch(run)]
-        # the newest that measured an interval (a newer attempt that failed at start does not hide it)
-        measured = [m for m in matching if pd.notna(m[1]["days_per_epoch"])] or matching
-        if measured:
-            row.update(measured[0][1])
-            used.add(measured[0][0])
+        # a newer attempt that failed at start, or in its warm-up interval, does not hide a measurement
+        if matching:
+            index, best = max(matching, key=lambda m: _rank(m[1]))  # the first of equals: the newest
+            row.update(best)
+            used.add(index)
         rows.append(row)
     for index, run in runs.iterrows():
         if index not in used:
@@ -116,7 +129,8 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "gpt2") -> 
              "a run at another global batch or sequence length: the iterations those tokens take it), plus the "
              "mean logged evaluation and checkpoint seconds x the evaluations and saves an epoch holds at the "
              "run's eval_interval and save_interval. The paper does not say what its days include.",
-             "Per paper model, the newest run of that size at the paper's GPU count and global batch (512); "
+             "Per paper model, the run of that size at the paper's GPU count and global batch (512) that logged "
+             "an interval after warm-up, FINISHED or RUNNING before FAILED or KILLED, then the newest; "
              "unfinished runs count (weeks long), labelled with their status. Other GPT-2 runs follow with their "
              "own GPU count and batch."]
     return write_table(display(table), table, Path(out_dir), "gpt2_table2", "GPT-2 training time (Table 2)",

@@ -51,9 +51,19 @@ def execute(path: Path, params: dict, timeout: int = 900, failed_copy: Path | No
     try:
         client.execute()
     except CellExecutionError as err:
-        if failed_copy:
-            failed_copy.parent.mkdir(parents=True, exist_ok=True)
-            nbformat.write(nb, failed_copy)
-        where = f" (executed copy: {failed_copy})" if failed_copy else ""
+        where = _keep_failed(nb, failed_copy) if failed_copy else ""
         raise NotebookError(f"{path.name} failed{where}:\n{str(err).strip()[-2000:]}") from None
     return nb
+
+
+def _keep_failed(nb, failed_copy: Path) -> str:
+    """Write the failed notebook's executed copy; the error's note on where it is, or why it is not
+    (the cell's error stays the news)."""
+    import nbformat
+
+    try:
+        failed_copy.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, failed_copy)
+    except OSError as err:
+        return f" (its executed copy could not be written to {failed_copy}: {err})"
+    return f" (executed copy: {failed_copy})"

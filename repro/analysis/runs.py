@@ -174,18 +174,24 @@ def metric_history(uri: str, run_id: str, key: str) -> pd.DataFrame:
 WARMUP_METRIC = "warmup_interval"  # 1 on the first logged interval of each launch (repro/train/loop.py)
 
 
-def median_after_warmup(history: pd.DataFrame, warmup: pd.DataFrame | None = None) -> float:
-    """Median of a per-interval metric without its warm-up intervals: the steps `warmup` flags (the
-    first interval of every launch, resumes included), and for a launch that predates that flag its
-    first logged interval. NaN for an empty history; a run with nothing but warm-up keeps it all."""
-    if not len(history):
-        return float("nan")
-    if warmup is not None and len(warmup):
+def after_warmup(history: pd.DataFrame, warmup: pd.DataFrame | None = None) -> pd.DataFrame:
+    """A per-interval metric's rows without its warm-up intervals: the steps `warmup` flags (the first
+    interval of every launch, resumes included), and for a launch that predates that flag its first
+    logged interval. Empty for a run that logged nothing but warm-up."""
+    if warmup is not None and len(warmup) and len(history):
         kept = history[~history["step"].isin(warmup.loc[warmup["value"] > 0, "step"])]
         if history["step"].min() < warmup["step"].min():  # a launch from before the flag: its first too
             kept = kept[kept["step"] != history["step"].min()]
-    else:
-        kept = history.iloc[1:]
+        return kept
+    return history.iloc[1:]
+
+
+def median_after_warmup(history: pd.DataFrame, warmup: pd.DataFrame | None = None) -> float:
+    """Median of a per-interval metric after_warmup. NaN for an empty history; a run with nothing but
+    warm-up keeps it all."""
+    if not len(history):
+        return float("nan")
+    kept = after_warmup(history, warmup)
     return float((kept if len(kept) else history)["value"].median())
 
 

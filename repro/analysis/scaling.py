@@ -2,13 +2,14 @@
 
 Efficiency is the paper's: sustained FLOP/s per device relative to the 1-device baseline of the
 same series (paper: config 1 on one V100 at 39 TFLOP/s). Two devices at 1.9x the one-device
-throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model, activation
-checkpointing and parameter precision): a run's baseline is the preferred (full-length, then newest)
-1-device run with a logged throughput on the same device type and precision, of config 1 (only) for
-the paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared to itself),
-with FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that predate that metric).
-Each table point takes its run on the baseline's device where there is one, a full-length run before
-a test run cut short, then the newest (_preferred_first).
+throughput: 1.9 / 2 = 95%. Measured series are (device, precision, baseline model, FLOP count and
+recipe: activation checkpointing, parameter precision, torch.compile, ZeRO stage): a run's baseline
+is the preferred (_preferred_first) 1-device run with a logged throughput in its series, of config 1
+(only) for the paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared
+to itself), with FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that predate
+that metric). Each table point takes a run with a logged throughput, then one with an efficiency,
+then its run on the baseline's device where there is one, a full-length run before a test run cut
+short, then the newest (_preferred_first).
 """
 
 from __future__ import annotations
@@ -75,13 +76,17 @@ def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
 
 
 def _label(run, config: str) -> str:
-    """run_label, plus the length of a paper config's run cut short (`--set train.train_iters=100`) and
-    a run whose TP groups spanned hosts (their all-reduces crossed the network: not the paper's layout)."""
+    """run_label, plus the length of a paper config's run cut short (`--set train.train_iters=100`), a
+    run whose TP groups spanned hosts (their all-reduces crossed the network: not the paper's layout),
+    and torch.compile or a ZeRO stage (each its own efficiency series)."""
     iters = _float(R.get(run, "params.train.train_iters"))
     short = config.startswith("scaling-") and iters < SCALING_ITERS
     across = R.get(run, "params.tp_groups_within_host") == "false"
+    zero = str(R.get(run, "params.train.zero_stage", "0"))
     return (R.run_label(run) + (f", test run of {int(iters)} iterations" if short else "")
-            + (", TP groups across hosts" if across else ""))
+            + (", TP groups across hosts" if across else "")
+            + (", torch.compile" if R.get(run, "params.train.compile") == "True" else "")
+            + (f", ZeRO-{zero}" if zero != "0" else ""))
 
 
 def _float(value) -> float:
@@ -98,9 +103,11 @@ def at_paper_batch(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _recipe(run) -> str:
     """What else changes a run's FLOP count or speed per FLOP: activation checkpointing (hardware FLOPs
-    count the recomputed forward) and the parameters' precision."""
+    count the recomputed forward), the parameters' precision, torch.compile and the ZeRO stage (runs
+    that predate those two params ran without them)."""
     return (f"checkpointing {R.get(run, 'params.model.activation_checkpointing', 'n/a')}, "
-            f"params {R.get(run, 'params.precision.params', 'n/a')}")
+            f"params {R.get(run, 'params.precision.params', 'n/a')}, "
+            f"compile {R.get(run, 'params.train.compile', 'False')}, ZeRO {R.get(run, 'params.train.zero_stage', '0')}")
 
 
 def add_efficiency(points: pd.DataFrame) -> pd.DataFrame:
@@ -205,8 +212,8 @@ def appendix_d_run(run) -> bool:
 
 def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.DataFrame:
     """Paper rows (each with its preferred matching measured run, _preferred_first, or none) then unmatched
-    measured rows."""
-    rows, used, device = [], set(), baseline_device(measured)
+    measured rows; `another_run` marks those that matched a paper point but were not chosen for it."""
+    rows, used, candidates, device = [], set(), set(), baseline_device(measured)
     for _, p in paper_pts.iterrows():
         row = {**p.to_dict(), **(predicted or {}).get((p["config"], p["gpus"]), {})}
         hit = at_paper_batch(measured[(measured["config"] == p["config"]) & (measured["gpus"] == p["gpus"])
@@ -214,13 +221,14 @@ def combine(paper_pts: pd.DataFrame, measured: pd.DataFrame, predicted) -> pd.Da
         if len(hit):
             best = _preferred_first(hit, device).iloc[0]
             used.add(best.name)
+            candidates.update(hit.index)
             row.update({k: best[k] for k in best.index if k not in ("config", "gpus", "tp", "dp")})
         rows.append(row)
     extra = measured.drop(index=list(used)) if len(measured) else measured
     if len(extra):  # Appendix D's runs have their own table; among Table 1's they read as weak-scaling points
         extra = extra[[not appendix_d_run(m) for _, m in extra.iterrows()]]
-    for _, m in extra.sort_values(["config", "gpus"]).iterrows() if len(extra) else []:
-        rows.append({**m.to_dict(), "mode": "TP+DP" if m["dp"] > 1 else "TP"})
+    for index, m in extra.sort_values(["config", "gpus"]).iterrows() if len(extra) else []:
+        rows.append({**m.to_dict(), "mode": "TP+DP" if m["dp"] > 1 else "TP", "another_run": index in candidates})
     return pd.DataFrame(rows)
 
 
@@ -247,7 +255,8 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
         paper = R.get(r, "paper_efficiency")
         cells = _measured_cells(r)
         rows.append([r["config"], r["mode"], int(r["gpus"]), f"{int(r['tp'])} x {int(r['dp'])}",
-                     fmt(paper, 0, pct=True) if paper is not None else "— (not a paper point)",
+                     fmt(paper, 0, pct=True) if paper is not None else
+                     "— (paper point, another run)" if R.get(r, "another_run") else "— (not a paper point)",
                      fmt(R.get(r, "paper_tflops_per_gpu"), 1),
                      fmt(R.get(r, "model_dgx2h"), 1, pct=True), fmt(R.get(r, "model_h200"), 1, pct=True),
                      *cells])
@@ -339,9 +348,11 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
              "for runs that predate it ('FLOPs' column). Efficiency is a ratio of the same count. "
              "'model' columns: the analytic prediction of repro/perf/scaling_model.py (see results/scaling_model/) "
              + ("" if predicted is not None else "— NOT AVAILABLE (module missing) "),
-             "Each point takes a run on the device of the config-1 baseline where one exists, a full-length run "
+             "Each point takes a run with a logged throughput, then one with an efficiency, then a run on the device "
+             "of the config-1 baseline where one exists, a full-length run "
              f"({SCALING_ITERS} iterations, experiments/scaling/base.yaml) before a test run cut short (labelled), "
-             "then the newest; 'measured on' names each row's device. "
+             "then the newest; 'measured on' names each row's device. The other runs of a paper point follow "
+             "the paper rows as '— (paper point, another run)', and are not drawn in the figure. "
              "Rows marked CPU or reduced size are plumbing checks of this code on small models, "
              "not measurements of the paper's configurations; their efficiency is against their own 1-device run."]
     text = write_table(display(table), table, out_dir, "scaling_table", "Weak scaling (Table 1, Fig. 1 and Fig. 5)",
@@ -356,8 +367,8 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
                                 "(slurm/scale_1b.sh, strong_1b_tp{2,4,8}.sh; `repro slurm sweep table8`). 'model' columns: "
                                 "repro/perf/scaling_model.py with the Table 1 calibration, nothing refitted "
                                 "(results/scaling_model/). Measured: "
-                                "the preferred run of experiment `scaling` with that model and layout (on the baseline's device, "
-                                "full length, then the newest)."],
+                                "the preferred run of experiment `scaling` with that model and layout (a logged "
+                                "throughput, an efficiency, the baseline's device, full length, then the newest)."],
                                tracking_uri)
     from repro.analysis.baseline import write_baseline
     from repro.tracking.store import project_root

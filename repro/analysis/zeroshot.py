@@ -215,12 +215,13 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def valid_curves(tracking_uri: str, experiments: tuple[str, ...] = ("gpt2",)) -> dict[str, pd.DataFrame]:
-    """Validation perplexity exp(valid_loss) against iteration for every run that logged valid_loss."""
+    """Validation perplexity exp(valid_loss) against iteration for every run that logged valid_loss,
+    unfinished ones too (as in Table 2: GPT-2 runs take weeks), their status in the legend."""
     from repro.analysis.figures import short_label
 
     curves = {}
     for experiment in experiments:
-        runs = R.load_runs(tracking_uri, experiment)
+        runs = R.load_runs(tracking_uri, experiment, finished_only=False)
         for _, run in runs.iterrows():
             if R.get(run, "metrics.valid_loss") is None:
                 continue

@@ -56,23 +56,59 @@ def write_json(record: EvalRecord, path: Path) -> None:
 
 def read_records(path: Path) -> list[EvalRecord]:
     """The records of a JSON-lines file written by `write_json`; a killed write's partial last line is
-    skipped with a warning, any other bad line is a TrackingError naming it."""
+    skipped with a warning, any other bad line (not JSON, or not a record: _record_problem) is a
+    TrackingError naming it, all before MLflow is contacted."""
     from repro.tracking.logger import TrackingError
 
     lines = path.read_text(encoding="utf-8").split("\n")
     records = []
+    fix = "Fix: give the zero_shot.jsonl that `repro eval` wrote, or delete that line"
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(EvalRecord(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError) as err:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
             if number == len(lines):  # no newline after it: an append that was cut short
                 warnings.warn(f"{path}: skipped a truncated last line (an append cut short)", stacklevel=2)
                 continue
-            raise TrackingError(f"{path}:{number} is not an evaluation record ({err}). Fix: give the "
-                                "zero_shot.jsonl that `repro eval` wrote, or delete that line") from None
+            raise TrackingError(f"{path}:{number} is not an evaluation record ({err}). {fix}") from None
+        problem = _record_problem(row)
+        if problem:
+            raise TrackingError(f"{path}:{number} is not an evaluation record: {problem}. {fix}")
+        records.append(EvalRecord(**row))
     return records
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _record_problem(row) -> str | None:
+    """What makes a parsed line unusable as an EvalRecord (checked before any upload), or None."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    known = set(EvalRecord.__dataclass_fields__)
+    missing, unknown = {"task", "metrics", "params"} - set(row), set(row) - known
+    if missing or unknown:
+        return ", ".join([f"lacks {', '.join(sorted(missing))}"] * bool(missing)
+                         + [f"has unknown field(s) {', '.join(sorted(unknown))}"] * bool(unknown))
+    if not isinstance(row["task"], str):
+        return f"task {row['task']!r} is not a string"
+    for name in ("metrics", "paper", "params"):
+        value = row.get(name, {})
+        if not isinstance(value, dict):
+            return f"{name} is {json.dumps(value)}, not an object"
+        check = _number if name != "params" else (lambda v: v is None or isinstance(v, (str, int, float, bool)))
+        bad = [k for k, v in value.items() if not check(v)]
+        if bad:
+            kind = "a number" if name != "params" else "a string, number or boolean"
+            return f"{name}: {', '.join(f'{k}={value[k]!r}' for k in bad)}, not {kind}"
+    if row.get("training_run_id") is not None and not isinstance(row["training_run_id"], str):
+        return f"training_run_id {row['training_run_id']!r} is not a string"
+    if row.get("time") is not None and not _number(row["time"]):
+        return f"time {row['time']!r} is not a number of seconds"
+    return None
 
 
 def _experiment_id(client) -> str:

@@ -41,7 +41,7 @@ def _sync_run_dir(run_dir: Path) -> None:
         return  # an evaluation's output directory, not a training run
     result = sync_run(run_dir)
     if result.note:
-        print(f"note: {result.note}; uploading as a new run")
+        print(f"note: {result.note}")
     if result.action == "up to date":
         print(f"{run_dir} is already in MLflow run {result.run_id} at {result.uri}: nothing to sync")
     else:

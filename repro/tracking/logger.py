@@ -20,6 +20,7 @@ from repro.tracking.store import default_tracking_uri, experiment_id, tracking_h
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
 STOP_MARKER = "stopped_by_signal"  # the last launch stopped for a signal (launch.sh requeues the job)
 RESUMED_PARAM_TAG = "resumed_with."  # + a param key: its value since a resume changed it (params are fixed)
+RUN_DIR_TAG = "run_dir"  # the run directory's absolute path: sync finds its run in a store again by it
 
 
 class TrackingError(RuntimeError):
@@ -97,14 +98,15 @@ class RunLogger:
 
             quiet_http_retries()
             client = MlflowClient(tracking_uri=default_tracking_uri())
-            resumed = _live_run(client, resume_run_id)
+            resumed = _live_run(client, resume_run_id, self.run_dir, experiment)
             if resumed is not None:
-                client.update_run(resume_run_id, status="RUNNING")
-                self.run_id = resume_run_id
+                self.run_id = resumed.info.run_id
+                client.update_run(self.run_id, status="RUNNING")
                 _log_param_changes(client, resumed, params)
             else:
                 run = client.create_run(experiment_id(client, experiment), run_name=run_name,
-                                        tags={k: str(v) for k, v in tags.items()})
+                                        tags={**{k: str(v) for k, v in tags.items()},
+                                              RUN_DIR_TAG: str(self.run_dir.resolve())})
                 self.run_id = run.info.run_id
                 _log_params(client, self.run_id, params)
                 _end_dead_launch(client, earlier_run_id)
@@ -210,10 +212,12 @@ def _set_aside_earlier_launch(run_dir: Path) -> str | None:
     return earlier
 
 
-def _live_run(client, run_id: str | None):
+def _live_run(client, run_id: str | None, run_dir: Path, experiment: str):
     """The run to resume into, or None: none named, or one deleted in the UI since (metrics logged
     into it would be invisible to the analysis), or one this store does not hold (the tracking URI
-    changed between launches, or `mlflow gc` removed it), each with a warning and a new run instead."""
+    changed between launches, or `mlflow gc` removed it), each with a warning and a new run instead.
+    A run id of another store (a sync into it rewrote mlflow_run_id) resumes this directory's run
+    here when the store has one (_run_of_dir)."""
     from mlflow.exceptions import MlflowException
 
     if not run_id:
@@ -223,9 +227,11 @@ def _live_run(client, run_id: str | None):
     except MlflowException as err:
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
+        found = _run_of_dir(client, run_dir, experiment)
+        instead = f"resuming this directory's run {found.info.run_id} there" if found else "logging into a new run"
         warnings.warn(f"MLflow run {run_id} of this run directory is not in {default_tracking_uri()} (another "
-                      "store's, or garbage-collected): logging into a new run", stacklevel=3)
-        return None
+                      f"store's, or garbage-collected): {instead}", stacklevel=3)
+        return found
     if run.info.lifecycle_stage == "deleted":
         warnings.warn(f"MLflow run {run_id} of this run directory was deleted: logging into a new run",
                       stacklevel=3)
@@ -398,9 +404,30 @@ def _create_run(client, run_dir: Path, tags: dict):
     """A new run; its id is recorded first, so a broken sync resumes into it."""
     rest = {k: str(v) for k, v in tags.items() if k not in ("experiment", "run_name")}
     run = client.create_run(experiment_id(client, tags["experiment"]), run_name=tags["run_name"],
-                            tags={**rest, "synced_from": str(run_dir)})
+                            tags={**rest, "synced_from": str(run_dir), RUN_DIR_TAG: str(run_dir.resolve())})
     _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
     return run
+
+
+def _run_of_dir(client, run_dir: Path, experiment: str):
+    """The newest live run of `experiment` this directory logged or synced (its run_dir tag, or the
+    synced_from tag of syncs before that tag), not one of a launch set aside (mlflow_run_id.before-*):
+    `mlflow_run_id` names another store's run after a sync into that store, and this store's run is
+    found again instead of uploaded twice."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    path = str(run_dir.resolve())
+    dead = {p.read_text().strip() for p in run_dir.glob(f"{RUN_ID_FILE}.before-*")}
+    for key, value in ((RUN_DIR_TAG, path), ("synced_from", str(run_dir)), ("synced_from", path)):
+        if "'" in value:  # not expressible in a search filter
+            continue
+        runs = client.search_runs([exp.experiment_id], f"tags.{key} = '{value}'", max_results=100,
+                                  order_by=["attributes.start_time DESC"])
+        found = next((r for r in runs if r.info.run_id not in dead), None)
+        if found:
+            return found
+    return None
 
 
 def _metric_rows(rows: list[dict]) -> list:
@@ -463,12 +490,13 @@ def sync_run(run_dir: str | Path) -> SyncResult:
     """Upload what MLflow lacks of a run directory: one logged while MLflow was unreachable or with
     tracking off, whose logger was killed with metrics still queued, or that was synced while it trained.
 
-    Safe to repeat, and never a duplicate: when `mlflow_run_id` names a run the store holds, that run
-    is compared with the directory every time, and only the params, metric rows and artifacts it lacks
-    are logged into it (a resumed run keeps one MLflow run); `up to date` when it lacks nothing.
-    Otherwise a new run is created and its id written to `mlflow_run_id` before the upload, so an
-    interrupted sync resumes into it. The run directory is read and checked completely before MLflow
-    is contacted."""
+    Safe to repeat, and never a duplicate: the directory's run in the store is the one `mlflow_run_id`
+    names, else (that id is another store's: a sync into another store rewrote it) the one tagged with
+    this directory (_run_of_dir), whose id is written back to `mlflow_run_id`. It is compared with the
+    directory every time, and only the params, metric rows and artifacts it lacks are logged into it (a
+    resumed run keeps one MLflow run); `up to date` when it lacks nothing. Without one a new run is
+    created and its id written to `mlflow_run_id` before the upload, so an interrupted sync resumes
+    into it. The run directory is read and checked completely before MLflow is contacted."""
     run_dir = Path(run_dir)
     params, tags, rows = _read_run_dir(run_dir)
     uri, named = default_tracking_uri(), recorded_run_id(run_dir)
@@ -477,8 +505,13 @@ def sync_run(run_dir: str | Path) -> SyncResult:
         from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
-        run = _existing_run(client, named)
-        note = f"{RUN_ID_FILE} named run {named}, which {uri} does not hold" if named and run is None else ""
+        run, note = _existing_run(client, named), ""
+        if named and run is None:  # (without an id, its tagged runs are launches set aside: begun again offline)
+            run = _run_of_dir(client, run_dir, tags["experiment"])
+            instead = f"syncing into this directory's run {run.info.run_id} there" if run else "uploading as a new run"
+            note = f"{RUN_ID_FILE} named run {named}, which {uri} does not hold; {instead}"
+            if run is not None:
+                _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
         action = "updated" if run is not None else "created"
         run = run or _create_run(client, run_dir, tags)
         sent, changed = _upload(client, client.get_run(run.info.run_id), run_dir, params, rows)

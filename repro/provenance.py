@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 from repro.tracking.store import project_root
@@ -31,16 +32,48 @@ def git_sha(dirty_paths: tuple[str, ...] = ()) -> str:
     return (sha or "unknown") + ("-dirty" if dirty else "")
 
 
+class OutDirError(ValueError):
+    """An --out that cannot be a folder of results; the message names what is in the way and the fix."""
+
+
+def make_out_dir(out: Path, example: str) -> Path:
+    """Create the results folder `out` before any work is done: a file at `out` or above it is an
+    OutDirError at once, not a traceback after minutes of measuring."""
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise OutDirError(f"--out {out}: {blocking} is a file, not a directory (the results are written "
+                          f"into a directory). Fix: give a directory path, e.g. --out {example}")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write through a temporary sibling, fsync, and rename over `path`: a reader (or a crash) never
     sees half a file."""
     payload = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # one per writer
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        chmod_as_created(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def chmod_as_created(path: str | Path) -> None:
+    """Give a mkstemp file (0600) the mode open() would have created it with, 0666 & ~umask: a
+    file in a shared directory stays readable by the group's jobs."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def measurement_provenance(device, argv: list[str], prog: str = "python -m repro.perf.gpu_bench") -> dict:

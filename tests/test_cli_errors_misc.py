@@ -272,6 +272,31 @@ def test_plan_paper_names_an_out_that_is_a_file(tmp_path, capsys, below):
     assert "Traceback" not in err and out == "" and mine.read_text() == "mine"
 
 
+@pytest.mark.parametrize("command", [["bench", "--tiny", "--no-zero"], ["comm-bench", "--sizes", "8", "--iters", "1"]])
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_bench_and_comm_bench_refuse_an_out_that_is_a_file_before_measuring(tmp_path, capsys, command, below):
+    """Before, FileExistsError / NotADirectoryError tracebacks (comm-bench's after the whole measurement)."""
+    mine = tmp_path / "afile"
+    mine.write_text("mine")
+    started = time.monotonic()
+    rc, out, err = _cli(capsys, *command, "--out", str(mine / below if below else mine))
+    assert rc == 2 and f"{mine} is a file, not a directory" in err and "Fix:" in err, err
+    assert "Traceback" not in err and mine.read_text() == "mine" and time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["experiments/scaling/scale_8b.yaml", "--gpus", "8", "--out", "x"], "--out writes the --paper table"),
+    (["--paper", "--json"], "--json would be ignored"),
+    (["--paper", "experiments/scaling/scale_8b.yaml", "--gpus", "3", "--set", "train.micro_batch_size=1"],
+     "a config, --gpus, --set would be ignored"),
+])
+def test_plan_refuses_flags_its_mode_would_ignore(tmp_path, capsys, monkeypatch, argv, needle):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    rc, out, err = _cli(capsys, "plan", *argv)
+    assert rc == 2 and needle in err and "Fix:" in err and out == "", err
+    assert not Path("x").exists()
+
+
 # --- repro eval, repro finetune race ---------------------------------------------------------------
 
 def _gpt_checkpoint(run_dir: Path, family: str = "gpt") -> Path:

@@ -67,7 +67,12 @@ def test_scaling_model_on_your_cluster_writes_its_tables(tmp_path):
     ({"gpus_per_node": "eight"}, "gpus_per_node"),
     ({"baseline_fraction": 0.0}, "baseline_fraction=0.0 must be in (0, 1]"),
     ({"baseline_fraction": 34}, "python -m repro.perf.gpu_bench --out DIR --dtypes bf16 --checkpointing on"),
-    ({"node_net_gbps": -1}, "node_net_gbps=-1.0 must be positive"),
+    ({"node_net_gbps": -1}, "node_net_gbps=-1.0 must be a positive number"),
+    ({"peak_tflops": float("nan")}, "peak_tflops=nan must be a positive number"),
+    ({"alpha_inter_s": float("nan")}, "alpha_intra_s / alpha_inter_s must be numbers of seconds"),
+    # a measured fraction the model can only meet with GEMMs above peak, or with no time left for them
+    ({"baseline_fraction": 0.8, "fused_attention": False}, "leaves the GEMMs 1"),
+    ({"hbm_gbps": 10.0}, "leaves no time for the GEMMs"),
 ])
 def test_a_bad_cluster_file_is_an_error_naming_field_and_fix(tmp_path, capsys, change, message):
     fields = {**asdict(BUILT_IN["h200"]), **change}

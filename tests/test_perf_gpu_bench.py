@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+import pytest
 import torch
 
 from repro.perf import gpu_bench
@@ -303,3 +304,34 @@ def test_compile_mode_needs_a_whole_step_compile():
                                                  "--params", "half", "--compile-only", "--compile-mode",
                                                  "reduce-overhead", "--main-grads", "param"]))
     assert [(s.compile_mode, s.main_grads) for s in specs] == [("reduce-overhead", "param")]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--checkpointing", "true"], "unknown --checkpointing 'true'"),
+    (["--batch", "0"], "--batch 0"),
+])
+def test_gpu_bench_refuses_a_setting_it_would_misread(tmp_path, flags, needle):
+    """Before, --checkpointing true ran with checkpointing off, and --batch 0 reported 0 tokens/s as ok."""
+    with pytest.raises(SystemExit, match=needle):
+        gpu_bench.main(["--out", str(tmp_path / "out"), "--tiny", "--dtypes", "bf16", "--params", "fp32", *flags])
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_profile_refuses_an_out_that_is_a_file_before_profiling(tmp_path, capsys):
+    from repro.perf import gpu_profile
+
+    mine = tmp_path / "afile"
+    mine.write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_profile.main(["--out", str(mine), "--tiny", "--batch", "2"])
+    assert exit_info.value.code == 2 and "is a file, not a directory" in capsys.readouterr().err
+    assert mine.read_text() == "mine"
+
+
+def test_gpu_profile_without_cuda_refuses_the_full_config(tmp_path, capsys):
+    from repro.perf import gpu_profile
+
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_profile.main(["--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "pass --tiny" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

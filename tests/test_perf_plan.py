@@ -210,10 +210,12 @@ def test_plan_prints_memory_time_and_fit(capsys):
 
 
 @pytest.mark.parametrize("sets, grad_bytes", [([], 2), (["precision.main_grads=fp32"], 4),
-                                              (["precision.params=fp32"], 4)])
+                                              (["precision.params=fp32"], 4),
+                                              (["precision.params=fp32", "train.zero_stage=1"], 2)])
 def test_plan_times_the_dp_all_reduce_in_the_dtype_the_trainer_reduces(sets, grad_bytes):
     """The paper's fp16 gradients (half model, main_grads: param) take half the DP time of fp32 main
-    grads or fp32 parameters; nothing else in the iteration changes."""
+    grads or fp32 parameters; DeepSpeed ZeRO reduces its half model's fp16 gradients; nothing else in
+    the iteration changes."""
     from repro.perf.clusters import BUILT_IN
     from repro.perf.plan import dp_gradient_bytes, plan
     from repro.train.config import load_config
@@ -292,3 +294,12 @@ def test_table2_days_come_from_the_shipped_configs():
     cfg = load_config(ROOT / "experiments/gpt2/gpt2_8.3b.yaml")
     assert rows["gpt2-8.3b"]["iteration_s"] == time_plan(cfg, derive(cfg, 512), DGX2H).iteration_s
     assert rows["gpt2-8.3b"]["predicted_days"] == pytest.approx(rows["gpt2-8.3b"]["iteration_s"] * 68507 / 86400)
+
+
+def test_plan_check_names_a_missing_gpu_json_before_its_cpu_checks(tmp_path, capsys):
+    from repro.perf.plan_check import main as plan_check_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        plan_check_main(["--out", str(tmp_path / "out"), "--gpu-json", str(tmp_path / "nothing.json")])
+    assert exit_info.value.code == 2 and "nothing.json: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -20,6 +20,15 @@ def test_precision_study_writes_curves_and_table(corpus, tmp_path):  # noqa: F81
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {name} |" in table for name in RECIPES)
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    studies = list((tmp_path / "runs").glob("study-*"))  # its own folder: a rerun never reuses finished runs
+    assert len(studies) == 1 and sorted(p.name for p in studies[0].glob("recipe*")) == [f"recipe{i}" for i in range(4)]
+
+
+def test_precision_study_refuses_a_run_shorter_than_the_warmup(corpus, tmp_path, capsys):  # noqa: F811
+    prefix = corpus["train"].removesuffix("_train")
+    assert main(["--out", str(tmp_path / "out"), "--data-prefix", prefix, "--iters", "2"]) == 2
+    assert "warms up for 2 iterations" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_precision_study_names_missing_data(tmp_path, capsys):

@@ -164,7 +164,7 @@ def _download(entry: DataFile, tmp: Path, timeout_s: float) -> None:
 
 
 def _fetch_one(entry: DataFile, opts: FetchOptions) -> str:
-    from repro.data.sampler import chmod_as_created  # (numpy: not imported by `repro --help`)
+    from repro.provenance import chmod_as_created
 
     dest = opts.data_dir / entry.path
     if dest.is_file() and sha256_file(dest) == entry.sha256:

@@ -34,20 +34,10 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from repro.provenance import chmod_as_created
+
 Sample = TypeVar("Sample")
 Batch = TypeVar("Batch")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def chmod_as_created(path: str | Path) -> None:
-    """Give a mkstemp file (0600) the mode open() would have created it with, 0666 & ~umask: a
-    file in a shared directory stays readable by the group's jobs."""
-    os.chmod(path, 0o666 & ~_umask())
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:

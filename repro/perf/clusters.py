@@ -7,17 +7,19 @@ A cluster file holds the fields of `repro.perf.scaling_model.Cluster`; `slurm/cl
 `h200.yaml` are the built-in two written out, to copy. Every field is required (a typo or a missing
 field is an error, not a default), and `baseline_fraction` is the one measured number: the fraction
 of peak that Table 1's config 1 (1.2B, batch 8, activation checkpointing) sustains on one of your
-GPUs, which `python -m repro.perf.gpu_bench --checkpointing on` prints as its HFU (its value sets
-the one GEMM efficiency the model assumes). The others come from spec sheets; the network ones can
+GPUs, which `python -m repro.perf.gpu_bench --out DIR --dtypes bf16 --checkpointing on --params fp32`
+prints as its HFU (its value sets the one GEMM efficiency the model assumes); `fused_attention`
+says whether attention runs as one flash / cuDNN kernel (true on Ampere and Hopper with torch's SDPA). The others come from spec sheets; the network ones can
 be measured with `repro comm-bench` (slurm/comm_bench.sh), which prints them in this form.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 
-from repro.perf.scaling_model import DGX2H, H200_CLUSTER, Cluster
+from repro.perf.scaling_model import DGX2H, H200_CLUSTER, Cluster, calibrate_gemm_efficiency
 
 BUILT_IN: dict[str, Cluster] = {"dgx2h": DGX2H, "h200": H200_CLUSTER}
 POSITIVE = ("peak_tflops", "hbm_gbps", "intra_gbps", "node_net_gbps", "memory_gib", "gpus_per_node")
@@ -67,14 +69,20 @@ def cluster_from_yaml(path: Path) -> Cluster:
 
 
 def check_cluster(cluster: Cluster, where: Path | str) -> None:
-    """Values a cluster can have: positive sizes and rates, a calibration fraction in (0, 1]."""
+    """Values a cluster can have: positive finite sizes and rates, a calibration fraction in (0, 1]
+    that leaves the GEMMs an efficiency in (0, 1]."""
     for name in POSITIVE:
-        if getattr(cluster, name) <= 0:
-            raise ClusterSpecError(f"{where}: {name}={getattr(cluster, name)} must be positive")
-    if min(cluster.alpha_intra_s, cluster.alpha_inter_s) < 0:
-        raise ClusterSpecError(f"{where}: the all-reduce latencies alpha_intra_s / alpha_inter_s cannot be negative")
+        if not 0 < getattr(cluster, name) < math.inf:  # NaN fails too
+            raise ClusterSpecError(f"{where}: {name}={getattr(cluster, name)} must be a positive number")
+    if not all(0 <= a < math.inf for a in (cluster.alpha_intra_s, cluster.alpha_inter_s)):
+        raise ClusterSpecError(f"{where}: the all-reduce latencies alpha_intra_s / alpha_inter_s must be "
+                               "numbers of seconds, 0 or more")
     if not 0 < cluster.baseline_fraction <= 1:
         raise ClusterSpecError(
             f"{where}: baseline_fraction={cluster.baseline_fraction} must be in (0, 1]: the fraction of peak "
             "that Table 1's config 1 sustains on one of your GPUs, with activation checkpointing. Measure it: "
             "python -m repro.perf.gpu_bench --out DIR --dtypes bf16 --checkpointing on --params fp32 (its HFU column)")
+    try:
+        calibrate_gemm_efficiency(cluster)
+    except ValueError as err:
+        raise ClusterSpecError(f"{where}: {err}") from None

@@ -49,6 +49,7 @@ def _bench(args) -> int:
 
     if args.rounds < 1:
         raise UserError(f"--rounds={args.rounds} must be at least 1")
+    _out_dir(args.out, "results/bench")
     st = BenchSettings(rounds=args.rounds, zero=not args.no_zero)
     if args.tiny:
         st = BenchSettings(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -82,6 +83,7 @@ def _comm_bench(args) -> int:
     sizes = parse_sizes(args.sizes)
     if args.iters < 1:
         raise UserError(f"--iters {args.iters}: time at least one all-reduce. Fix: e.g. --iters 10")
+    _out_dir(args.out, "results/bench/comm")
     if discover_launch_env().launched:  # by torchrun / srun
         pg = init_distributed(tp=1)
         report = rank_main(sizes, args.iters, warmup=3)
@@ -103,19 +105,20 @@ def _scaling(args) -> int:
     from repro.perf.scaling_model import write_tables
 
     clusters = [_cluster(spec) for spec in args.cluster] if args.cluster else None
-    _check_out_dir(args.out, "results/scaling_model")
+    _out_dir(args.out, "results/scaling_model")
     print(write_tables(args.out, clusters))
     return 0
 
 
-def _check_out_dir(out: Path, example: str) -> None:
-    """A UserError when `out`, or a folder above it, is a file (the tables go into a directory)."""
+def _out_dir(out: Path, example: str) -> Path:
+    """make_out_dir as a UserError: --out is created (or refused) before any work is done."""
     from repro.cli import UserError
+    from repro.provenance import OutDirError, make_out_dir
 
-    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise UserError(f"--out {out}: {blocking} is a file, not a directory (the tables are written "
-                        f"into a directory). Fix: give a directory path, e.g. --out {example}")
+    try:
+        return make_out_dir(out, example)
+    except OutDirError as err:
+        raise UserError(str(err)) from None
 
 
 def _cluster(spec: str):
@@ -150,6 +153,7 @@ def _plan(args) -> int:
     from repro.perf.plan import format_plan, plan, plan_dict
     from repro.train.config import RunConfigError, load_config
 
+    _check_plan_flags(args)
     if args.paper:
         return _plan_paper(args)
     cluster = _cluster(args.cluster or "h200")
@@ -171,17 +175,32 @@ def _plan(args) -> int:
     return 0
 
 
+def _check_plan_flags(args) -> None:
+    """A UserError for flags the chosen mode would ignore: --out is --paper's; a config, --gpus, --set and
+    --json are one config's."""
+    from repro.cli import UserError
+
+    if not args.paper and args.out is not None:
+        raise UserError("repro plan: --out writes the --paper table; one config's plan is printed. Fix: add "
+                        "--paper, or drop --out (--json prints the plan as JSON)")
+    ignored = [flag for flag, given in (("a config", args.config is not None), ("--gpus", args.gpus is not None),
+                                        ("--set", bool(args.set)), ("--json", args.json)) if given]
+    if args.paper and ignored:
+        raise UserError(f"repro plan --paper plans every slurm/ script's config at its own GPU count, so "
+                        f"{', '.join(ignored)} would be ignored. Fix: drop them, or plan that one config "
+                        "without --paper")
+
+
 def _plan_paper(args) -> int:
     from repro.perf.plan import paper_config_markdown, paper_config_rows
     from repro.perf.scaling_model import _csv
     from repro.provenance import write_atomic
 
     if args.out is not None:
-        _check_out_dir(args.out, "results/plan")
+        _out_dir(args.out, "results/plan")
     rows = paper_config_rows({args.cluster: _cluster(args.cluster)} if args.cluster else None)
     md = paper_config_markdown(rows)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         write_atomic(args.out / "paper_configs.csv", _csv(rows))
         write_atomic(args.out / "paper_configs.md", md.encode())
     print(md)

@@ -38,7 +38,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
-from repro.provenance import finite_json, measurement_provenance, write_atomic
+from repro.provenance import OutDirError, finite_json, make_out_dir, measurement_provenance, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 from repro.train.optim import DynamicLossScaler, clip_and_step
@@ -389,6 +389,11 @@ def plan(args) -> list[RunSpec]:
     for p in args.params.split(","):
         if p not in ("fp32", "half"):
             raise SystemExit(f"unknown --params {p!r}; choose from fp32, half")
+    for c in args.checkpointing.split(","):
+        if c.strip() not in ("on", "off"):
+            raise SystemExit(f"unknown --checkpointing {c!r}; choose from on, off (e.g. --checkpointing off,on)")
+    if args.batch < 1:
+        raise SystemExit(f"--batch {args.batch}: time at least one sequence a step (the paper's: --batch 8)")
     if args.compile_scope != "objective" and not (args.compile or args.compile_only):
         raise SystemExit(f"--compile-scope {args.compile_scope} needs --compile or --compile-only")
     if args.compile_mode != "default" and (args.compile_scope != "objective" or not (args.compile or args.compile_only)):
@@ -424,7 +429,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     name, cfg = _model_config(args)
-    args.out.mkdir(parents=True, exist_ok=True)
+    specs = plan(args)
+    try:
+        make_out_dir(args.out, "results/bench/gpu_h200_new")
+    except OutDirError as err:
+        raise SystemExit(f"error: {err}") from None
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     report = {"model": name, "config": asdict(cfg), "provenance": measurement_provenance(device, argv),
               "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 main grads, "
@@ -435,7 +444,6 @@ def main(argv: list[str] | None = None) -> int:
                                "(1 + s/6h + V/16lh) with checkpointing (Narayanan et al. 2021), V = padded vocab",
               "peak_source": entry.source if entry else "measured fp32 matmul (CPU)",
               "peak_tflops": None, "results": []}
-    specs = plan(args)
     model = build_model(cfg, device)
     cpu_peak = None if entry or device.type == "cuda" else measure_cpu_peak(512)
     for spec in specs:

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from repro.models.gpt import GPT
 from repro.models.sizes import get_size
 from repro.perf.gpu_bench import TINY, RunSpec, timed_step
+from repro.provenance import OutDirError, make_out_dir, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 
@@ -110,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="profile torch.compile(model.loss), as gpu_bench --compile")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        parser.error("no CUDA device: this profiles the 1.2B config on a GPU (hours on a CPU). Fix: run it on "
+                     "a GPU, or pass --tiny for a CPU smoke run")
+    try:
+        make_out_dir(args.out, "results/bench/gpu_h200_new")
+    except OutDirError as err:
+        parser.error(str(err))
     cfg = TINY if args.tiny else get_size(args.size).model_config()
     model = GPT(cfg, seed=0).to(device).train()
     spec = RunSpec("bf16", checkpointing=False, batch=args.batch, params=args.params)
@@ -131,14 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    args.out.mkdir(parents=True, exist_ok=True)
     recipe = "bf16 autocast over fp32 weights" if masters is None else "bf16 model, fp32 master weights"
     mode = "compiled" if args.compile else "eager"
     text = f"{args.size if not args.tiny else 'tiny'}, batch {args.batch}, {recipe}, {args.steps} steps, {mode}\n"
     text += _summary(prof, device.type, top=30, steps=args.steps)
     if device.type == "cuda":
         text += "\n" + _gaps(prof)
-    (args.out / f"profile_{args.params}{'_compiled' if args.compile else ''}.txt").write_text(text)
+    write_atomic(args.out / f"profile_{args.params}{'_compiled' if args.compile else ''}.txt", text)
     print(text)
     return 0
 

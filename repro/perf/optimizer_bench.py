@@ -26,7 +26,7 @@ import torch
 
 from repro.parallel.grads import global_grad_norm
 from repro.perf.gpu_bench import TINY, _sync, build_model
-from repro.provenance import finite_json, measurement_provenance, write_atomic
+from repro.provenance import OutDirError, finite_json, make_out_dir, measurement_provenance, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 from repro.train.optim import clip_and_step
@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="scaling-1.2b", help="a repro.models.sizes name")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args(argv)
+    try:
+        make_out_dir(args.out, "results/bench/gpu_h200_new/optimizer")
+    except OutDirError as err:
+        parser.error(str(err))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from repro.models.sizes import get_size
 
@@ -119,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
               "reps": args.reps, "parts": results,
               "provenance": measurement_provenance(device, sys.argv[1:] if argv is None else argv,
                                                   prog="python -m repro.perf.optimizer_bench")}
-    args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "optimizer.json", json.dumps(finite_json(report), indent=2, allow_nan=False))
     write_atomic(args.out / "optimizer.md", markdown(report))
     print(markdown(report))

@@ -130,9 +130,12 @@ class TimePlan:
 
 
 def dp_gradient_bytes(cfg: RunConfig) -> int:
-    """Bytes per gradient element the trainer all-reduces over DP: 2 only for a half-precision model
-    reducing in its own dtype (`main_grads: param`, the paper's recipe); fp32 main grads and fp32
+    """Bytes per gradient element the trainer reduces over DP: 2 for a half-precision model reducing in
+    its own dtype (`main_grads: param`, the paper's recipe) and for DeepSpeed ZeRO in bf16/fp16 (its
+    engine holds the half model and reduces its gradients in that dtype); fp32 main grads and fp32
     parameters (autocast) reduce fp32."""
+    if cfg.train.zero_stage > 0:
+        return 2 if cfg.precision.precision in ("bf16", "fp16") else 4
     return 2 if cfg.precision.params == "half" and cfg.precision.main_grads == "param" else 4
 
 

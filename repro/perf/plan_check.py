@@ -1,6 +1,6 @@
 """Check `repro plan`'s memory model against measured peaks; writes results/plan/memory_check.{json,md}.
 
-    python -m repro.perf.plan_check --out results/plan          # CPU: ~4 min on 2 cores
+    python -m repro.perf.plan_check --out results/plan          # CPU: under a minute on 2 cores
 
 CPU: the trainer itself (engine build and two steps of a 4-layer h=128 GPT on random tokens), for
 every precision recipe, attention kernel and checkpointing setting, with gradient accumulation, at
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from repro.provenance import git_sha, write_atomic
+from repro.provenance import OutDirError, git_sha, make_out_dir, write_atomic
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 CONFIGS = {"gpt": EXPERIMENTS / "tiny" / "gpt_tiny.yaml", "bert": EXPERIMENTS / "bert" / "tiny_cpu.yaml"}
@@ -171,12 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-json", type=Path, action="append", default=[],
                         help="a repro.perf.gpu_bench results JSON to compare with (repeatable)")
     args = parser.parse_args(argv)
+    for path in args.gpu_json:  # before the CPU checks' minutes, not after
+        if not path.is_file():
+            parser.error(f"--gpu-json {path}: no such file (a gpu_bench bench.json, e.g. "
+                         "results/bench/gpu_h200_2026-12-04/eager/bench.json)")
+    try:
+        make_out_dir(args.out, "results/plan")
+    except OutDirError as err:
+        parser.error(str(err))
     rows = run_cpu_checks() + [row for path in args.gpu_json for row in gpu_rows(path)]
     provenance = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                   "torch": torch.__version__, "git_sha": git_sha(),
                   "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": " ".join(["python -m repro.perf.plan_check", *(argv if argv is not None else sys.argv[1:])])}
-    args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "memory_check.json", json.dumps({"provenance": provenance, "rows": rows}, indent=2).encode())
     md = markdown(rows, provenance)
     write_atomic(args.out / "memory_check.md", md.encode())

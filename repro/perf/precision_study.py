@@ -20,13 +20,14 @@ import argparse
 import datetime
 import io
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
 
 from repro.parallel.spawn import run_ranks
-from repro.provenance import git_sha, write_atomic
+from repro.provenance import OutDirError, git_sha, make_out_dir, write_atomic
 from repro.tracking.logger import read_metrics
 from repro.train.commands import train_rank
 
@@ -106,6 +107,12 @@ def write_results(losses: pd.DataFrame, out: Path, argv: list[str], iters: int) 
     write_atomic(out / "curves.png", plot_png(losses))
 
 
+def _warmup_iters() -> int:
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(CONFIG).optim.lr_warmup_iters)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -114,17 +121,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="prepared corpus prefix with _train/_valid (default: the one `make demo` writes)")
     parser.add_argument("--iters", type=int, default=150)
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs/precision_study",
-                        help="where the four training runs (metrics, checkpoints) go")
+                        help="where each invocation's four training runs (metrics, checkpoints) go, in a "
+                             "new study-* folder")
     args = parser.parse_args(argv)
     if not Path(f"{args.data_prefix}_train.idx").exists():
         print(f"error: no prepared corpus at {args.data_prefix}_train.idx: run `make demo` (it prepares "
               f"data/wt2_gpt) or pass --data-prefix of a `repro data prepare` output", file=sys.stderr)
         return 2
-    if args.iters < 2:
-        print("error: --iters must be at least 2", file=sys.stderr)
+    shortest = _warmup_iters() + 1  # the cosine decay must start after the warm-up
+    if args.iters < shortest:
+        print(f"error: --iters {args.iters}: {CONFIG.name} warms up for {shortest - 1} iterations, so train at "
+              f"least {shortest}. Fix: e.g. --iters 150", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    losses = recipe_losses(args.data_prefix, args.runs_dir, args.iters)
+    try:
+        make_out_dir(args.out, "results/precision")
+    except OutDirError as err:
+        parser.error(str(err))
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    runs = Path(tempfile.mkdtemp(prefix="study-", dir=args.runs_dir))  # never an earlier study's finished runs
+    losses = recipe_losses(args.data_prefix, runs, args.iters)
     write_results(losses, args.out, argv, args.iters)
     print((args.out / "table.md").read_text())
     return 0

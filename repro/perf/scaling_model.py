@@ -9,8 +9,10 @@ Assumptions (global; nothing is fitted per point):
   H200 cluster our own measured H200 HFU with checkpointing, results/bench/gpu).
 - Element-wise work is memory-bound at the device's HBM bandwidth, 2-byte elements, passes per
   layer and iteration counted x4 (forward, recomputed forward, backward ~2x): replicated on every TP
-  rank 16 b s h (two layer norms, dropouts, residual adds); sharded over TP 8 b nh s^2 (scale,
-  mask, softmax, dropout) + 20 b s h (GeLU, biases).
+  rank 16 b s h (two layer norms, dropouts, residual adds); sharded over TP 20 b s h (GeLU,
+  biases), plus 8 b nh s^2 (scale, mask, softmax, dropout of the attention scores) on a cluster
+  without fused attention (the paper's V100s); with it (`fused_attention`: flash / cuDNN attention
+  on Ampere and Hopper) the scores never reach HBM and that term is 0.
 - TP all-reduces: 6 per layer per iteration of b s h fp16 (2 forward, 2 in the recomputed forward,
   2 backward), ring inside one node: 2 (p-1)/p M / bw + 2 (p-1) alpha, bw = one direction of NVLink
   (a TP group wider than a node: each GPU's share of the node's network instead).
@@ -48,11 +50,12 @@ class Cluster:
     alpha_intra_s: float = 10e-6
     alpha_inter_s: float = 20e-6
     memory_gib: float = 0.0  # one GPU's memory as torch.cuda reports it (total_memory)
+    fused_attention: bool = False  # attention scores stay on chip (flash / cuDNN), not in HBM
 
 
 DGX2H = Cluster("DGX-2H (V100 SXM3)", 125.0, 39.0 / 125.0, 900.0, 16, 150.0, 100.0, memory_gib=31.7)
 H200_CLUSTER = Cluster("DGX H200 (8x H200 SXM, 8x400 Gb/s IB)", 989.0, 0.34, 4800.0, 8, 450.0, 400.0,
-                       memory_gib=139.8)
+                       memory_gib=139.8, fused_attention=True)
 
 def paper_table1() -> list[tuple[str, int, float, int, float]]:
     """Table 1 / Fig. 5 from repro/analysis/paper_values.csv: (size, TP GPUs, TP efficiency, TP+DP GPUs,
@@ -89,11 +92,12 @@ def tp_bandwidth_gbps(cl: Cluster, tp: int) -> tuple[float, float]:
     return min(cl.intra_gbps, cl.node_net_gbps / cl.gpus_per_node), cl.alpha_inter_s
 
 
-def _elementwise_bytes(cfg: ModelConfig, batch: int, recompute: bool = True) -> tuple[float, float]:
+def _elementwise_bytes(cfg: ModelConfig, batch: int, cl: Cluster, recompute: bool = True) -> tuple[float, float]:
     b, s, h, nh, l = batch, cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers
     passes = 4 if recompute else 3  # forward, (recomputed forward), backward ~2x
     replicated = passes * l * 16 * b * s * h * 2
-    sharded = passes * l * (8 * b * nh * s * s + 20 * b * s * h) * 2
+    scores = 0 if cl.fused_attention else 8 * b * nh * s * s
+    sharded = passes * l * (scores + 20 * b * s * h) * 2
     return replicated, sharded
 
 
@@ -106,7 +110,7 @@ def iteration_time(cfg: ModelConfig, batch: int, tp: int, dp: int, cl: Cluster, 
     heads = 3 * bert_head_flops(cfg, batch) if bert else 0.0  # replicated on every TP rank
     gemm = ((flops_per_iteration(cfg, batch, recompute=recompute, bert=bert) - heads) / tp + heads) \
         / (cl.peak_tflops * 1e12 * gemm_eff)
-    repl, shard = _elementwise_bytes(cfg, batch, recompute)
+    repl, shard = _elementwise_bytes(cfg, batch, cl, recompute)
     bsh_bytes = batch * cfg.seq_length * cfg.hidden_size * 2
     tp_comm = (6 if recompute else 4) * cfg.num_layers * ring_allreduce_s(bsh_bytes, tp, *tp_bandwidth_gbps(cl, tp))
     bw, alpha = dp_bandwidth_gbps(cl, tp, dp)
@@ -122,11 +126,17 @@ def calibrate_gemm_efficiency(cl: Cluster, batch: int = 8) -> float:
     """The one GEMM efficiency at which config 1 on one GPU sustains cl.baseline_fraction of peak."""
     cfg = get_size("scaling-1.2b").model_config()
     target_s = flops_per_iteration(cfg, batch, recompute=True) / (cl.peak_tflops * 1e12 * cl.baseline_fraction)
-    repl, shard = _elementwise_bytes(cfg, batch)
+    repl, shard = _elementwise_bytes(cfg, batch, cl)
     gemm_s = target_s - (repl + shard) / (cl.hbm_gbps * 1e9)
-    if gemm_s <= 0:
-        raise ValueError(f"{cl.name}: element-wise time alone exceeds the baseline iteration time")
-    return flops_per_iteration(cfg, batch, recompute=True) / (cl.peak_tflops * 1e12) / gemm_s
+    efficiency = flops_per_iteration(cfg, batch, recompute=True) / (cl.peak_tflops * 1e12) / gemm_s if gemm_s > 0 else 0
+    if not 0 < efficiency <= 1:
+        raise ValueError(
+            f"{cl.name}: baseline_fraction={cl.baseline_fraction} with hbm_gbps={cl.hbm_gbps:g} leaves "
+            + (f"the GEMMs {efficiency:.0%} of peak" if gemm_s > 0 else "no time for the GEMMs")
+            + " (the element-wise passes at that bandwidth take the rest of the measured step). Fix: check "
+            "both; baseline_fraction is the HFU of config 1 with checkpointing (python -m repro.perf.gpu_bench "
+            "--dtypes bf16 --checkpointing on --params fp32), and fused_attention: true if the GPU runs flash attention")
+    return efficiency
 
 
 def weak_scaling(cl: Cluster, batch: int = 8) -> list[dict]:

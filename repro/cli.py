@@ -102,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    from repro.provenance import OutDirError  # an --out that is a file: the user's to fix, like a UserError
+
     try:
         return int(args.func(args) or 0)
-    except UserError as err:
+    except (UserError, OutDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

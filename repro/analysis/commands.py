@@ -42,7 +42,7 @@ def _report(args) -> int:
     from repro.analysis.notebook import NOTEBOOKS, NotebookError
     from repro.analysis.runs import StoreError, resolve_uri, run_counts
     from repro.cli import UserError
-    from repro.provenance import OutDirError, make_out_dir
+    from repro.provenance import make_out_dir
     from repro.tracking.store import project_root
 
     uri = resolve_uri(args.tracking_uri)
@@ -54,10 +54,7 @@ def _report(args) -> int:
         raise UserError(empty_store_message(uri, counts))
     print(f"tracking store {uri}: " + ", ".join(f"{k} {v} run(s)" for k, v in counts.items()))
     out = Path(args.out).resolve() if args.out else project_root() / "results"
-    try:
-        make_out_dir(out, "/tmp/report")
-    except OutDirError as err:
-        raise UserError(str(err)) from None
+    make_out_dir(out, "/tmp/report")
     try:
         tables = run_report(uri, out, tuple(args.only or NOTEBOOKS))
     except NotebookError as err:

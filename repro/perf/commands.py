@@ -46,10 +46,11 @@ def _bench(args) -> int:
 
     from repro.cli import UserError
     from repro.perf.bench import BenchSettings, run_bench
+    from repro.provenance import make_out_dir
 
     if args.rounds < 1:
         raise UserError(f"--rounds={args.rounds} must be at least 1")
-    _out_dir(args.out, "results/bench")
+    make_out_dir(args.out, "results/bench")
     st = BenchSettings(rounds=args.rounds, zero=not args.no_zero)
     if args.tiny:
         st = BenchSettings(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -79,11 +80,12 @@ def _comm_bench(args) -> int:
     from repro.parallel.groups import default_backend, discover_launch_env, init_distributed
     from repro.parallel.spawn import check_gpu_count, run_ranks
     from repro.perf.comm_bench import rank_main, write_report
+    from repro.provenance import make_out_dir
 
     sizes = parse_sizes(args.sizes)
     if args.iters < 1:
         raise UserError(f"--iters {args.iters}: time at least one all-reduce. Fix: e.g. --iters 10")
-    _out_dir(args.out, "results/bench/comm")
+    make_out_dir(args.out, "results/bench/comm")
     if discover_launch_env().launched:  # by torchrun / srun
         pg = init_distributed(tp=1)
         report = rank_main(sizes, args.iters, warmup=3)
@@ -103,22 +105,12 @@ def _comm_bench(args) -> int:
 
 def _scaling(args) -> int:
     from repro.perf.scaling_model import write_tables
+    from repro.provenance import make_out_dir
 
     clusters = [_cluster(spec) for spec in args.cluster] if args.cluster else None
-    _out_dir(args.out, "results/scaling_model")
+    make_out_dir(args.out, "results/scaling_model")
     print(write_tables(args.out, clusters))
     return 0
-
-
-def _out_dir(out: Path, example: str) -> Path:
-    """make_out_dir as a UserError: --out is created (or refused) before any work is done."""
-    from repro.cli import UserError
-    from repro.provenance import OutDirError, make_out_dir
-
-    try:
-        return make_out_dir(out, example)
-    except OutDirError as err:
-        raise UserError(str(err)) from None
 
 
 def _cluster(spec: str):
@@ -194,10 +186,10 @@ def _check_plan_flags(args) -> None:
 def _plan_paper(args) -> int:
     from repro.perf.plan import paper_config_markdown, paper_config_rows
     from repro.perf.scaling_model import _csv
-    from repro.provenance import write_atomic
+    from repro.provenance import make_out_dir, write_atomic
 
     if args.out is not None:
-        _out_dir(args.out, "results/plan")
+        make_out_dir(args.out, "results/plan")
     rows = paper_config_rows({args.cluster: _cluster(args.cluster)} if args.cluster else None)
     md = paper_config_markdown(rows)
     if args.out is not None:

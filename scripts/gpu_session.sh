@@ -10,16 +10,18 @@
 # nvidia_smi.txt; profile_half_compiled.txt (kernel profile of two compiled bf16 half-parameter steps
 # with kernel time by kind and gpu_gaps' account of where the GPU sits idle, by the host op that
 # launched late: roughly 11-17 ms of the 160 ms eager step on 2026-12-04); headline/ (compiled bf16,
-# half-precision parameters, no activation checkpointing, the trainer's clip); eager_hooks/ and
-# eager_half_grads/ (eager bf16 half with the trainer's per-parameter main-grad hooks and without
-# them, gradients cast once after backward: is the hooks' host time what idles the GPU?);
+# half-precision parameters, no activation checkpointing, the trainer's clip); headline_flat/ (the
+# same with `--optimizer flat`: repro.train.flat_adamw's one kernel per bucket for the fused AdamW and
+# the copy of the masters into the model, about 5 GB less traffic; the trainer's optim.flat_step);
 # headline_cudagraphs/ (the headline under torch.compile's reduce-overhead mode, CUDA graphs: is it
 # kernel launches?); headline_half_grads/ (the headline without the hooks: a compiled backward hands
 # all 485 gradients over at its end, each to a Python hook); optimizer/
 # (optimizer_bench: the optimizer phase by part); trainer_compiled/ (`repro train
 # experiments/scaling/scale_1b.yaml --set train.compile=true`, Table 1 config 1 in the paper's fp16
 # recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which `repro
-# tracking sync` turns into an MLflow run; its checkpoint is deleted). Part 2: eager/ (bf16/fp16 x
+# tracking sync` turns into an MLflow run; its checkpoint is deleted). Part 2: eager_hooks/ and
+# eager_half_grads/ (eager bf16 half with the trainer's per-parameter main-grad hooks and without
+# them, gradients cast once after backward: is the hooks' host time what idles the GPU?); eager/ (bf16/fp16 x
 # activation checkpointing x autocast-over-fp32 vs half-precision parameters) and eager_fold_clip/
 # (bf16 half with the clip folded into the fused AdamW, the CPU's way, against eager/'s foreach clip);
 # compile/ (compiled, fp32 parameters), compile_ckpt_half/ (compiled, half parameters, checkpointing
@@ -102,11 +104,13 @@ if [[ "$part" != 2 ]]; then
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline" --dtypes bf16 --checkpointing off \
     --params half --compile-only --budget-s 110
 
-  step "two suspects of the idle GPU: the main-grad hooks (eager with and without; compiled without) and launch overhead (CUDA graphs)"
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_hooks" --dtypes bf16 --checkpointing off \
-    --params half --budget-s 30
-  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_half_grads" --dtypes bf16 --checkpointing off \
-    --params half --main-grads param --budget-s 30
+  if [[ "${COMPILE:-1}" == 1 ]]; then
+    step "headline with the flat AdamW (one kernel per bucket steps the masters and rounds them into the model)"
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_flat" --dtypes bf16 --checkpointing off \
+      --params half --compile-only --optimizer flat --budget-s 110
+  fi
+
+  step "two suspects of the idle GPU, compiled: launch overhead (CUDA graphs) and the main-grad hooks (without them)"
   if [[ "${COMPILE:-1}" == 1 ]]; then
     "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_cudagraphs" --dtypes bf16 --checkpointing off \
       --params half --compile-only --compile-mode reduce-overhead --budget-s 110
@@ -124,6 +128,12 @@ if [[ "$part" != 2 ]]; then
 fi
 
 if [[ "$part" != 1 ]]; then
+  step "eager: the main-grad hooks, with and without"
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_hooks" --dtypes bf16 --checkpointing off \
+    --params half --budget-s 30
+  "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_half_grads" --dtypes bf16 --checkpointing off \
+    --params half --main-grads param --budget-s 30
+
   step "eager: bf16/fp16 x checkpointing x params, and bf16 half with the clip folded into the fused AdamW"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager" --dtypes bf16,fp16 --checkpointing off,on \
     --params fp32,half --budget-s 150

@@ -111,6 +111,27 @@ def test_half_params_run_restores_the_fp32_model(tmp_path):
     assert changed and all((before[n] - after[n]).abs().max() < 1e-3 for n in before)  # 3 steps at lr 1e-5
 
 
+def test_flat_optimizer_run_steps_and_restores_the_fp32_model():
+    """`--optimizer flat` (repro.train.flat_adamw) times the half model with its masters and
+    parameters in flat buffers and still hands the next configuration the fp32 model."""
+    model = gpu_bench.build_model(gpu_bench.TINY, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    spec = gpu_bench.RunSpec("bf16", False, 2, params="half", optimizer="flat")
+    result = gpu_bench.run_config(model, gpu_bench.TINY, spec, torch.device("cpu"), 2, 1, None, float("inf"))
+    assert result.status == "ok" and result.steps_timed == 2, result.error
+    after = dict(model.named_parameters())
+    assert {p.dtype for p in after.values()} == {torch.float32}
+    assert all(0 < (before[n] - after[n]).abs().max() < 1e-3 for n in before if n.endswith("weight"))
+    assert "flat AdamW" in gpu_bench._params_label(asdict(spec))
+
+
+@pytest.mark.parametrize("flags", [["--params", "fp32,half"], ["--params", "half", "--main-grads", "param"],
+                                   ["--params", "half", "--foreach-clip"]])
+def test_flat_optimizer_refuses_what_it_cannot_time(flags):
+    with pytest.raises(SystemExit, match="--optimizer flat"):
+        gpu_bench.plan(gpu_bench.parse_args(["--out", "x", "--optimizer", "flat", *flags]))
+
+
 def test_fp32_has_no_half_params_configuration(tmp_path):
     report = _run(tmp_path, "--dtypes", "fp32", "--checkpointing", "off")
     assert [r["spec"]["params"] for r in report["results"]] == ["fp32"]
@@ -272,9 +293,10 @@ def test_optimizer_bench_tiny_times_every_part(tmp_path):
 
     assert optimizer_bench.main(["--out", str(tmp_path), "--tiny", "--reps", "2"]) == 0
     report = json.loads((tmp_path / "optimizer.json").read_text())
-    assert len(report["parts"]) == 10 and report["parameters"] > 0
+    assert len(report["parts"]) == 12 and report["parameters"] > 0
     assert all(r["wall_ms"] >= 0 and r["cpu_ms"] >= 0 for r in report["parts"].values())
-    assert "| fused AdamW step |" in (tmp_path / "optimizer.md").read_text()
+    text = (tmp_path / "optimizer.md").read_text()
+    assert "| fused AdamW step |" in text and "| FlatMasterAdamW step" in text
 
 
 def test_half_gradients_cast_after_backward_train_as_the_main_grad_hooks():

@@ -138,7 +138,9 @@ def test_main_grads_start_buckets_in_order():
     model = _UsedInReverse()
     masters = MasterWeights(model, torch.bfloat16)
     main = Recording(masters.pairs(), bucket_numel=20)  # bucket 0: second.*, bucket 1: first.*
-    assert [len(b.params) for b in main.buckets] == [2, 2] and main.buckets[1].params[1] is model.first.weight
+    # in backward order (bias, then weight), laid out matrices first (flat AdamW's two runs a bucket)
+    assert [len(b.params) for b in main.buckets] == [2, 2] and main.buckets[1].params == [model.first.weight,
+                                                                                         model.first.bias]
     model(torch.ones(3, 4, dtype=torch.bfloat16)).sum().backward()
     assert launches == [(0, 2), (1, 2)]  # bucket 1 was complete first and waited for bucket 0
     main.finish()

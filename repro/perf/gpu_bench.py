@@ -18,7 +18,8 @@ the GPU still runs the one before, as in the trainer (until 2026-12-04 a sync be
 the optimizer's Python time: 6-8 ms a step on an H200). A configuration that fails (OOM or other
 error) is recorded, not raised; after a total time budget the script stops. JSON and Markdown are
 rewritten atomically after every configuration, with provenance (device, versions, date, git SHA,
-command).
+command). `--optimizer flat` replaces the half-parameter recipe's fused AdamW and its copy of the
+masters into the model by one compiled kernel per flat main-grad bucket (repro.train.flat_adamw).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
 from repro.provenance import OutDirError, finite_json, make_out_dir, measurement_provenance, write_atomic
+from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 from repro.train.optim import DynamicLossScaler, clip_and_step
@@ -69,6 +71,10 @@ class RunSpec:
     main_grads: str = "fp32"
     """With params half: fp32 main grads added by a hook per parameter during backward (the trainer's
     default), or `param`: half gradients cast to fp32 once in the optimizer phase (no hooks)."""
+    optimizer: str = "torch"
+    """torch: the fused torch AdamW, then the masters copied into the half model (the trainer's step);
+    flat (params half, fp32 main grads): one compiled kernel per flat main-grad bucket that steps the
+    masters and rounds them into the model (repro.train.flat_adamw), the clip folded into it."""
 
 
 @dataclass
@@ -150,7 +156,7 @@ class PhaseClock:
 
 
 def timed_step(model, loss_fn, opt, scaler: DynamicLossScaler | None, ids, spec: RunSpec, device,
-                masters=None, main=None) -> tuple[dict[str, float], float]:
+                masters=None, main=None, flat: FlatMasterAdamW | None = None) -> tuple[dict[str, float], float]:
     """One training step as the trainer's (repro.train.step); returns its seconds (`step`, wall clock
     from the first launch to the end of the step's one host sync, which reads the loss as the trainer's
     divergence check does) and per phase (`PhaseClock`), and the loss value."""
@@ -169,10 +175,10 @@ def timed_step(model, loss_fn, opt, scaler: DynamicLossScaler | None, ids, spec:
         stepped = masters.grads_to_masters()
     else:
         stepped = [p for p in model.parameters() if p.grad is not None]
-    _, skipped = clip_and_step(opt, stepped, spec.clip, scaler=scaler, fold=spec.fold_clip)
+    _, skipped = clip_and_step(opt, stepped, spec.clip, scaler=scaler, fold=spec.fold_clip, flat=flat)
     if scaler is not None:
         scaler.update(skipped)
-    if masters is not None and not skipped:
+    if masters is not None and not skipped and flat is None:  # the flat kernel rounded them in already
         masters.masters_to_model()
     if main is None:  # main grads are overwritten by the next step's first gradient
         opt.zero_grad(set_to_none=True)
@@ -262,6 +268,7 @@ def _time_steps(result, model, cfg, spec, device, steps, warmup, peak, deadline,
 
 def _time_compiled(result, model, loss_fn, cfg, spec, device, steps, warmup, peak, deadline, masters, main) -> None:
     opt = torch.optim.AdamW((masters or model).parameters(), lr=1e-5, weight_decay=0.01, fused=True)
+    flat = FlatMasterAdamW(opt, masters, main) if spec.optimizer == "flat" else None  # before the first compiled call
     scaler = DynamicLossScaler(scale=2.0**16) if spec.dtype == "fp16" else None  # GradScaler's start
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (spec.batch, cfg.seq_length), generator=gen).to(device)
@@ -272,7 +279,7 @@ def _time_compiled(result, model, loss_fn, cfg, spec, device, steps, warmup, pea
         if time.monotonic() > deadline:
             result.error = f"time budget reached after {len(phases)} timed steps"
             break
-        timing, loss = timed_step(model, loss_fn, opt, scaler, ids, spec, device, masters, main)
+        timing, loss = timed_step(model, loss_fn, opt, scaler, ids, spec, device, masters, main, flat)
         losses.append(loss)
         if i >= warmup:
             phases.append(timing)
@@ -321,6 +328,8 @@ def _compiled(spec: dict) -> str:
 
 def _params_label(spec: dict) -> str:
     grads = ", half grads" if spec.get("params") == "half" and spec.get("main_grads", "fp32") == "param" else ""
+    if spec.get("optimizer", "torch") == "flat":
+        return f"{spec['params']}{grads}, flat AdamW"
     return f"{spec.get('params', 'fp32')}{grads}{_clip_label(spec.get('fold_clip', True))}"
 
 
@@ -376,6 +385,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--main-grads", default="fp32", choices=("fp32", "param"),
                         help="with params half: fp32 main grads by a hook per parameter during backward (the "
                              "trainer's default), or half gradients cast to fp32 once after backward")
+    parser.add_argument("--optimizer", default="torch", choices=("torch", "flat"),
+                        help="torch: fused torch AdamW, then the masters copied into the model (the trainer's step); "
+                             "flat (--params half, fp32 main grads): one compiled kernel per flat bucket does both")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return parser.parse_args(argv)
 
@@ -398,10 +410,14 @@ def plan(args) -> list[RunSpec]:
         raise SystemExit(f"--compile-scope {args.compile_scope} needs --compile or --compile-only")
     if args.compile_mode != "default" and (args.compile_scope != "objective" or not (args.compile or args.compile_only)):
         raise SystemExit(f"--compile-mode {args.compile_mode} needs --compile or --compile-only (whole-step scope)")
+    if args.optimizer == "flat" and (args.params != "half" or args.main_grads != "fp32" or args.fold_clip is not None):
+        raise SystemExit("--optimizer flat steps the fp32 masters over the flat main-grad buckets and folds the clip "
+                         "into its kernel: use it with --params half, without --main-grads param and --fold-clip/--foreach-clip")
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]
-    common = {"clip": args.clip, "fold_clip": args.fold_clip, "main_grads": args.main_grads}
+    common = {"clip": args.clip, "fold_clip": args.fold_clip, "main_grads": args.main_grads,
+              "optimizer": args.optimizer}
     specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, **common) for d, c, p in combos]
     if args.compile or args.compile_only:
         specs += [RunSpec(d, c, args.batch, compile=True, params=p, compile_scope=args.compile_scope,

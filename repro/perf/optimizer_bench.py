@@ -27,6 +27,7 @@ import torch
 from repro.parallel.grads import global_grad_norm
 from repro.perf.gpu_bench import TINY, _sync, build_model
 from repro.provenance import OutDirError, finite_json, make_out_dir, measurement_provenance, write_atomic
+from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 from repro.train.optim import clip_and_step
@@ -66,12 +67,19 @@ def parts(model, masters: MasterWeights, main: MainGrads, device) -> dict[str, C
     for f, b in zip(flat, main.buckets):
         f.grad = b.flat
     flat_opt = torch.optim.AdamW(flat, lr=1e-8, weight_decay=0.01, fused=device.type == "cuda")
+    # its own AdamW state; the masters and model parameters become views of its flat buffers
+    flat_master = FlatMasterAdamW(torch.optim.AdamW(params, lr=1e-8, weight_decay=0.01), masters, main)
+    one = torch.ones((), device=device)
 
     def phase():
         _all_written(main)
         stepped = main.finish()
         clip_and_step(opt, stepped, 1.0)
         masters.masters_to_model()
+
+    def flat_phase():
+        _all_written(main)
+        clip_and_step(opt, main.finish(), 1.0, flat=flat_master)
 
     return {
         "whole phase (finish, norm, folded clip + fused AdamW, masters to model)": phase,
@@ -84,6 +92,8 @@ def parts(model, masters: MasterWeights, main: MainGrads, device) -> dict[str, C
         "clip_and_step, foreach clip then fused AdamW": lambda: clip_and_step(opt, params, 1.0, fold=False),
         f"fused AdamW step on {len(flat)} flat buckets": flat_opt.step,
         "masters_to_model (_foreach_copy_ fp32 -> bf16)": masters.masters_to_model,
+        "FlatMasterAdamW step (AdamW + masters to model in one kernel a run)": lambda: flat_master.step(one),
+        "whole phase, flat (finish, norm, FlatMasterAdamW with the clip folded)": flat_phase,
     }
 
 

@@ -57,6 +57,12 @@ class OptimConfig:
     """torch's fused AdamW kernel (CPU and CUDA; false: its foreach implementation, with the clip
     2.7x slower on a CPU, results/bench/bench_cpu.md part d). It also applies the fp16 unscale and the
     clip: both go in as its gradient divisor, with no pass over the gradients of their own."""
+    flat_step: bool = False
+    """With precision.params=half and main_grads=fp32 (no ZeRO): step the fp32 masters with one
+    compiled kernel per flat main-grad bucket that also rounds them into the half model, instead of
+    the fused AdamW and a copy pass (repro.train.flat_adamw; same checkpoints, fp32 rounding apart).
+    Compiled on a GPU, eager on CPU. Off by default until a GPU measures it faster (`gpu_bench
+    --optimizer flat`)."""
 
 
 @dataclass
@@ -362,6 +368,11 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
         raise RunConfigError("precision.params=half needs precision=bf16 or fp16: set one, or params=fp32")
     if cfg.precision.main_grads not in ("fp32", "param"):
         raise RunConfigError(f"precision.main_grads={cfg.precision.main_grads!r}: use fp32 or param")
+    if cfg.optim.flat_step and not (cfg.precision.params == "half" and cfg.precision.main_grads == "fp32"
+                                    and not t.zero_stage):
+        raise RunConfigError("optim.flat_step steps the fp32 masters of a half model over its fp32 main-grad buckets: "
+                             "set precision.params=half and precision.main_grads=fp32 without ZeRO "
+                             "(train.zero_stage=0), or optim.flat_step=false")
     if cfg.optim.lr_decay_iters is not None and cfg.optim.lr_decay_iters <= cfg.optim.lr_warmup_iters:
         raise RunConfigError(
             f"optim.lr_decay_iters={cfg.optim.lr_decay_iters} is not above optim.lr_warmup_iters="
@@ -402,7 +413,7 @@ def to_yaml(cfg: RunConfig) -> str:
 # files must hold the same data (the position in it is the checkpoint's consumed_samples).
 RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
                "train.eval_interval", "train.eval_iters", "train.exit_duration_minutes", "train.compile",
-               "train.compile_scope", "train.zero_overlap_comm",
+               "train.compile_scope", "train.zero_overlap_comm", "optim.flat_step",
                "model.activation_checkpointing",
                "tracking.", "data.")
 

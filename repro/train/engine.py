@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from repro.parallel.groups import ProcessGroups, cuda_index
 from repro.parallel.random import RNGTracker, seed_default_generators
 from repro.train.config import Derived, RunConfig
+from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 from repro.train.objectives import build_model, build_objective
@@ -48,6 +49,8 @@ class Engine:
     """fp32 master weights of a half-precision model (precision.params: half), else None."""
     main_grads: MainGrads | None = None
     """fp32 gradient accumulation and DP all-reduce of a half model (precision.main_grads: fp32)."""
+    flat_step: FlatMasterAdamW | None = None
+    """The masters' AdamW step over the main-grad buckets, rounding into the model (optim.flat_step)."""
 
     def autocast(self):
         """Autocast for bf16/fp16 over fp32 parameters (a half model and DeepSpeed need none)."""
@@ -136,13 +139,15 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
             config=deepspeed_config(cfg, derived), dist_init_required=False)
         return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, None, rng, True)
     wrapped = compiled(objective, model, compile_scope(cfg, pg.dp_size, pg.tp_size)) if cfg.train.compile else objective
-    main_grads = None
+    main_grads = flat_step = None
     if masters is not None and cfg.precision.main_grads == "fp32":
         main_grads = MainGrads(masters.pairs(), pg.dp_group)
+        if cfg.optim.flat_step:  # before the compiled objective's first call: parameters move into flat buffers
+            flat_step = FlatMasterAdamW(optimizer, masters, main_grads)
     elif pg.dp_size > 1:
         wrapped = DistributedDataParallel(wrapped, process_group=pg.dp_group, gradient_as_bucket_view=True,
                                           device_ids=[device.index] if device.type == "cuda" else None)
         # gradient_as_bucket_view: .grad are views of DDP's buckets, not a second copy of every gradient
     scaler = DynamicLossScaler.from_config(cfg.precision) if cfg.precision.precision == "fp16" else None
     return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, scaler, rng,
-                  masters=masters, main_grads=main_grads)
+                  masters=masters, main_grads=main_grads, flat_step=flat_step)

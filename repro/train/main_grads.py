@@ -42,6 +42,8 @@ class _Bucket:
 class _Slot:
     view: torch.Tensor
     bucket: _Bucket
+    offset: int
+    """Where `view` starts in `bucket.flat` (elements)."""
     written: bool = field(default=False)
 
 
@@ -63,13 +65,16 @@ class MainGrads:
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p, _ in pairs]
 
     def _bucket(self, group: list[nn.Parameter], master_of: dict) -> _Bucket:
+        # weight matrices first, then the 1-D parameters AdamW does not decay: a fused optimizer over the
+        # flat buffer (repro.train.flat_adamw) then makes two contiguous runs per bucket, not one per layer
+        group = sorted(group, key=lambda p: p.ndim < 2)
         flat = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=group[0].device)
         bucket = _Bucket(flat, group, pending=len(group))
         offset = 0
         for p in group:
             view = flat[offset:offset + p.numel()].view_as(p)
             master_of[p].grad = view
-            self.slots[p] = _Slot(view, bucket)
+            self.slots[p] = _Slot(view, bucket, offset)
             offset += p.numel()
         return bucket
 

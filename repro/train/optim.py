@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from repro.parallel.grads import clip_coefficient, clip_grad_norm, global_grad_norm, uncounted_sum_of_squares
 from repro.train.config import OptimConfig, PrecisionConfig
+
+if TYPE_CHECKING:
+    from repro.train.flat_adamw import FlatMasterAdamW
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -34,7 +39,7 @@ def uses_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
 
 def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], clip: float, tp_group=None,
                   scaler: "DynamicLossScaler | None" = None, world_group=None,
-                  fold: bool | None = None) -> tuple[torch.Tensor | None, bool]:
+                  fold: bool | None = None, flat: "FlatMasterAdamW | None" = None) -> tuple[torch.Tensor | None, bool]:
     """Unscale the gradients of `params` (fp16), clip them to the TP-aware global norm `clip` (0: no
     clip) and step, unless a gradient overflowed on some rank of `world_group`. Returns the norm before
     clipping (None on overflow) and whether the step was skipped.
@@ -43,12 +48,18 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parame
     divisor (`grad_scale`, the input GradScaler unscales through) instead of foreach passes over the
     gradients before the step. Both round alike to within a few ulps. By default (None) only on CPU:
     on an H200 the fused AdamW with a `grad_scale` took about 3 ms more over 1.2B parameters than
-    without, more than the clip pass it saves (results/bench/gpu_h200_2026-12-04)."""
+    without, more than the clip pass it saves (results/bench/gpu_h200_2026-12-04).
+
+    `flat`: step `optimizer`'s masters by this flat kernel instead (repro.train.flat_adamw), which
+    divides by the folded scale at no extra cost and also rounds the masters into the half model."""
+    if flat is not None:
+        return _fused_clip_and_step(flat.step, params, clip, tp_group, scaler, world_group)
     device = params[0].grad.device if params else torch.device("cpu")
     if fold is None:
         fold = device.type == "cpu"
     if fold and uses_fused_kernel(optimizer):
-        return _fused_clip_and_step(optimizer, params, clip, tp_group, scaler, world_group)
+        return _fused_clip_and_step(partial(_step_with_grad_scale, optimizer), params, clip, tp_group, scaler,
+                                    world_group)
     if scaler is not None and scaler.unscale_and_check(params, device, world_group):
         return None, True
     norm = clip_grad_norm(params, clip, tp_group) if clip > 0 else global_grad_norm(params, tp_group)
@@ -56,18 +67,25 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parame
     return norm, False
 
 
-def _fused_clip_and_step(optimizer, params, clip, tp_group, scaler, world_group) -> tuple[torch.Tensor | None, bool]:
+def _step_with_grad_scale(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
+    """A fused torch optimizer's step with its kernel dividing every gradient by `grad_scale`."""
+    optimizer.grad_scale = grad_scale
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+
+
+def _fused_clip_and_step(step: Callable[[torch.Tensor], None], params, clip, tp_group, scaler,
+                         world_group) -> tuple[torch.Tensor | None, bool]:
+    """The norm, the overflow check, then `step(loss_scale / clip coefficient)`."""
     loss_scale = scaler.scale if scaler is not None else 1.0
     norm = global_grad_norm(params, tp_group) / loss_scale  # inf/nan if a counted gradient overflowed
     if scaler is not None and scaler.non_finite(torch.stack([norm.float(), uncounted_sum_of_squares(params, tp_group)]),
                                                 world_group):
         return None, True
     coefficient = clip_coefficient(norm, clip) if clip > 0 else torch.ones_like(norm)
-    optimizer.grad_scale = (loss_scale / coefficient).float()
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.grad_scale
+    step((loss_scale / coefficient).float())
     return norm, False
 
 

@@ -70,9 +70,9 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
         _accumulate(sums, loss, parts, n)
     lr = eng.optimizer.param_groups[0]["lr"]
     norm, overflow = clip_and_step(eng.optimizer, _stepped_grads(eng), eng.cfg.optim.clip_grad, eng.pg.tp_group,
-                                   eng.scaler, eng.pg.world_group)
+                                   eng.scaler, eng.pg.world_group, flat=eng.flat_step)
     if not overflow:  # a skipped (overflow) step leaves the schedule where it is, as Megatron's and DeepSpeed's
-        if eng.masters is not None:
+        if eng.masters is not None and eng.flat_step is None:  # the flat step rounded them in already
             eng.masters.masters_to_model()
         eng.scheduler.step()
     if eng.scaler:

@@ -293,7 +293,7 @@ def test_optimizer_bench_tiny_times_every_part(tmp_path):
 
     assert optimizer_bench.main(["--out", str(tmp_path), "--tiny", "--reps", "2"]) == 0
     report = json.loads((tmp_path / "optimizer.json").read_text())
-    assert len(report["parts"]) == 12 and report["parameters"] > 0
+    assert len(report["parts"]) == 13 and report["parameters"] > 0
     assert all(r["wall_ms"] >= 0 and r["cpu_ms"] >= 0 for r in report["parts"].values())
     text = (tmp_path / "optimizer.md").read_text()
     assert "| fused AdamW step |" in text and "| FlatMasterAdamW step" in text

@@ -92,6 +92,7 @@ def parts(model, masters: MasterWeights, main: MainGrads, device) -> dict[str, C
         "clip_and_step, foreach clip then fused AdamW": lambda: clip_and_step(opt, params, 1.0, fold=False),
         f"fused AdamW step on {len(flat)} flat buckets": flat_opt.step,
         "masters_to_model (_foreach_copy_ fp32 -> bf16)": masters.masters_to_model,
+        "FlatMasterAdamW grad_norm (over its flat runs)": flat_master.grad_norm,
         "FlatMasterAdamW step (AdamW + masters to model in one kernel a run)": lambda: flat_master.step(one),
         "whole phase, flat (finish, norm, FlatMasterAdamW with the clip folded)": flat_phase,
     }

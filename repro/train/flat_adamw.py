@@ -10,19 +10,26 @@ param group reads each input once and writes the four outputs: about 36 GB. The 
 torch.compile'd once with a dynamic length (the runs differ in size); on CPU the same function runs
 eagerly unless asked.
 
-The optimizer stays a `torch.optim.AdamW`: its param groups carry lr (the scheduler's), betas, eps
-and weight decay, and its state holds the moments as views of the flat buffers and the step count
-(written into it as it is saved), so `state_dict()` and checkpoints are those of the plain step. Loading a state dict re-adopts the
-loaded moments into the flat buffers. The arithmetic is torch AdamW's (decoupled decay, bias
-corrections from the host's step count), reordered by the compiler within fp32 rounding.
+The TP-aware gradient norm before it is taken over the same flat runs (a few large reductions,
+not one per parameter). The optimizer stays a `torch.optim.AdamW`: its param groups carry lr (the
+scheduler's), betas, eps and weight decay, and its state holds the moments as views of the flat
+buffers and the step count (written into it as it is saved), so `state_dict()` and checkpoints are
+those of the plain step. Loading a state dict re-adopts the loaded moments into the flat buffers.
+The arithmetic is torch AdamW's (decoupled decay, bias corrections from the host's step count),
+reordered by the compiler within fp32 rounding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from repro.parallel.grads import sum_of_squares
+from repro.parallel.layers import is_tensor_parallel
+from repro.parallel.mappings import group_rank, group_size
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
 
@@ -46,7 +53,7 @@ def adamw_and_round(master, grad, exp_avg, exp_avg_sq, half, scalars, grad_scale
 
 @dataclass(frozen=True)
 class _Run:
-    """A contiguous run of one param group's parameters in one bucket."""
+    """A contiguous run of parameters with one key (param group, or TP-sharded) in one bucket."""
 
     bucket: int
     group: int
@@ -69,7 +76,9 @@ class FlatMasterAdamW:
             device.type != "cpu" if compile is None else compile) else adamw_and_round
         self.master_of = dict(masters.pairs())  # half parameter -> its fp32 master
         self.flat = [self._flatten_bucket(bucket) for bucket in main.buckets]
-        self.runs = self._runs({p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]})
+        group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.runs = self._runs(lambda half: group_of[self.master_of[half]])
+        self.norm_runs = self._runs(lambda half: is_tensor_parallel(half))  # group: 1 if TP-sharded
         self.adopt_state()
         optimizer.register_load_state_dict_post_hook(lambda _: self.adopt_state())
         optimizer.register_state_dict_pre_hook(lambda _: self._record_steps())
@@ -87,19 +96,46 @@ class FlatMasterAdamW:
                 param.data = view
         return flat
 
-    def _runs(self, group_of: dict) -> list[_Run]:
-        """Maximal runs of consecutive parameters of one param group, bucket by bucket (two a bucket:
-        MainGrads lays out the decayed matrices first)."""
+    def _runs(self, key: Callable[[torch.nn.Parameter], int]) -> list[_Run]:
+        """Maximal runs of consecutive parameters with one `key`, bucket by bucket (MainGrads lays out
+        the decayed matrices first, each kind TP-sharded before replicated: two runs a bucket by param
+        group, four by sharding at most)."""
         runs: list[_Run] = []
         for b, bucket in enumerate(self.main.buckets):
             for half in bucket.params:
-                start, group = self.main.slots[half].offset, group_of[self.master_of[half]]
+                start, group = self.main.slots[half].offset, int(key(half))
                 last = runs[-1] if runs else None
                 if last and last.bucket == b and last.group == group and last.end == start:
                     runs[-1] = _Run(b, group, last.start, start + half.numel())
                 else:
                     runs.append(_Run(b, group, start, start + half.numel()))
         return runs
+
+    def _grad_slices(self, counted: bool, tp_group) -> list[torch.Tensor]:
+        """The main-grad runs the TP-aware norm counts on this rank (the sharded ones, and on TP rank 0
+        the replicated ones too), or those it leaves out (`counted` False)."""
+        first = group_rank(tp_group) == 0
+        return [self.main.buckets[r.bucket].flat[r.start:r.end] for r in self.norm_runs
+                if (r.group == 1 or first) == counted]
+
+    @torch.no_grad()
+    def grad_norm(self, tp_group=None) -> torch.Tensor:
+        """`repro.parallel.grads.global_grad_norm` of the masters' gradients, over the flat runs (a few
+        large reductions instead of one per parameter)."""
+        grads = self._grad_slices(True, tp_group)
+        total = sum_of_squares(grads, torch.float32, foreach=grads[0].device.type != "cpu") if grads else \
+            torch.zeros((), device=self.main.buckets[0].flat.device)
+        if group_size(tp_group) > 1:
+            dist.all_reduce(total, group=tp_group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def uncounted_sum_of_squares(self, tp_group=None) -> torch.Tensor:
+        """`repro.parallel.grads.uncounted_sum_of_squares` over the flat runs (the fp16 overflow check)."""
+        grads = self._grad_slices(False, tp_group)
+        if not grads:
+            return torch.zeros((), device=self.main.buckets[0].flat.device)
+        return sum_of_squares(grads, torch.float32, foreach=grads[0].device.type != "cpu")
 
     @torch.no_grad()
     def adopt_state(self) -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from repro.parallel.grads import consecutive_groups
+from repro.parallel.layers import is_tensor_parallel
 from repro.parallel.mappings import group_size
 
 DEFAULT_BUCKET_NUMEL = 2**24  # 64 MiB of fp32 per bucket
@@ -65,9 +66,10 @@ class MainGrads:
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p, _ in pairs]
 
     def _bucket(self, group: list[nn.Parameter], master_of: dict) -> _Bucket:
-        # weight matrices first, then the 1-D parameters AdamW does not decay: a fused optimizer over the
-        # flat buffer (repro.train.flat_adamw) then makes two contiguous runs per bucket, not one per layer
-        group = sorted(group, key=lambda p: p.ndim < 2)
+        # weight matrices first, then the 1-D parameters AdamW does not decay, each TP-sharded before
+        # replicated: a fused optimizer over the flat buffer (repro.train.flat_adamw) then steps two
+        # contiguous runs per bucket and takes the TP-aware norm over four, not one per layer
+        group = sorted(group, key=lambda p: (p.ndim < 2, not is_tensor_parallel(p)))
         flat = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=group[0].device)
         bucket = _Bucket(flat, group, pending=len(group))
         offset = 0

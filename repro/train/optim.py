@@ -53,13 +53,15 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parame
     `flat`: step `optimizer`'s masters by this flat kernel instead (repro.train.flat_adamw), which
     divides by the folded scale at no extra cost and also rounds the masters into the half model."""
     if flat is not None:
-        return _fused_clip_and_step(flat.step, params, clip, tp_group, scaler, world_group)
+        return _fused_clip_and_step(flat.step, partial(flat.grad_norm, tp_group),
+                                    partial(flat.uncounted_sum_of_squares, tp_group), clip, scaler, world_group)
     device = params[0].grad.device if params else torch.device("cpu")
     if fold is None:
         fold = device.type == "cpu"
     if fold and uses_fused_kernel(optimizer):
-        return _fused_clip_and_step(partial(_step_with_grad_scale, optimizer), params, clip, tp_group, scaler,
-                                    world_group)
+        return _fused_clip_and_step(partial(_step_with_grad_scale, optimizer),
+                                    partial(global_grad_norm, params, tp_group),
+                                    partial(uncounted_sum_of_squares, params, tp_group), clip, scaler, world_group)
     if scaler is not None and scaler.unscale_and_check(params, device, world_group):
         return None, True
     norm = clip_grad_norm(params, clip, tp_group) if clip > 0 else global_grad_norm(params, tp_group)
@@ -76,13 +78,14 @@ def _step_with_grad_scale(optimizer: torch.optim.Optimizer, grad_scale: torch.Te
         del optimizer.grad_scale
 
 
-def _fused_clip_and_step(step: Callable[[torch.Tensor], None], params, clip, tp_group, scaler,
+def _fused_clip_and_step(step: Callable[[torch.Tensor], None], grad_norm: Callable[[], torch.Tensor],
+                         uncounted: Callable[[], torch.Tensor], clip: float, scaler,
                          world_group) -> tuple[torch.Tensor | None, bool]:
-    """The norm, the overflow check, then `step(loss_scale / clip coefficient)`."""
+    """The TP-aware norm, the overflow check (with the sum of squares the norm leaves out on this
+    rank), then `step(loss_scale / clip coefficient)`."""
     loss_scale = scaler.scale if scaler is not None else 1.0
-    norm = global_grad_norm(params, tp_group) / loss_scale  # inf/nan if a counted gradient overflowed
-    if scaler is not None and scaler.non_finite(torch.stack([norm.float(), uncounted_sum_of_squares(params, tp_group)]),
-                                                world_group):
+    norm = grad_norm() / loss_scale  # inf/nan if a counted gradient overflowed
+    if scaler is not None and scaler.non_finite(torch.stack([norm.float(), uncounted()]), world_group):
         return None, True
     coefficient = clip_coefficient(norm, clip) if clip > 0 else torch.ones_like(norm)
     step((loss_scale / coefficient).float())

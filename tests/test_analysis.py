@@ -584,7 +584,8 @@ def test_one_device_baseline_counts_hardware_flops_like_the_papers_39(tmp_path):
 
 def test_one_device_baseline_reads_every_gpu_session_folder_and_names_the_recipe(tmp_path):
     """A GPU session's output (results/bench/gpu_h200_<date>/headline/bench.json, ...) joins the table
-    without copying, with its parameter precision and compile scope; CPU smoke runs and other
+    without copying, with its parameter precision, compile scope and the options of an A/B (the flat
+    AdamW, half gradients, CUDA graphs); CPU smoke runs and other
     benchmarks' JSON are left out; the note names the highest MFU."""
     from repro.analysis import baseline
 
@@ -601,15 +602,20 @@ def test_one_device_baseline_reads_every_gpu_session_folder_and_names_the_recipe
     (session / "compile_blocks").mkdir()
     (session / "compile_blocks" / "bench.json").write_text(
         report("NVIDIA H200", [({"compile": True, "params": "half", "compile_scope": "blocks"}, 0.44)]))
+    (session / "ab").mkdir()
+    (session / "ab" / "bench.json").write_text(report("NVIDIA H200", [
+        ({"compile": True, "params": "half", "optimizer": "flat"}, 0.45),
+        ({"compile": True, "params": "half", "main_grads": "param", "compile_mode": "reduce-overhead"}, 0.46)]))
     (tmp_path / "gpu_cpu_smoke").mkdir()
     (tmp_path / "gpu_cpu_smoke" / "bench.json").write_text(report("cpu (x86_64)", [({"compile": False}, 0.9)]))
     (tmp_path / "hf_compare.json").write_text(json.dumps({"provenance": {"device": "cpu"}, "hf_compare": {}}))
     text = baseline.write_baseline(tmp_path, tmp_path / "out", paper_values(), "sqlite:///x.db")
     shown = baseline.baseline_display(baseline.bench_baseline(tmp_path), paper_values())
-    assert list(shown["source"][1:]) == ["measured: gpu_h200_2026-12-02/compile_blocks/bench.json",
-                                         "measured: gpu_h200_2026-12-02/headline/bench.json"]
-    assert list(shown["params"][1:]) == ["half, fp32 masters"] * 2
-    assert list(shown["compile"][1:]) == ["per layer", "whole step"]
+    assert list(shown["source"][1:]) == ["measured: gpu_h200_2026-12-02/ab/bench.json"] * 2 + [
+        "measured: gpu_h200_2026-12-02/compile_blocks/bench.json", "measured: gpu_h200_2026-12-02/headline/bench.json"]
+    assert list(shown["params"][1:]) == ["half, fp32 masters, flat AdamW",
+                                         "half, fp32 masters, half grads cast after backward"] + ["half, fp32 masters"] * 2
+    assert list(shown["compile"][1:]) == ["whole step", "whole step, CUDA graphs", "per layer", "whole step"]
     assert "Highest MFU measured: 47.0% (gpu_h200_2026-12-02/headline/bench.json" in text
     assert (tmp_path / "out" / "scaling_baseline.csv").exists()
     assert baseline.write_baseline(tmp_path / "gpu_cpu_smoke", tmp_path / "none", paper_values(), "x") == ""

@@ -38,7 +38,20 @@ def _benchmark_files(bench_dir: Path) -> list[tuple[Path, dict]]:
 def _compiled(spec: dict) -> str:
     if not spec["compile"]:
         return "no"
-    return "per layer" if spec.get("compile_scope") == "blocks" else "whole step"
+    scope = "per layer" if spec.get("compile_scope") == "blocks" else "whole step"
+    mode = spec.get("compile_mode", "default")
+    return scope + {"default": "", "reduce-overhead": ", CUDA graphs"}.get(mode, f", {mode}")
+
+
+def _params(spec: dict) -> str:
+    """The precision recipe, with the gpu_bench options that change the step beyond it."""
+    params = spec.get("params", "fp32")
+    label = PARAMS.get(params, params)
+    if params == "half" and spec.get("main_grads", "fp32") == "param":
+        label += ", half grads cast after backward"
+    if spec.get("optimizer", "torch") == "flat":
+        label += ", flat AdamW"
+    return label
 
 
 def bench_baseline(bench_dir: Path) -> pd.DataFrame:
@@ -52,7 +65,7 @@ def bench_baseline(bench_dir: Path) -> pd.DataFrame:
             spec = res["spec"]
             rows.append({"source": path.relative_to(bench_dir).as_posix(), "model": data.get("model", "?"),
                          "device": prov.get("device", "?"), "dtype": spec["dtype"],
-                         "params": spec.get("params", "fp32"), "checkpointing": spec["checkpointing"],
+                         "params": _params(spec), "checkpointing": spec["checkpointing"],
                          "compile": _compiled(spec), "batch": spec["batch"],
                          "hardware_tflops": res["hardware_tflops"], "hfu": res["hfu"],
                          "model_tflops": res["model_tflops"], "mfu": res["mfu"], "torch": prov.get("torch", "?"),
@@ -69,7 +82,7 @@ def baseline_display(bench: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     rows = [["paper (Section 5.1)", "scaling-1.2b", "V100 SXM3", "fp16", "half, fp32 masters", "on", "no", 8,
              fmt(base, 0), fmt(frac, 0, pct=True), "—", "—", "paper value"]]
     for _, b in bench.iterrows():
-        rows.append([f"measured: {b['source']}", b["model"], b["device"], b["dtype"], PARAMS.get(b["params"], b["params"]),
+        rows.append([f"measured: {b['source']}", b["model"], b["device"], b["dtype"], b["params"],
                      "on" if b["checkpointing"] else "off", b["compile"], b["batch"], fmt(b["hardware_tflops"], 0),
                      fmt(b["hfu"], 1, pct=True), fmt(b["model_tflops"], 0), fmt(b["mfu"], 1, pct=True),
                      f"torch {b['torch']}, {b['date_utc']}, git {b['git_sha']}"])

@@ -60,14 +60,18 @@ def test_stop_and_resume_is_bit_identical(uninterrupted, corpus, tmp_path):
     assert all(torch.equal(want[n], got[n]) for n in want)
 
 
-@pytest.mark.parametrize("params", ["fp32", "half"])
+@pytest.mark.parametrize("params", ["fp32", "half", "half_flat"])
 def test_tp2_dp2_resume_is_bit_identical(corpus, tmp_path, params):
     """TP=2 x DP=2 (4 ranks): TP rank 1's shard is written and read by DP replica 1, TP rank 0's by
     replica 0, and broadcast to the other replica on resume; 4 iterations, then a new launch to 8,
-    == one launch of 8, bit for bit (fp32, and the bf16 model with fp32 masters and main grads)."""
+    == one launch of 8, bit for bit (fp32; the bf16 model with fp32 masters and main grads; and that
+    with the flat AdamW, whose saved masters and moments are views of its flat buffers)."""
+    flat = params == "half_flat"
     over = tiny_overrides(corpus, tmp_path / "full", **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 8,
-                                                        "train.micro_batch_size": 2, "precision.params": params,
-                                                        "precision.precision": "fp32" if params == "fp32" else "bf16"})
+                                                        "train.micro_batch_size": 2,
+                                                        "precision.params": "half" if flat else params,
+                                                        "precision.precision": "fp32" if params == "fp32" else "bf16",
+                                                        "optim.flat_step": flat})
     run_ranks(train_rank, 4, TINY, over)
     split = [o.replace(str(tmp_path / "full"), str(tmp_path / "split")) for o in over]
     run_ranks(train_rank, 4, TINY, split + ["train.train_iters=4"])

@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 9 for one lent GPU, in two parts that each fit one 10-minute device call
-# (about 6-8 minutes each on an H200, estimated from the budgets below; part 2 is the optional extras):
+# (part 1 about 9 minutes on an H200: the first compile of the 1.2B step took 113 s on 2026-12-04, later ones reuse
+# inductor's on-disk cache; part 2 is the optional extras):
 #
 #   OUT=results/bench/gpu_h200_new bash scripts/gpu_session.sh              # both parts; `python` has torch
 #   R=$OUT; PART=1 OUT=/tmp/gs PACK=$R/part1.tar.gz TRAIN_PREFIX=data/wt2_gpt_train bash scripts/gpu_session.sh
 #     (on a lent GPU: results/bench/gpu_h200/README.md gives the whole device call)
 #
 # Part 1, most valuable first (the 2026-12-04 session measured the rest: results/bench/gpu_h200_2026-12-04):
-# nvidia_smi.txt; profile_half_compiled.txt (kernel profile of two compiled bf16 half-parameter steps
-# with kernel time by kind and gpu_gaps' account of where the GPU sits idle, by the host op that
-# launched late: roughly 11-17 ms of the 160 ms eager step on 2026-12-04); headline/ (compiled bf16,
-# half-precision parameters, no activation checkpointing, the trainer's clip); headline_flat/ (the
-# same with `--optimizer flat`: repro.train.flat_adamw's one kernel per bucket for the fused AdamW and
-# the copy of the masters into the model, about 5 GB less traffic; the trainer's optim.flat_step);
-# headline_cudagraphs/ (the headline under torch.compile's reduce-overhead mode, CUDA graphs: is it
-# kernel launches?); headline_half_grads/ (the headline without the hooks: a compiled backward hands
-# all 485 gradients over at its end, each to a Python hook); optimizer/
-# (optimizer_bench: the optimizer phase by part); trainer_compiled/ (`repro train
-# experiments/scaling/scale_1b.yaml --set train.compile=true`, Table 1 config 1 in the paper's fp16
-# recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl, params and final metrics, which `repro
-# tracking sync` turns into an MLflow run; its checkpoint is deleted). Part 2: eager_hooks/ and
-# eager_half_grads/ (eager bf16 half with the trainer's per-parameter main-grad hooks and without
-# them, gradients cast once after backward: is the hooks' host time what idles the GPU?); eager/ (bf16/fp16 x
+# nvidia_smi.txt; headline/ (compiled bf16, half-precision parameters, no activation checkpointing,
+# the trainer's clip: 42.9% MFU on 2026-12-04); then A/B runs against it, each a candidate for the
+# 7 ms a step still between it and 45% MFU: headline_flat/ (`--optimizer flat`: repro.train.flat_adamw's
+# one kernel per bucket for the fused AdamW and the copy of the masters into the model, about 5 GB
+# less traffic; the trainer's optim.flat_step), headline_cudagraphs/ (torch.compile's reduce-overhead
+# mode, CUDA graphs: is the idle GPU waiting on kernel launches?), headline_flat_cudagraphs/ (both),
+# headline_half_grads/ (no per-parameter main-grad hooks: a compiled backward hands all 485 gradients
+# over at its end, each to a Python hook); optimizer/ (optimizer_bench: the optimizer phase by part,
+# the flat AdamW's included); profile_half_compiled.txt (kernel profile of two compiled bf16
+# half-parameter steps with kernel time by kind and gpu_gaps' account of where the GPU sits idle, by
+# the host op that launched late: roughly 11-17 ms of the 160 ms eager step on 2026-12-04).
+# Part 2: trainer_compiled/ (`repro train experiments/scaling/scale_1b.yaml --set train.compile=true`,
+# Table 1 config 1 in the paper's fp16 recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl,
+# params and final metrics, which `repro tracking sync` turns into an MLflow run; its checkpoint is
+# deleted); eager_hooks/ and eager_half_grads/ (eager bf16 half with the trainer's per-parameter
+# main-grad hooks and without them, gradients cast once after backward); eager/ (bf16/fp16 x
 # activation checkpointing x autocast-over-fp32 vs half-precision parameters) and eager_fold_clip/
 # (bf16 half with the clip folded into the fused AdamW, the CPU's way, against eager/'s foreach clip);
 # compile/ (compiled, fp32 parameters), compile_ckpt_half/ (compiled, half parameters, checkpointing
@@ -96,38 +98,36 @@ if [[ "$part" != 2 ]]; then
   nvidia-smi > "$out/nvidia_smi.txt" 2>&1 || echo "nvidia-smi failed" >> "$out/nvidia_smi.txt"
   "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
 
-  step "kernel profile and idle gaps: bf16 half params, compiled"
-  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half "${compile[@]}" > /dev/null
-  sed -n '2p;/GPU timeline/,$p' "$out"/profile_half*.txt | head -n 14
-
   step "headline: compiled bf16, half params, checkpointing off"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline" --dtypes bf16 --checkpointing off \
     --params half --compile-only --budget-s 110
 
   if [[ "${COMPILE:-1}" == 1 ]]; then
-    step "headline with the flat AdamW (one kernel per bucket steps the masters and rounds them into the model)"
+    step "A/B against the headline: the flat AdamW, CUDA graphs, both, and no main-grad hooks"
     "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_flat" --dtypes bf16 --checkpointing off \
       --params half --compile-only --optimizer flat --budget-s 110
-  fi
-
-  step "two suspects of the idle GPU, compiled: launch overhead (CUDA graphs) and the main-grad hooks (without them)"
-  if [[ "${COMPILE:-1}" == 1 ]]; then
     "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_cudagraphs" --dtypes bf16 --checkpointing off \
       --params half --compile-only --compile-mode reduce-overhead --budget-s 110
+    "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_flat_cudagraphs" --dtypes bf16 \
+      --checkpointing off --params half --compile-only --optimizer flat --compile-mode reduce-overhead --budget-s 110
     "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/headline_half_grads" --dtypes bf16 --checkpointing off \
       --params half --compile-only --main-grads param --budget-s 90
   fi
 
   step "optimizer phase by part"
-  "$PY" -m repro.perf.optimizer_bench "${tiny[@]:0:1}" --out "$out/optimizer" | tail -n 11
+  "$PY" -m repro.perf.optimizer_bench "${tiny[@]:0:1}" --out "$out/optimizer" | tail -n 14
 
+  step "kernel profile and idle gaps: bf16 half params, compiled"
+  "$PY" -m repro.perf.gpu_profile "${tiny[@]}" --out "$out" --params half "${compile[@]}" > /dev/null
+  sed -n '2p;/GPU timeline/,$p' "$out"/profile_half*.txt | head -n 14
+fi
+
+if [[ "$part" != 1 ]]; then
   if [[ -n "${TRAIN_PREFIX:-}" && "${COMPILE:-1}" == 1 ]]; then
     step "trainer: repro train experiments/scaling/scale_1b.yaml (fp16, half params, checkpointing), compiled"
     trainer trainer_compiled --set train.compile=true
   fi
-fi
 
-if [[ "$part" != 1 ]]; then
   step "eager: the main-grad hooks, with and without"
   "$PY" -m repro.perf.gpu_bench "${bench[@]}" --out "$out/eager_hooks" --dtypes bf16 --checkpointing off \
     --params half --budget-s 30

@@ -30,7 +30,7 @@ from repro.provenance import OutDirError, finite_json, make_out_dir, measurement
 from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
-from repro.train.optim import clip_and_step
+from repro.train.optim import clip_and_step, param_groups
 
 
 def time_part(fn: Callable[[], object], device: torch.device, reps: int) -> dict[str, float]:
@@ -62,13 +62,13 @@ def parts(model, masters: MasterWeights, main: MainGrads, device) -> dict[str, C
     """The optimizer phase and its parts, each a callable."""
     params = masters.parameters()
     grads = [p.grad for p in params]
-    opt = torch.optim.AdamW(params, lr=1e-8, weight_decay=0.01, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(param_groups(masters, 0.01), lr=1e-8, fused=device.type == "cuda")  # the trainer's groups
     flat = [torch.zeros_like(b.flat, requires_grad=True) for b in main.buckets]
     for f, b in zip(flat, main.buckets):
         f.grad = b.flat
     flat_opt = torch.optim.AdamW(flat, lr=1e-8, weight_decay=0.01, fused=device.type == "cuda")
     # its own AdamW state; the masters and model parameters become views of its flat buffers
-    flat_master = FlatMasterAdamW(torch.optim.AdamW(params, lr=1e-8, weight_decay=0.01), masters, main)
+    flat_master = FlatMasterAdamW(torch.optim.AdamW(param_groups(masters, 0.01), lr=1e-8), masters, main)
     one = torch.ones((), device=device)
 
     def phase():
@@ -93,7 +93,7 @@ def parts(model, masters: MasterWeights, main: MainGrads, device) -> dict[str, C
         f"fused AdamW step on {len(flat)} flat buckets": flat_opt.step,
         "masters_to_model (_foreach_copy_ fp32 -> bf16)": masters.masters_to_model,
         "FlatMasterAdamW grad_norm (over its flat runs)": flat_master.grad_norm,
-        "FlatMasterAdamW step (AdamW + masters to model in one kernel a run)": lambda: flat_master.step(one),
+        "FlatMasterAdamW step (AdamW + masters to model, one kernel a bucket compiled)": lambda: flat_master.step(one),
         "whole phase, flat (finish, norm, FlatMasterAdamW with the clip folded)": flat_phase,
     }
 

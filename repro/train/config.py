@@ -61,8 +61,9 @@ class OptimConfig:
     """With precision.params=half and main_grads=fp32 (no ZeRO): step the fp32 masters with one
     compiled kernel per flat main-grad bucket that also rounds them into the half model, instead of
     the fused AdamW and a copy pass (repro.train.flat_adamw; same checkpoints, fp32 rounding apart).
-    Compiled on a GPU, eager on CPU. Off by default until a GPU measures it faster (`gpu_bench
-    --optimizer flat`)."""
+    Compiled on a GPU whatever train.compile says (it needs inductor's Triton there: eagerly it would be
+    about ten kernels a run, slower than the fused AdamW), eager on CPU. Off by default until a GPU
+    measures it faster (`gpu_bench --optimizer flat`)."""
 
 
 @dataclass

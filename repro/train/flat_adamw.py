@@ -50,8 +50,9 @@ def adamw_and_round_two_runs(master, grad, exp_avg, exp_avg_sq, half, table, lay
     the first run's row, the second's, and the index where the second starts. Eagerly this would
     materialise every element's scalars; the compiler selects them in registers."""
     rows = table.index_select(0, layout[:2])
-    first = (torch.arange(master.numel(), device=master.device) < layout[2]).unsqueeze(1)
-    _update(master, grad, exp_avg, exp_avg_sq, half, torch.where(first, rows[0], rows[1]).unbind(1), grad_scale)
+    first = torch.arange(master.numel(), device=master.device) < layout[2]
+    scalars = [torch.where(first, a, b) for a, b in zip(rows[0].unbind(), rows[1].unbind())]
+    _update(master, grad, exp_avg, exp_avg_sq, half, scalars, grad_scale)
 
 
 def _update(master, grad, exp_avg, exp_avg_sq, half, scalars, grad_scale) -> None:

@@ -396,3 +396,32 @@ def test_public_g_leaves_its_input_while_the_layers_reduce_in_place():
     for rank, got in enumerate(run_ranks(_reduce_results, 2)):
         assert got == {"x": [rank + 1.0] * 3, "y": [3.0] * 3, "leaf_grad": [2.0] * 3}, got
     assert run_ranks(_in_place_reduce, 2) == [True, True]
+
+
+def test_compiled_cross_entropy_backward_is_one_pass_with_eager_gradients():
+    """Compiled, the cross-entropy backward goes from the saved half logits to the half gradient in one
+    fused loop: the generated code allocates no (tokens, vocab) buffer (the in-place scatter made the
+    compiler write a float32 one and read it back; 3.4 GB a step at 1.2B parameters), and the
+    gradients equal eager's bit for bit (measured: identical; the one-hot subtracts what the scatter adds)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    tokens, vocab = 64, 1024
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 32, generator=gen).bfloat16()
+    target = torch.randint(0, vocab, (tokens,), generator=gen)
+    weight = torch.randn(32, vocab, generator=gen).bfloat16().requires_grad_()
+
+    def step():
+        vocab_parallel_cross_entropy(x @ weight, target).mean().backward()
+        grad, weight.grad = weight.grad, None
+        return grad
+
+    eager = step()
+    compiled, (_, backward) = run_and_get_code(torch.compile(step))
+    assert torch.equal(compiled, eager)
+    shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", backward)
+    assert f"{tokens}, {vocab}" not in shapes, shapes

@@ -425,3 +425,23 @@ def test_compiled_cross_entropy_backward_is_one_pass_with_eager_gradients():
     assert torch.equal(compiled, eager)
     shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", backward)
     assert f"{tokens}, {vocab}" not in shapes, shapes
+
+
+def test_compiled_gpt_masks_padded_vocab_as_eager_does():
+    """Compiled, the padded vocab columns are masked out of place (the in-place fill compiled to a store
+    of every logit): the same logits, -inf at the padding, the same loss to fp32 rounding, and no
+    gradient into the padded rows of the tied embedding."""
+    from repro.models.gpt import GPT
+
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
+                      make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPT(cfg, seed=3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    eager_logits, compiled_logits = model.logits(ids), torch.compile(model.logits)(ids)
+    assert torch.isneginf(compiled_logits[..., cfg.vocab_size:]).all()
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    compiled_loss = torch.compile(model.loss)(ids, ids).mean()
+    compiled_loss.backward()
+    assert abs(compiled_loss.item() - model.loss(ids, ids).mean().item()) < 1e-5
+    assert not model.transformer.wte.weight.grad[cfg.vocab_size:].any()
+    assert model.transformer.wte.weight.grad[:cfg.vocab_size].any()

@@ -22,7 +22,8 @@
 # Part 2: trainer_compiled/ (`repro train experiments/scaling/scale_1b.yaml --set train.compile=true`,
 # Table 1 config 1 in the paper's fp16 recipe on one GPU over NCCL, 40 iterations: its metrics.jsonl,
 # params and final metrics, which `repro tracking sync` turns into an MLflow run; its checkpoint is
-# deleted); eager_hooks/ and eager_half_grads/ (eager bf16 half with the trainer's per-parameter
+# deleted); buffers/ (repro.perf.compiled_buffers: every buffer the compiled step's Triton wrappers
+# allocate, two layers of the 1.2B shapes, to check what the CPU's generated code showed); eager_hooks/ and eager_half_grads/ (eager bf16 half with the trainer's per-parameter
 # main-grad hooks and without them, gradients cast once after backward); eager/ (bf16/fp16 x
 # activation checkpointing x autocast-over-fp32 vs half-precision parameters) and eager_fold_clip/
 # (bf16 half with the clip folded into the fused AdamW, the CPU's way, against eager/'s foreach clip);
@@ -126,6 +127,11 @@ if [[ "$part" != 1 ]]; then
   if [[ -n "${TRAIN_PREFIX:-}" && "${COMPILE:-1}" == 1 ]]; then
     step "trainer: repro train experiments/scaling/scale_1b.yaml (fp16, half params, checkpointing), compiled"
     trainer trainer_compiled --set train.compile=true
+  fi
+
+  if [[ "${COMPILE:-1}" == 1 ]]; then
+    step "the compiled step's buffers on this device (Triton): two layers of the 1.2B shapes"
+    "$PY" -m repro.perf.compiled_buffers "${tiny[@]:0:1}" --out "$out/buffers" --layers 2 | sed -n '5,8p;12,24p'
   fi
 
   step "eager: the main-grad hooks, with and without"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -99,3 +100,9 @@ def finite_json(obj):
     if isinstance(obj, list):
         return [finite_json(v) for v in obj]
     return obj
+
+
+def write_report(out: Path, stem: str, report: dict, markdown: str) -> None:
+    """A measurement's `stem`.json (strict JSON, NaN as null) and `stem`.md in `out`, each atomically."""
+    write_atomic(out / f"{stem}.json", json.dumps(finite_json(report), indent=2, allow_nan=False))
+    write_atomic(out / f"{stem}.md", markdown)

@@ -18,7 +18,6 @@ reuses is not counted again, and kernels also read their inputs. Writes buffers.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from repro.provenance import OutDirError, finite_json, make_out_dir, measurement_provenance, write_atomic
+from repro.provenance import OutDirError, make_out_dir, measurement_provenance, write_report
 
 ALLOCATION = re.compile(r"^\s*(buf\w*) = empty_strided_\w+\(\(([^)]*)\), \([^)]*\), (?:device='\w+', )?torch\.(\w+)\)")
 AOT_ID = re.compile(r"# AOT ID: \['([^']*)'\]")
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
               **report(found, args.batch * cfg.seq_length, cfg.padded_vocab_size(1)),
               "provenance": measurement_provenance(device, sys.argv[1:] if argv is None else argv,
                                                   prog="python -m repro.perf.compiled_buffers")}
-    write_atomic(args.out / "buffers.json", json.dumps(finite_json(result), indent=2, allow_nan=False))
-    write_atomic(args.out / "buffers.md", markdown(result))
+    write_report(args.out, "buffers", result, markdown(result))
     print(markdown(result))
     return 0
 

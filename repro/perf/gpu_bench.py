@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
-from repro.provenance import OutDirError, finite_json, make_out_dir, measurement_provenance, write_atomic
+from repro.provenance import OutDirError, make_out_dir, measurement_provenance, write_report
 from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
@@ -472,8 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             result = safe_run(model, cfg, spec, device, args.steps, args.warmup, peak, deadline)
         report["results"].append(asdict(result))
         report["elapsed_s"] = time.monotonic() - start
-        write_atomic(args.out / "bench.json", json.dumps(finite_json(report), indent=2, allow_nan=False))
-        write_atomic(args.out / "bench.md", markdown(report))
+        write_report(args.out, "bench", report, markdown(report))
         print(markdown(report).splitlines()[-1], flush=True)
     return 0
 

@@ -15,7 +15,6 @@ after two warm-up calls. Writes optimizer.json and optimizer.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 
 from repro.parallel.grads import global_grad_norm
 from repro.perf.gpu_bench import TINY, _sync, build_model
-from repro.provenance import OutDirError, finite_json, make_out_dir, measurement_provenance, write_atomic
+from repro.provenance import OutDirError, make_out_dir, measurement_provenance, write_report
 from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
@@ -134,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
               "reps": args.reps, "parts": results,
               "provenance": measurement_provenance(device, sys.argv[1:] if argv is None else argv,
                                                   prog="python -m repro.perf.optimizer_bench")}
-    write_atomic(args.out / "optimizer.json", json.dumps(finite_json(report), indent=2, allow_nan=False))
-    write_atomic(args.out / "optimizer.md", markdown(report))
+    write_report(args.out, "optimizer", report, markdown(report))
     print(markdown(report))
     return 0
 

@@ -47,7 +47,8 @@ class Buffer:
 
 def buffers(code: str) -> list[Buffer]:
     """Every buffer one generated wrapper allocates (dynamic sizes are not parsed: compile statically)."""
-    graph = AOT_ID.search(code).group(1) if AOT_ID.search(code) else "graph"
+    aot_id = AOT_ID.search(code)
+    graph = aot_id.group(1) if aot_id else "graph"
     lines = code.splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -81,9 +82,9 @@ def _writer(lines: list[str], name: str) -> str:
 def report(found: list[Buffer], tokens: int, padded_vocab: int) -> dict:
     """Totals by graph and the buffers grouped by (graph, shape, dtype, writer), largest first."""
     groups = Counter((b.graph, b.shape, b.dtype, b.writer) for b in found)
+    nbytes = {(b.graph, b.shape, b.dtype, b.writer): b.nbytes for b in found}
     rows = [{"graph": g, "shape": list(shape), "dtype": dtype, "writer": writer, "count": n,
-             "bytes_each": next(b.nbytes for b in found if (b.graph, b.shape, b.dtype, b.writer) == (g, shape, dtype, writer)),
-             "logit_sized": math.prod(shape) == tokens * padded_vocab}
+             "bytes_each": nbytes[g, shape, dtype, writer], "logit_sized": math.prod(shape) == tokens * padded_vocab}
             for (g, shape, dtype, writer), n in groups.items()]
     rows.sort(key=lambda r: -r["bytes_each"] * r["count"])
     totals = Counter()

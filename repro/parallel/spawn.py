@@ -19,6 +19,7 @@ import select
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -28,6 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import reduction
+
+
+# what a rank reports on the launch's queue, with its rank and a value
+_JOINED, _UNJOINED, _DONE, _FAILED = "joined", "unjoined", "done", "failed"
+GLOO_JOIN_ATTEMPTS = 2
+"""Launches of gloo ranks one of which could not join the process group. The gloo TCP mesh between
+ranks on one machine failed to connect in one fresh-clone CI run of about ten (`Gloo connectFullMesh
+failed ... Connection closed by peer`, 2026-12-05; not reproduced in 5 reruns); no rank has run the
+function then, so the ranks are launched again. NCCL connects lazily, at the first collective: its joins are not retried."""
 
 
 def free_port() -> int:
@@ -87,7 +97,16 @@ def _is_open(fd: int) -> bool:
         return False
 
 
-def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _CallerContext | None) -> None:
+def join_process_group(backend: str, store: str, rank: int, world_size: int) -> None:
+    """Join the launch's process group through a file rendezvous: a free port picked by the launcher
+    could be taken by another process before rank 0 binds it (EADDRINUSE, seen on a busy CI machine);
+    MASTER_PORT stays set for code that reads it."""
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _CallerContext | None,
+           start, join: Callable, timeout: float) -> None:
     if caller is not None:
         caller.adopt()
         _reseed_numpy()
@@ -97,15 +116,21 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        # a file rendezvous: a free port picked here could be taken by another process before rank 0
-        # binds it (EADDRINUSE, seen on a busy CI machine); MASTER_PORT stays for code that reads it
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        try:
+            join(backend, store, rank, world_size)
+        except Exception:
+            results.put((rank, _UNJOINED, traceback.format_exc()))
+            return
+        # fn starts on no rank before every rank has joined, so a launch whose join failed can be
+        # repeated without having run any of fn
+        results.put((rank, _JOINED, None))
+        if not start.wait(timeout):
+            raise TimeoutError(f"the launcher did not start the ranks within {timeout:.0f} s of this one joining")
         # pickled here, by value: an error is the caller's to see (not lost in the queue's feeder
         # thread), and a tensor is not handed over as a shared-memory fd that dies with this process
-        results.put((rank, True, pickle.dumps(fn(*args))))
+        results.put((rank, _DONE, pickle.dumps(fn(*args))))
     except BaseException:  # report everything, including assertion errors, to the parent
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, _FAILED, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -114,8 +139,6 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
 def _reseed_numpy() -> None:
     """NumPy's global generator from fresh entropy, as in a new process (forked ranks would share the
     fork server's state)."""
-    import sys
-
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
 
@@ -183,41 +206,76 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
               backend: str = "gloo") -> list[Any]:
     """Spawn `world_size` ranks running fn(*args); return their results in rank order.
 
-    Raises ValueError before spawning when NCCL ranks outnumber the visible GPUs, RuntimeError with
-    the failing rank's traceback (or naming a rank that died without one: killed, out of memory),
-    or TimeoutError after `timeout` seconds (the ranks are then killed, so a hung collective never
-    hangs the caller).
+    Every rank joins the process group before any runs fn; a gloo launch one of whose ranks could
+    not join is repeated once (GLOO_JOIN_ATTEMPTS), with a warning on stderr. Raises ValueError
+    before spawning when NCCL ranks outnumber the visible GPUs, RuntimeError with the failing rank's
+    traceback (or naming a rank that died without one: killed, out of memory), or TimeoutError after
+    `timeout` seconds (the ranks are then killed, so a hung collective never hangs the caller).
     """
     check_gpu_count(world_size, backend)
+    return launch_ranks(fn, world_size, args, timeout, backend, join_process_group)
+
+
+def launch_ranks(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str,
+                 join: Callable[[str, str, int, int], None]) -> list[Any]:
+    """run_ranks with the function each rank joins the process group with, join(backend, store,
+    rank, world_size) (importable, like fn)."""
+    attempts = GLOO_JOIN_ATTEMPTS if backend == "gloo" else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            return _launch(fn, world_size, args, timeout, backend, join)
+        except _JoinFailed as failure:
+            if attempt == attempts:
+                raise RuntimeError(f"{failure}\n{failure.traceback}") from None
+            print(f"repro: {failure} ({failure.last_line()}); launching the {world_size} ranks again, "
+                  f"attempt {attempt + 1} of {attempts}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+class _JoinFailed(Exception):
+    """A rank could not join the process group; no rank has run the function."""
+
+    def __init__(self, rank: int, name: str, traceback_text: str) -> None:
+        super().__init__(f"rank {rank} could not join the process group of {name}")
+        self.traceback = traceback_text
+
+    def last_line(self) -> str:
+        lines = self.traceback.strip().splitlines()
+        return lines[-1] if lines else "no traceback"
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str, join: Callable) -> list[Any]:
     ctx = _start_context(backend)
     caller = _CallerContext.here() if ctx.get_start_method() == "forkserver" else None
-    results = ctx.Queue()
+    results, start = ctx.Queue(), ctx.Event()
     port, store_dir = free_port(), tempfile.mkdtemp(prefix="repro-ranks-")
     store = os.path.join(store_dir, "rendezvous")
     # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
     # kills any rank still alive
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results, caller))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results, caller,
+                                              start, join, timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()
     ranks, collected = _Ranks(procs), None
     try:
-        collected = _collect(results, ranks, fn.__name__, timeout)
+        collected = _collect(results, ranks, fn.__name__, timeout, start)
     finally:  # ranks that delivered get 10 s to exit; after a failure or timeout the rest wait in vain
         ranks.stop(grace_s=10.0 if collected is not None else 1.0)
         shutil.rmtree(store_dir, ignore_errors=True)
     return [collected[r] for r in range(world_size)]
 
 
-def _collect(results, ranks: _Ranks, name: str, timeout: float) -> dict[int, Any]:
-    """Every rank's result; a rank seen ended without one on two polls a second apart (its result,
-    put before it ended, would have arrived) fails at once instead of at the timeout."""
-    world_size, collected, suspects = len(ranks.procs), {}, set()
+def _collect(results, ranks: _Ranks, name: str, timeout: float, start) -> dict[int, Any]:
+    """Every rank's result, after starting fn once every rank has joined; a rank seen ended without a
+    result on two polls a second apart (its result, put before it ended, would have arrived) fails at
+    once instead of at the timeout."""
+    world_size, joined, collected, suspects = len(ranks.procs), set(), {}, set()
     deadline = time.monotonic() + timeout
     while len(collected) < world_size:
         remaining = deadline - time.monotonic()
         try:
-            rank, ok, value = results.get(timeout=min(max(remaining, 0.01), 1.0))
+            rank, kind, value = results.get(timeout=min(max(remaining, 0.01), 1.0))
         except queue_lib.Empty:
             if remaining <= 0:
                 raise TimeoutError(f"{name} on {world_size} ranks did not finish in {timeout:.0f} s") from None
@@ -230,7 +288,14 @@ def _collect(results, ranks: _Ranks, name: str, timeout: float) -> dict[int, Any
                                    "its output is above") from None
             suspects = ended
             continue
-        if not ok:
+        if kind == _JOINED:
+            joined.add(rank)
+            if len(joined) == world_size:
+                start.set()
+        elif kind == _UNJOINED:
+            raise _JoinFailed(rank, name, value)
+        elif kind == _FAILED:
             raise RuntimeError(f"rank {rank} failed in {name}:\n{value}")
-        collected[rank] = pickle.loads(value)
+        else:
+            collected[rank] = pickle.loads(value)
     return collected

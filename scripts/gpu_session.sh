@@ -14,8 +14,8 @@
 # one kernel per bucket for the fused AdamW and the copy of the masters into the model, about 5 GB
 # less traffic; the trainer's optim.flat_step), headline_cudagraphs/ (torch.compile's reduce-overhead
 # mode, CUDA graphs: is the idle GPU waiting on kernel launches?), headline_flat_cudagraphs/ (both),
-# headline_half_grads/ (no per-parameter main-grad hooks: a compiled backward hands all 485 gradients
-# over at its end, each to a Python hook); optimizer/ (optimizer_bench: the optimizer phase by part,
+# headline_half_grads/ (no main-grad hooks: a compiled backward hands all 485 gradients over at its
+# end, each to a Python hook, which since 2026-12-05 widens a whole bucket with one foreach call); optimizer/ (optimizer_bench: the optimizer phase by part,
 # the flat AdamW's included); profile_half_compiled.txt (kernel profile of two compiled bf16
 # half-parameter steps with kernel time by kind and gpu_gaps' account of where the GPU sits idle, by
 # the host op that launched late: roughly 11-17 ms of the 160 ms eager step on 2026-12-04).

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from repro.models.config import ModelConfig
 from repro.models.gpt import GPT
@@ -112,6 +113,60 @@ def test_main_grads_overwrite_each_step_and_zero_unused_parameters():
     with pytest.raises(RuntimeError, match="after its bucket's all-reduce started"):
         model(x).sum().backward()
         model(x).sum().backward()
+
+
+class _CountOps(TorchDispatchMode):
+    """How often each aten op was called (top-level calls: a foreach op's own per-tensor work is not seen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_main_grads_widen_each_bucket_with_one_foreach_call_not_one_copy_per_parameter():
+    """A bucket's half gradients are widened into fp32 together once the bucket holds them all: one
+    `_foreach_copy_` a bucket on a step's first micro batch, one `_foreach_add_` on later ones."""
+    model = _tiny_gpt()
+    masters = MasterWeights(model, torch.bfloat16)
+    main = MainGrads(masters.pairs(), bucket_numel=40_000)
+    batches = _micro_batches(2, seed=3)
+    buckets, params = len(main.buckets), len(list(model.parameters()))
+    assert buckets > 1 and params > 3 * buckets, (buckets, params)
+    with main.no_sync(), _CountOps() as first:
+        _backward(model, batches[0], 2)
+    with _CountOps() as second:
+        _backward(model, batches[1], 2)
+    main.finish()
+    for counts, widen in ((first.calls, "_foreach_copy_"), (second.calls, "_foreach_add_")):
+        assert counts.get(widen) == len(main.buckets), counts
+        assert "copy_" not in counts and "add_" not in counts, counts
+
+
+def test_main_grads_of_a_parameter_unused_in_one_micro_batch_add_up():
+    """model[0] gets no gradient in the first micro batch, so its bucket is not complete then: the
+    bucket's other gradients are widened when that micro batch ends, and the sums are exact."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    masters = MasterWeights(model, torch.bfloat16)
+    main = MainGrads(masters.pairs())  # one bucket
+    x = torch.linspace(-1, 1, 12).view(3, 4).to(torch.bfloat16)
+    with main.no_sync():
+        model[1](x).square().sum().backward()
+    assert not main.buckets[0].arrived  # widened as the micro batch ended, not held
+    model(x).square().sum().backward()
+    got = [m.grad for m in main.finish()]
+
+    reference[1](x).square().sum().backward()
+    first = [torch.zeros(p.shape) if p.grad is None else p.grad.float() for p in reference.parameters()]
+    reference.zero_grad(set_to_none=True)
+    reference(x).square().sum().backward()
+    want = [f + p.grad.float() for f, p in zip(first, reference.parameters())]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 class _UsedInReverse(nn.Module):

@@ -53,7 +53,7 @@ def _all_written(main: MainGrads) -> None:
     for slot in main.slots.values():
         slot.written = True
     for bucket in main.buckets:
-        bucket.ready, bucket.pending = True, 0
+        bucket.ready = True
     main.next_bucket = len(main.buckets)
 
 

@@ -2,9 +2,12 @@
 
 bf16 keeps 8 significant bits, so a gradient summed over micro batches (or over DP ranks) in bf16
 loses every contribution smaller than 2^-9 of the running sum. With `precision.main_grads: fp32`
-each half parameter gets a hook that, as soon as autograd has produced its gradient, adds it into
-an fp32 buffer and frees the half one. The fp32 master weights' `.grad` are views of that buffer,
-so the optimizer, the TP-aware norm and the loss scaler read them with no copy.
+each half parameter gets a hook that takes its gradient as soon as autograd has produced it; once a
+bucket (below) holds every gradient of a backward, one foreach call widens them all into the fp32
+buffer (copies on a step's first micro batch, adds on later ones) and the half ones are freed. That is
+a few kernel launches a bucket instead of one per parameter, which matters where a compiled backward
+hands all ~500 gradients of a 1.2B model over at its end. The fp32 master weights' `.grad` are views
+of that buffer, so the optimizer, the TP-aware norm and the loss scaler read them with no copy.
 
 The buffer is cut into buckets in the order backward produces gradients (reverse parameter order).
 On the last micro batch of a step (outside `no_sync()`) a bucket is averaged and its all-reduce over
@@ -29,23 +32,37 @@ from repro.parallel.mappings import group_size
 DEFAULT_BUCKET_NUMEL = 2**24  # 64 MiB of fp32 per bucket
 
 
+@dataclass(eq=False)
+class _Slot:
+    view: torch.Tensor
+    bucket: "_Bucket"
+    offset: int
+    """Where `view` starts in `bucket.flat` (elements)."""
+    written: bool = False
+    """The view holds this step's gradient: later micro batches add into it."""
+
+
 @dataclass(eq=False)  # compared by identity: fields hold tensors
 class _Bucket:
     flat: torch.Tensor
     params: list[nn.Parameter]
-    pending: int = 0
+    arrived: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
+    """This backward's half gradients not yet widened into `flat`."""
     handle: object | None = None
     ready: bool = False
     launched: bool = False
 
-
-@dataclass(eq=False)
-class _Slot:
-    view: torch.Tensor
-    bucket: _Bucket
-    offset: int
-    """Where `view` starts in `bucket.flat` (elements)."""
-    written: bool = field(default=False)
+    def widen(self, slots: dict[nn.Parameter, _Slot]) -> None:
+        """Copy (first micro batch) or add (later ones) the arrived gradients into their fp32 views."""
+        fresh = [(slots[p], g) for p, g in self.arrived.items() if not slots[p].written]
+        again = [(slots[p], g) for p, g in self.arrived.items() if slots[p].written]
+        if fresh:  # the step's first gradient overwrites the buffer: no zeroing pass
+            torch._foreach_copy_([s.view for s, _ in fresh], [g for _, g in fresh])
+            for slot, _ in fresh:
+                slot.written = True
+        if again:
+            torch._foreach_add_([s.view for s, _ in again], [g for _, g in again])
+        self.arrived.clear()
 
 
 class MainGrads:
@@ -71,7 +88,7 @@ class MainGrads:
         # contiguous runs per bucket and takes the TP-aware norm over four, not one per layer
         group = sorted(group, key=lambda p: (p.ndim < 2, not is_tensor_parallel(p)))
         flat = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=group[0].device)
-        bucket = _Bucket(flat, group, pending=len(group))
+        bucket = _Bucket(flat, group)
         offset = 0
         for p in group:
             view = flat[offset:offset + p.numel()].view_as(p)
@@ -94,23 +111,27 @@ class MainGrads:
             yield
         finally:
             self.sync = True
+            self._widen_all()  # buckets with a parameter that got no gradient in this micro batch
+
+    def _widen_all(self) -> None:
+        for bucket in self.buckets:
+            if bucket.arrived:
+                bucket.widen(self.slots)
 
     @torch.no_grad()
     def _on_grad(self, param: nn.Parameter) -> None:
-        slot = self.slots[param]
-        if slot.bucket.ready:
+        bucket = self.slots[param].bucket
+        if bucket.ready:
             raise RuntimeError("a gradient arrived after its bucket's all-reduce started (or was queued): a "
                                "second backward in one step must run inside MainGrads.no_sync()")
-        if slot.written:
-            slot.view.add_(param.grad)
-        else:  # the step's first gradient overwrites the buffer: no zeroing pass
-            slot.view.copy_(param.grad)
-            slot.written = True
+        if param in bucket.arrived:  # a second backward before this one's bucket was complete
+            bucket.widen(self.slots)
+        bucket.arrived[param] = param.grad
         param.grad = None
-        if self.sync:
-            slot.bucket.pending -= 1
-            if slot.bucket.pending == 0:
-                slot.bucket.ready = True
+        if len(bucket.arrived) == len(bucket.params):
+            bucket.widen(self.slots)
+            if self.sync:
+                bucket.ready = True
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -129,6 +150,7 @@ class MainGrads:
     def finish(self) -> list[nn.Parameter]:
         """Wait for the step's all-reduces (starting those of buckets with a parameter that got no
         gradient, whose slot is zeroed) and ready the next step; returns the masters."""
+        self._widen_all()
         for bucket in self.buckets[self.next_bucket:]:
             for p in bucket.params:
                 if not self.slots[p].written:
@@ -138,7 +160,7 @@ class MainGrads:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-            bucket.handle, bucket.ready, bucket.launched, bucket.pending = None, False, False, len(bucket.params)
+            bucket.handle, bucket.ready, bucket.launched = None, False, False
         self.next_bucket = 0
         for slot in self.slots.values():
             slot.written = False

@@ -340,6 +340,37 @@ def test_a_gloo_launch_whose_rank_fails_to_join_runs_again_and_no_rank_ran_the_f
            "failed (injected)); launching the 2 ranks again, attempt 2 of 2" in err
 
 
+def _join_then_linger(marker_dir: str, backend: str, store: str, rank: int, world_size: int) -> None:
+    """Joins as run_ranks does; rank 1 then takes a second longer to return, as a descheduled rank's
+    gloo join did on a loaded machine."""
+    from pathlib import Path
+
+    join_process_group(backend, store, rank, world_size)
+    if rank == 1:
+        time.sleep(1.0)
+        Path(marker_dir, "rank1-joined").write_text(repr(time.time()))
+
+
+def _record_start(marker_dir: str) -> int:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    Path(marker_dir, f"start-{dist.get_rank()}").write_text(repr(time.time()))
+    return dist.get_rank()
+
+
+def test_no_rank_starts_the_function_before_every_rank_has_joined(tmp_path):
+    """The CI failure's cause, reproduced with the launcher before c82786e (6 of 300 no-op launches of
+    2 ranks on 2 busy cores; none of 300 since): rank 0 ran a function that needs no collective,
+    returned and closed its gloo pair while rank 1 was still inside its join, which then read the
+    closed socket (`connectFullMesh failed ... Connection closed by peer`)."""
+    join = functools.partial(_join_then_linger, str(tmp_path))
+    assert launch_ranks(_record_start, 2, (str(tmp_path),), 120.0, "gloo", join) == [0, 1]
+    joined = float((tmp_path / "rank1-joined").read_text())
+    assert float((tmp_path / "start-0").read_text()) >= joined
+
+
 def test_a_gloo_launch_failing_to_join_every_time_raises_naming_the_rank_and_ran_nothing(tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 could not join the process group of _record_run\n"
                                            r"Traceback.*connectFullMesh failed \(injected\)"):

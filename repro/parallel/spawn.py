@@ -34,10 +34,9 @@ from multiprocessing import reduction
 # what a rank reports on the launch's queue, with its rank and a value
 _JOINED, _UNJOINED, _DONE, _FAILED = "joined", "unjoined", "done", "failed"
 GLOO_JOIN_ATTEMPTS = 2
-"""Launches of gloo ranks one of which could not join the process group. The gloo TCP mesh between
-ranks on one machine failed to connect in one fresh-clone CI run of about ten (`Gloo connectFullMesh
-failed ... Connection closed by peer`, 2026-12-05; not reproduced in 5 reruns); no rank has run the
-function then, so the ranks are launched again. NCCL connects lazily, at the first collective: its joins are not retried."""
+"""Launches of gloo ranks one of which could not join the process group (a transient TCP failure):
+no rank has run the function then, so the ranks are launched again once. NCCL connects lazily, at
+the first collective: its joins are not retried."""
 
 
 def free_port() -> int:
@@ -121,8 +120,11 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
         except Exception:
             results.put((rank, _UNJOINED, traceback.format_exc()))
             return
-        # fn starts on no rank before every rank has joined, so a launch whose join failed can be
-        # repeated without having run any of fn
+        # fn starts on no rank before every rank's join has returned. Before, a rank whose fn needs no
+        # collective could return and close its gloo pairs while a descheduled peer was still inside
+        # its join, which then read the closed socket: `connectFullMesh failed ... Connection closed
+        # by peer`, once in CI; 6 of 300 no-op launches on 2 busy cores, none of 300 since. And a
+        # launch whose join failed can be repeated, none of fn having run.
         results.put((rank, _JOINED, None))
         if not start.wait(timeout):
             raise TimeoutError(f"the launcher did not start the ranks within {timeout:.0f} s of this one joining")

@@ -21,7 +21,8 @@ from repro.models.gpt import GPT
 from repro.parallel import checks
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, gather_full, is_tensor_parallel
-from repro.parallel.spawn import GLOO_JOIN_ATTEMPTS, check_gpu_count, join_process_group, launch_ranks, run_ranks
+from repro.parallel.spawn import (GLOO_JOIN_ATTEMPTS, check_gpu_count, join_process_group, launch_ranks,
+                                  leave_process_group, run_ranks)
 
 BAD_ID = r"token id is outside \[0, 1000\)"
 BAD_TARGET = r"target is outside \[0, 1024\)"
@@ -369,6 +370,27 @@ def test_no_rank_starts_the_function_before_every_rank_has_joined(tmp_path):
     assert launch_ranks(_record_start, 2, (str(tmp_path),), 120.0, "gloo", join) == [0, 1]
     joined = float((tmp_path / "rank1-joined").read_text())
     assert float((tmp_path / "start-0").read_text()) >= joined
+
+
+def _leave_after(marker_dir: str, late_rank: int) -> int:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == late_rank:
+        time.sleep(1.0)
+    Path(marker_dir, f"done-{rank}").write_text(repr(time.time()))
+    leave_process_group("gloo")
+    Path(marker_dir, f"left-{rank}").write_text(repr(time.time()))
+    return rank
+
+
+def test_no_rank_leaves_the_process_group_before_every_rank_is_done(tmp_path):
+    """A rank that left (closing its gloo pairs) while a peer was still connecting a subgroup failed
+    that peer the same way (16 of 200 launches of a function that only calls dist.new_group)."""
+    assert run_ranks(_leave_after, 2, str(tmp_path), 1) == [0, 1]
+    assert float((tmp_path / "left-0").read_text()) >= float((tmp_path / "done-1").read_text())
 
 
 def test_a_gloo_launch_failing_to_join_every_time_raises_naming_the_rank_and_ran_nothing(tmp_path):

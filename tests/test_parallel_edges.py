@@ -21,8 +21,7 @@ from repro.models.gpt import GPT
 from repro.parallel import checks
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, gather_full, is_tensor_parallel
-from repro.parallel.spawn import (GLOO_JOIN_ATTEMPTS, check_gpu_count, join_process_group, launch_ranks,
-                                  leave_process_group, run_ranks)
+from repro.parallel.spawn import check_gpu_count, join_process_group, launch_ranks, leave_process_group, run_ranks
 
 BAD_ID = r"token id is outside \[0, 1000\)"
 BAD_TARGET = r"target is outside \[0, 1024\)"
@@ -303,18 +302,11 @@ def test_a_result_that_cannot_be_sent_back_fails_at_once_naming_the_rank():
     assert time.monotonic() - start < 60
 
 
-def _join_then_fail_first(marker_dir: str, failing_rank: int, failures: int, backend: str, store: str,
-                          rank: int, world_size: int) -> None:
-    """Joins as run_ranks does; `failing_rank` then raises on its first `failures` launches, as the
-    gloo mesh's failure did once in CI after its peer had joined (`connectFullMesh ... closed by peer`)."""
-    from pathlib import Path
-
+def _join_then_fail(failing_rank: int, backend: str, store: str, rank: int, world_size: int) -> None:
+    """Joins as run_ranks does; `failing_rank` then raises, after its peer has joined."""
     join_process_group(backend, store, rank, world_size)
     if rank == failing_rank:
-        tries = len(list(Path(marker_dir).glob("join-*")))
-        if tries < failures:
-            Path(marker_dir, f"join-{tries}").touch()
-            raise RuntimeError("Gloo connectFullMesh failed (injected)")
+        raise RuntimeError("join failed (injected)")
 
 
 def _record_run(marker_dir: str) -> int:
@@ -326,19 +318,11 @@ def _record_run(marker_dir: str) -> int:
     return dist.get_rank()
 
 
-def _launch_with_failed_joins(tmp_path, failures: int) -> list:
-    join = functools.partial(_join_then_fail_first, str(tmp_path), 1, failures)
-    return launch_ranks(_record_run, 2, (str(tmp_path),), 120.0, "gloo", join)
-
-
-def test_a_gloo_launch_whose_rank_fails_to_join_runs_again_and_no_rank_ran_the_function_before(tmp_path, capfd):
-    """Rank 0 joined and rank 1's join failed: no rank runs the function (it waits until every rank has
-    joined), and the launch is repeated once, so each rank runs it exactly once."""
-    assert _launch_with_failed_joins(tmp_path, failures=1) == [0, 1]
-    assert len(list(tmp_path.glob("ran-0-*"))) == 1 and len(list(tmp_path.glob("ran-1-*"))) == 1
-    err = capfd.readouterr().err
-    assert "rank 1 could not join the process group of _record_run (RuntimeError: Gloo connectFullMesh " \
-           "failed (injected)); launching the 2 ranks again, attempt 2 of 2" in err
+def test_a_rank_whose_join_fails_fails_the_launch_and_no_rank_ran_the_function(tmp_path):
+    join = functools.partial(_join_then_fail, 1)
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed in _record_run.*join failed \(injected\)"):
+        launch_ranks(_record_run, 2, (str(tmp_path),), 120.0, "gloo", join)
+    assert not list(tmp_path.glob("ran-*"))  # rank 0 had joined, and still waited
 
 
 def _join_then_linger(marker_dir: str, backend: str, store: str, rank: int, world_size: int) -> None:
@@ -391,14 +375,6 @@ def test_no_rank_leaves_the_process_group_before_every_rank_is_done(tmp_path):
     that peer the same way (16 of 200 launches of a function that only calls dist.new_group)."""
     assert run_ranks(_leave_after, 2, str(tmp_path), 1) == [0, 1]
     assert float((tmp_path / "left-0").read_text()) >= float((tmp_path / "done-1").read_text())
-
-
-def test_a_gloo_launch_failing_to_join_every_time_raises_naming_the_rank_and_ran_nothing(tmp_path):
-    with pytest.raises(RuntimeError, match=r"(?s)rank 1 could not join the process group of _record_run\n"
-                                           r"Traceback.*connectFullMesh failed \(injected\)"):
-        _launch_with_failed_joins(tmp_path, failures=GLOO_JOIN_ATTEMPTS)
-    assert len(list(tmp_path.glob("join-*"))) == GLOO_JOIN_ATTEMPTS
-    assert not list(tmp_path.glob("ran-*"))
 
 
 def _end_without_a_result(rank_to_die: int) -> int:

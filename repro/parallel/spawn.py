@@ -32,11 +32,7 @@ from multiprocessing import reduction
 
 
 # what a rank reports on the launch's queue, with its rank and a value
-_JOINED, _UNJOINED, _DONE, _FAILED = "joined", "unjoined", "done", "failed"
-GLOO_JOIN_ATTEMPTS = 2
-"""Launches of gloo ranks one of which could not join the process group (a transient TCP failure):
-no rank has run the function then, so the ranks are launched again once. NCCL connects lazily, at
-the first collective: its joins are not retried."""
+_JOINED, _DONE, _FAILED = "joined", "done", "failed"
 
 
 def free_port() -> int:
@@ -127,16 +123,11 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        try:
-            join(backend, store, rank, world_size)
-        except Exception:
-            results.put((rank, _UNJOINED, traceback.format_exc()))
-            return
+        join(backend, store, rank, world_size)
         # fn starts on no rank before every rank's join has returned. Before, a rank whose fn needs no
         # collective could return and close its gloo pairs while a descheduled peer was still inside
         # its join, which then read the closed socket: `connectFullMesh failed ... Connection closed
-        # by peer`, once in CI; 6 of 300 no-op launches on 2 busy cores, none of 300 since. And a
-        # launch whose join failed can be repeated, none of fn having run.
+        # by peer`, once in CI; 6 of 300 no-op launches on 2 busy cores, none of 300 since.
         results.put((rank, _JOINED, None))
         if not start.wait(timeout):
             raise TimeoutError(f"the launcher did not start the ranks within {timeout:.0f} s of this one joining")
@@ -222,11 +213,10 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
               backend: str = "gloo") -> list[Any]:
     """Spawn `world_size` ranks running fn(*args); return their results in rank order.
 
-    Every rank joins the process group before any runs fn; a gloo launch one of whose ranks could
-    not join is repeated once (GLOO_JOIN_ATTEMPTS), with a warning on stderr. Raises ValueError
-    before spawning when NCCL ranks outnumber the visible GPUs, RuntimeError with the failing rank's
-    traceback (or naming a rank that died without one: killed, out of memory), or TimeoutError after
-    `timeout` seconds (the ranks are then killed, so a hung collective never hangs the caller).
+    Every rank joins the process group before any runs fn, and leaves it after all have run it.
+    Raises ValueError before spawning when NCCL ranks outnumber the visible GPUs, RuntimeError with
+    the failing rank's traceback (or naming a rank that died without one: killed, out of memory), or
+    TimeoutError after `timeout` seconds (the ranks are then killed, so a hung collective never hangs the caller).
     """
     check_gpu_count(world_size, backend)
     return launch_ranks(fn, world_size, args, timeout, backend, join_process_group)
@@ -236,31 +226,6 @@ def launch_ranks(fn: Callable, world_size: int, args: tuple, timeout: float, bac
                  join: Callable[[str, str, int, int], None]) -> list[Any]:
     """run_ranks with the function each rank joins the process group with, join(backend, store,
     rank, world_size) (importable, like fn)."""
-    attempts = GLOO_JOIN_ATTEMPTS if backend == "gloo" else 1
-    for attempt in range(1, attempts + 1):
-        try:
-            return _launch(fn, world_size, args, timeout, backend, join)
-        except _JoinFailed as failure:
-            if attempt == attempts:
-                raise RuntimeError(f"{failure}\n{failure.traceback}") from None
-            print(f"repro: {failure} ({failure.last_line()}); launching the {world_size} ranks again, "
-                  f"attempt {attempt + 1} of {attempts}", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
-
-
-class _JoinFailed(Exception):
-    """A rank could not join the process group; no rank has run the function."""
-
-    def __init__(self, rank: int, name: str, traceback_text: str) -> None:
-        super().__init__(f"rank {rank} could not join the process group of {name}")
-        self.traceback = traceback_text
-
-    def last_line(self) -> str:
-        lines = self.traceback.strip().splitlines()
-        return lines[-1] if lines else "no traceback"
-
-
-def _launch(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str, join: Callable) -> list[Any]:
     ctx = _start_context(backend)
     caller = _CallerContext.here() if ctx.get_start_method() == "forkserver" else None
     results, start = ctx.Queue(), ctx.Event()
@@ -308,8 +273,6 @@ def _collect(results, ranks: _Ranks, name: str, timeout: float, start) -> dict[i
             joined.add(rank)
             if len(joined) == world_size:
                 start.set()
-        elif kind == _UNJOINED:
-            raise _JoinFailed(rank, name, value)
         elif kind == _FAILED:
             raise RuntimeError(f"rank {rank} failed in {name}:\n{value}")
         else:

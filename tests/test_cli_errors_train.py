@@ -257,6 +257,8 @@ def test_negative_nproc_is_refused(corpus, tmp_path, capfd):
     ("bad.yaml", "train:\n  a: [1\n b: 2\n", "is not valid YAML (line 3, column 3"),
     ("list.yaml", "- a\n- b\n", "holds a YAML list, not a mapping"),
     ("dir.yaml", None, "is a directory: give a YAML file"),
+    ("empty.yaml", "# nothing yet\n", "is empty (no sections, or only comments)"),  # trained the defaults before
+    ("braces.yaml", "{}\n", "is empty (no sections, or only comments)"),
     ("wrong.yaml", "train:\n  train_iters: ten\n", "train.train_iters: Value 'ten'"),
 ])
 def test_config_file_errors_name_the_file_and_problem(tmp_path, capfd, name, text, needle):

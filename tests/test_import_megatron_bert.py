@@ -46,9 +46,10 @@ def _hf_bert(hidden_act: str, vocab: int = VOCAB):
     return model
 
 
-def _megatron_bert_state(hf, *, version, tp, pp, rank, stage, binary_head=True) -> dict:
+def _megatron_bert_state(hf, *, version, tp, pp, rank, stage, binary_head=True, head_norm="layernorm") -> dict:
     """TP rank `rank`, pipeline stage `stage` of a legacy Megatron-LM BERT (nested as Megatron saves it);
-    without `binary_head` as --bert-no-binary-head saves it: no binary head, pooler or token types."""
+    without `binary_head` as --bert-no-binary-head saves it: no binary head, pooler or token types;
+    `head_norm`: the LM head's norm, `layernorm` or (built by `get_norm` since 2023) `norm`."""
     sd, cfg = hf.state_dict(), hf.config
     per_stage, heads = cfg.num_hidden_layers // pp, cfg.num_attention_heads
     rows = -(-cfg.vocab_size // (128 * tp)) * 128 * tp
@@ -80,7 +81,7 @@ def _megatron_bert_state(hf, *, version, tp, pp, rank, stage, binary_head=True) 
         bias = torch.cat([sd["cls.predictions.bias"], torch.zeros(rows - cfg.vocab_size)]).chunk(tp)[rank]
         model["lm_head"] = {"bias": bias, **{f"dense.{k}": sd[f"cls.predictions.transform.dense.{k}"] for k in
                                              ("weight", "bias")},
-                            **{f"layernorm.{k}": sd[f"cls.predictions.transform.LayerNorm.{k}"] for k in
+                            **{f"{head_norm}.{k}": sd[f"cls.predictions.transform.LayerNorm.{k}"] for k in
                                ("weight", "bias")}}
         model["binary_head"] = {k: sd[f"cls.seq_relationship.{k}"] for k in ("weight", "bias")}
         if not binary_head:
@@ -94,12 +95,13 @@ def _megatron_bert_state(hf, *, version, tp, pp, rank, stage, binary_head=True) 
 
 
 def write_megatron_bert(root: Path, hf, *, version=2.0, tp=1, pp=1, args=True, binary_head=True,
-                        **arg_overrides) -> Path:
+                        head_norm="layernorm", **arg_overrides) -> Path:
     folder = root / "release"
     for rank in range(tp):
         for stage in range(pp):
             saved = {"iteration": 2000, "model": _megatron_bert_state(hf, version=version, tp=tp, pp=pp, rank=rank,
-                                                                      stage=stage, binary_head=binary_head)}
+                                                                      stage=stage, binary_head=binary_head,
+                                                                      head_norm=head_norm)}
             if version:
                 saved["checkpoint_version"] = version
             if args:
@@ -236,17 +238,20 @@ def test_a_bert_trained_without_its_binary_head_imports_with_fresh_heads(tmp_pat
         proc.stderr
 
 
-def test_zero_centered_layer_norms_of_a_legacy_bert_import_with_their_one_added(tmp_path):
-    """--apply-layernorm-1p stores gamma - 1 in the encoder's layer norms; the legacy LM head's
-    `layernorm` was a plain LayerNorm (the switch never reached it) and keeps its gamma."""
+@pytest.mark.parametrize("head_norm", ["layernorm", "norm"])
+def test_zero_centered_layer_norms_of_a_legacy_bert_import_with_their_one_added(tmp_path, head_norm):
+    """--apply-layernorm-1p stores gamma - 1 in the encoder's layer norms. The legacy LM head's
+    `layernorm` was a plain LayerNorm (the switch never reached it) and keeps its gamma; its later
+    `norm`, built by `get_norm`, follows the switch and gets its 1 back (before, `norm` was refused)."""
     hf = _hf_bert("gelu")
     stored = type(hf)(hf.config).eval()
     stored.load_state_dict(hf.state_dict())
+    centred = ("ln.weight", "transform.LayerNorm.weight") if head_norm == "norm" else ("ln.weight",)
     with torch.no_grad():
         for name, p in stored.named_parameters():
-            if name.startswith("bert.encoder.") and name.endswith("ln.weight"):
+            if name.startswith(("bert.encoder.", "cls.predictions.")) and name.endswith(centred):
                 p.sub_(1.0)
-    write_megatron_bert(tmp_path / "m", stored, tp=2, apply_layernorm_1p=True)
+    write_megatron_bert(tmp_path / "m", stored, tp=2, apply_layernorm_1p=True, head_norm=head_norm)
     rs.import_megatron(tmp_path / "m", tmp_path / "ck")
     _, ours, theirs = _ours_and_hf(tmp_path / "ck", hf)
     assert _close(ours.mlm_logits[..., :VOCAB], theirs.prediction_logits)

@@ -102,6 +102,8 @@ def _errors(tp_group=None) -> dict[str, str]:
     cases = {f"id {i}": lambda i=i: emb(torch.tensor([[3, i]])) for i in (-1, 999, 1000, 1023, 5000)}
     cases |= {f"target {t}": lambda t=t: vocab_parallel_cross_entropy(logits, torch.tensor([3, t]), tp_group)
               for t in (-100, -1, 1023, 1024)}
+    cases |= {f"target {t} of vocab 1000": lambda t=t: vocab_parallel_cross_entropy(
+        logits, torch.tensor([3, t]), tp_group, vocab_size=1000) for t in (999, 1000, 1023)}
     out = {}
     for name, case in cases.items():
         try:
@@ -125,16 +127,35 @@ def _assert_refused(errors: dict[str, str]) -> None:
         assert re.search(BAD_ID, errors[name]), (name, errors[name])
     for name in ("target -100", "target -1", "target 1024"):
         assert re.search(BAD_TARGET, errors[name]), (name, errors[name])
-    assert errors["id 999"] == errors["target 1023"] == "ok"
+    for name in ("target 1000 of vocab 1000", "target 1023 of vocab 1000"):  # padded columns: -inf logits
+        assert re.search(r"target is outside \[0, 1000\)", errors[name]), (name, errors[name])
+    assert errors["id 999"] == errors["target 1023"] == errors["target 999 of vocab 1000"] == "ok"
 
 
 def test_out_of_range_ids_and_targets_fail_alike_at_tp1_and_tp2():
-    """An id outside [0, vocab) and a target outside [0, padded vocab) (-100 included: there is no
-    ignore-index) raise the same error at every TP degree, instead of a zero embedding or a loss
-    that trains every logit down."""
+    """An id outside [0, vocab) and a target outside [0, padded vocab), or [0, vocab) where the caller
+    names the vocab (-100 included: there is no ignore-index) raise the same error at every TP degree,
+    instead of a zero embedding, a loss that trains every logit down, or an infinite loss."""
     _assert_refused(_errors())
     for errors in run_ranks(_errors_at_tp2, 2):
         _assert_refused(errors)
+
+
+def test_models_refuse_a_target_in_the_padded_vocab():
+    """GPT's and BERT's losses bound targets by the real vocab (1000, padded to 1024): a target of
+    1000 would meet a -inf logit and train on an infinite loss; it raises instead, naming the bound."""
+    from repro.models.bert_checks import random_bert_batch
+
+    gpt = GPT(checks.TINY, seed=1)
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    assert torch.isfinite(gpt(ids, torch.full_like(ids, 999))).all()
+    with pytest.raises(RuntimeError, match=r"target is outside \[0, 1000\)"):
+        gpt(ids, torch.full_like(ids, 1000))
+    bert, batch = BERT(TINY_BERT, seed=1), random_bert_batch(TINY_BERT, 2)
+    assert torch.isfinite(bert.losses(batch)["mlm"])
+    batch["mlm_labels"][0, 0] = 1000
+    with pytest.raises(RuntimeError, match=r"target is outside \[0, 1000\)"):
+        bert.losses(batch)
 
 
 def test_assert_async_raises_on_cpu():

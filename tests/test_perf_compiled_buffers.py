@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -31,10 +32,13 @@ def test_tiny_step_has_its_logits_once_and_no_float32_logit_buffer_in_backward(t
     and the padded-vocab mask fuse into passes over existing buffers: docs/training.md)."""
     assert main(["--out", str(tmp_path), "--tiny"]) == 0
     result = json.loads((tmp_path / "buffers.json").read_text())
-    assert set(result["totals_bytes"]) == {"0_forward", "0_backward"}
+    # AOT IDs count compiles in the process that first compiled a graph: one read back from inductor's
+    # cache keeps its old number (17_forward after other compiles), so only the kinds are fixed
+    forward, backward = sorted(result["totals_bytes"], key=lambda graph: not graph.endswith("_forward"))
+    assert re.fullmatch(r"\d+_forward", forward) and re.fullmatch(r"\d+_backward", backward), result["totals_bytes"]
     logit_sized = [(g["graph"], g["dtype"], g["writer"], g["count"]) for g in result["groups"] if g["logit_sized"]]
-    assert logit_sized == [("0_forward", "bfloat16", "extern_kernels.mm", 1)], logit_sized
-    assert "| 0_forward |" in (tmp_path / "buffers.md").read_text()
+    assert logit_sized == [(forward, "bfloat16", "extern_kernels.mm", 1)], logit_sized
+    assert f"| {forward} |" in (tmp_path / "buffers.md").read_text()
 
 
 @pytest.mark.parametrize("argv, needle", [(["--layers", "0"], "at least 1"), (["--batch", "0"], "at least 1")])

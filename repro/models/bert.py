@@ -214,7 +214,8 @@ class BERT(nn.Module):
         out = self(batch["tokens"], batch["token_types"], batch["padding_mask"])
         labels = batch["mlm_labels"]
         predict = (labels != IGNORE_INDEX).float()  # (b, s)
-        per_token = vocab_parallel_cross_entropy(out.mlm_logits, labels.clamp_min(0), self.tp_group)
+        per_token = vocab_parallel_cross_entropy(out.mlm_logits, labels.clamp_min(0), self.tp_group,
+                                                 vocab_size=self.cfg.vocab_size)
         mlm = (per_token * predict).sum() / predict.sum().clamp_min(1.0)
         sop = F.cross_entropy(out.sop_logits.float(), batch["sop_label"])
         return {"mlm": mlm, "sop": sop, "total": mlm + sop}

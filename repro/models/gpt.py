@@ -143,7 +143,8 @@ class GPT(nn.Module):
         logits = self.logits(ids)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, inplace=True)  # logits unseen
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, inplace=True,  # logits unseen
+                                           vocab_size=self.cfg.vocab_size)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's vocab slice of the logits (b, s, V/tp), padded columns at -inf."""

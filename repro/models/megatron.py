@@ -5,7 +5,7 @@
 Files and layouts: `repro.models.megatron_files` (any TP x PP; each pipeline stage numbers its layers
 from 0, offset here by the stages before it). Both model generations' names are read: the legacy
 `language_model.{embedding, transformer|encoder}` (2019 on; BERT adds `language_model.pooler`,
-`lm_head`, `binary_head`) and megatron-core's `embedding`, `decoder` (GPT) or `encoder` (BERT, with
+`lm_head` (its norm `layernorm`, later `norm`), `binary_head`) and megatron-core's `embedding`, `decoder` (GPT) or `encoder` (BERT, with
 `pooler`, `lm_head`, `output_layer.bias`, `binary_head`), local and Transformer Engine layer specs. Each TP rank's fused query/key/value rows are ordered by the file's
 `checkpoint_version`: 0 (2019) as [3, np, hn] (our order), 1.0 as [np, hn, 3], 2.0 and 3.0 as
 [np, 3, hn] (np: that rank's heads, hn: the head size). The weights are the model's own (fp16/bf16
@@ -72,13 +72,14 @@ GPT = Family("gpt", "transformer.h.{}.", {
     **{f"{prefix}embedding.position_embeddings.weight": "transformer.wpe.weight" for prefix in ("language_model.", "")},
     **{k: v for stack in _STACKS for k, v in _wb(f"{stack}.final_layernorm", "transformer.ln_f").items()}},
     "transformer.wte.weight", "transformer.wpe.weight")
-BERT = Family("bert", "layers.{}.", {  # legacy (`language_model.`, lm_head.layernorm, lm_head.bias) and megatron-core
+BERT = Family("bert", "layers.{}.", {  # legacy (`language_model.`, lm_head.layernorm or .norm, lm_head.bias), core
     **{f"{prefix}embedding.{kind}_embeddings.weight": f"embeddings.{ours}.weight" for prefix in ("language_model.", "")
        for kind, ours in (("word", "word"), ("position", "position"), ("tokentype", "tokentype"))},
     **{k: v for stack in _STACKS for k, v in _wb(f"{stack}.final_layernorm", "ln_f").items()},
     **_wb("language_model.pooler.dense", "pooler"), **_wb("pooler.dense", "pooler"),
     **_wb("lm_head.dense", "lm_head.dense"), **_wb("lm_head.layernorm", "lm_head.ln"),
-    **_wb("lm_head.layer_norm", "lm_head.ln"), "lm_head.bias": "lm_head.bias", "output_layer.bias": "lm_head.bias",
+    **_wb("lm_head.norm", "lm_head.ln"), **_wb("lm_head.layer_norm", "lm_head.ln"),
+    "lm_head.bias": "lm_head.bias", "output_layer.bias": "lm_head.bias",
     **_wb("binary_head", "sop_head")},
     "embeddings.word.weight", "embeddings.position.weight")
 
@@ -151,12 +152,13 @@ def zero_centered(args) -> bool:
     return any(getattr(args, name, False) is True for name in ZERO_CENTERED)
 
 
-def add_one_to_layer_norms(state: dict, core: bool) -> None:
+def add_one_to_layer_norms(state: dict, head_norm_centred: bool) -> None:
     """Our gamma (= Megatron's stored gamma - 1, plus 1, in the stored dtype as Megatron adds it) for
-    every zero-centred layer norm of one TP rank's state. BERT's LM-head norm is one in megatron-core
-    only: the legacy head's `layernorm` is a plain LayerNorm that the switch never reached."""
+    every zero-centred layer norm of one TP rank's state. BERT's LM-head norm is one where the switch
+    reached it (`head_norm_centred`): in megatron-core and in the later legacy head's `norm`
+    (`get_norm`), not in the earlier legacy head's `layernorm`, a plain LayerNorm."""
     for name in list(state):
-        if _NORM_WEIGHT.search(name) or (core and name == "lm_head.ln.weight"):
+        if _NORM_WEIGHT.search(name) or (head_norm_centred and name == "lm_head.ln.weight"):
             state[name] = state[name] + 1
 
 
@@ -329,7 +331,7 @@ def read_megatron(path: str | Path, opts: ImportOptions | None = None) -> Megatr
     if saved != (found.tp, found.pp):
         raise MegatronFormatError(f"{path}: the run was TP={saved[0]} x PP={saved[1]} but {found.tp * found.pp} rank "
                                   f"file(s) were found: give the whole checkpoint directory")
-    family, core, shards, layers = _read_shards(path, found, first)
+    family, core, shards, layers, head_norm_centred = _read_shards(path, found, first)
     complete_binary_head(path, family, args, shards)
     cfg = model_config(family, args, shards[0], layers, found.tp, opts, core)
     _check_shapes(family, cfg, shards, found.tp)
@@ -337,15 +339,16 @@ def read_megatron(path: str | Path, opts: ImportOptions | None = None) -> Megatr
         for name in [n for n in state if ".attn.c_attn." in n]:
             state[name] = qkv_to_ours(state[name], version, cfg.num_attention_heads // found.tp)
         if zero_centered(args):
-            add_one_to_layer_norms(state, core)
+            add_one_to_layer_norms(state, head_norm_centred)
     provenance = {"megatron_checkpoint_version": version, "megatron_iteration": first.get("iteration", found.iteration),
                   "megatron_tp": found.tp, "megatron_pp": found.pp}
     return MegatronModel(family.name, cfg, shards, provenance)
 
 
-def _read_shards(path, found, first: dict) -> tuple[Family, bool, list[dict], int]:
-    """(family, whether megatron-core names, each TP rank's stage-merged state in our names, layer count)."""
-    shards, layers, family, core = [], None, None, False
+def _read_shards(path, found, first: dict) -> tuple[Family, bool, list[dict], int, bool]:
+    """(family, whether megatron-core names, each TP rank's stage-merged state in our names, layer count,
+    whether BERT's LM-head norm follows --apply-layernorm-1p: megatron-core's and the later legacy `norm`)."""
+    shards, layers, family, core, head_norm_centred = [], None, None, False, False
     progress = tqdm(total=found.tp * found.pp, desc="read rank files", unit="file", disable=found.tp * found.pp < 2)
     for t in range(found.tp):
         stages = []
@@ -355,6 +358,7 @@ def _read_shards(path, found, first: dict) -> tuple[Family, bool, list[dict], in
             progress.update()
         if family is None:
             family, core = family_of({k: v for s in stages for k, v in s.items()}), any(map(is_core, stages))
+            head_norm_centred = core or any("lm_head.norm.weight" in s for s in stages)
         state, head, count = rename_stages(family, stages, str(found.files[t, 0].parent))
         if layers is not None and count != layers:
             raise MegatronFormatError(f"{path}: TP rank {t} holds {count} layers, rank 0 {layers}: a damaged checkpoint")
@@ -364,7 +368,7 @@ def _read_shards(path, found, first: dict) -> tuple[Family, bool, list[dict], in
                                       "are tied, as GPT-2's, BERT's and Megatron-LM's default are")
         shards.append(state)
     progress.close()
-    return family, core, shards, layers
+    return family, core, shards, layers, head_norm_centred
 
 
 def _check_shapes(family: Family, cfg: ModelConfig, shards: list[dict], tp: int) -> None:

@@ -67,7 +67,7 @@ def _softmax_minus_one_hot(softmax: torch.Tensor, outside: torch.Tensor, local_t
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
-                                 inplace: bool = False) -> torch.Tensor:
+                                 inplace: bool = False, vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss (b, s) from vocab-parallel logits (b, s, v/tp) and global target ids (b, s).
 
     Computed in float32 for half-precision logits (float64 stays float64). Columns set to -inf (padded vocab) get zero
@@ -75,11 +75,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     softmax instead of allocating a copy, as Megatron does: only for logits nobody reads afterwards and
     no autograd node saved (a matmul's output is not saved).
 
-    There is no ignore-index: every target must be in [0, padded vocab), and -100 (or any other id
-    outside) raises (a RuntimeError on CPU, a device-side assert on GPU; no host sync). To skip
-    positions, clamp their targets into range and mask their losses, as `BERT.losses` does.
+    There is no ignore-index: every target must be in [0, vocab_size) (default: the padded vocab), and
+    -100 (or any other id outside) raises (a RuntimeError on CPU, a device-side assert on GPU; no host
+    sync). Give the model's unpadded `vocab_size`: a target in the padding would meet a -inf logit and
+    an infinite loss. To skip positions, clamp their targets into range and mask their losses, as
+    `BERT.losses` does.
     """
-    vocab = logits.shape[-1] * group_size(tp_group)
+    vocab = logits.shape[-1] * group_size(tp_group) if vocab_size is None else vocab_size
     torch._assert_async(((target >= 0) & (target < vocab)).all(),
                         f"vocab_parallel_cross_entropy: a target is outside [0, {vocab}) (no ignore-index: "
                         "clamp the targets of skipped positions and mask their losses)")

@@ -197,8 +197,10 @@ def _read_yaml(path: Path) -> dict:
     except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as err:
         raise RunConfigError(f"config {path} cannot be read ({str(err).splitlines()[0] if str(err) else err!r}): "
                              "give a readable YAML file") from None
-    if raw is None:
-        return {}
+    if raw is None or raw == {}:
+        raise RunConfigError(f"config {path} is empty (no sections, or only comments): fill it with sections "
+                             "such as `model:` and `train:`, or include a config: `include: [gpt_tiny.yaml]` "
+                             "(experiments/tiny/gpt_tiny.yaml is one)")
     if not isinstance(raw, dict):
         raise RunConfigError(f"config {path} holds a YAML {type(raw).__name__}, not a mapping: its top level "
                              "must be sections such as `model:` and `train:`")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import require
 from repro.parallel.spawn import free_port, run_ranks
 from repro.train.commands import train_rank
 from repro.train.step import train_step
@@ -44,6 +46,30 @@ def test_fp16_overflow_skips_step_and_lowers_scale(corpus, tmp_path):
     assert not any(r.skipped for r in after) and all(math.isfinite(r.loss) for r in after)
     assert not torch.equal(weight, before)
 
+
+
+def _logged_scales(corpus: dict, run: Path, zero_stage: int) -> list[tuple[float, float]]:
+    """(loss scale, skipped iterations) of each logged iteration of a 6-iteration fp16 run at DP=2
+    that starts at a scale of 2^32, so that the first iterations overflow."""
+    import json
+
+    run_ranks(train_rank, 2, TINY, tiny_overrides(corpus, run, **{
+        "train.zero_stage": zero_stage, "precision.precision": "fp16", "precision.initial_loss_scale": 2.0**32,
+        "train.train_iters": 6, "train.log_interval": 1}), timeout=600)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss_scale"], r["skipped_iters"]) for r in rows if "loss_scale" in r]
+
+
+def test_deepspeed_fp16_logs_the_loss_scale_its_step_used_as_our_scaler_does(corpus, tmp_path):
+    """Under ZeRO-1 DeepSpeed's scaler runs the step; each iteration logs the scale its losses were
+    multiplied by, before the step's update, as our scaler's path does (before, DeepSpeed's runs
+    logged the scale after the update, one halving ahead). Both scalers (hysteresis 2) keep 2^32
+    through the first overflow and halve it at each overflow after."""
+    require(importlib.util.find_spec("deepspeed") is not None, "DeepSpeed")
+    ours, deepspeeds = _logged_scales(corpus, tmp_path / "ours", 0), _logged_scales(corpus, tmp_path / "zero1", 1)
+    assert ours == deepspeeds, (ours, deepspeeds)
+    assert [scale for scale, _ in ours] == [2.0**32, 2.0**32, 2.0**31, 2.0**30, 2.0**29, 2.0**28]
+    assert [skipped for _, skipped in ours] == [1, 2, 3, 4, 5, 6]
 
 
 def _overflow_on_rank_1(corpus: dict, run_dir: str, fused: bool) -> tuple[bool, float, bool]:

@@ -85,6 +85,8 @@ def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
     sums: dict[str, torch.Tensor] = {}
     lr = eng.optimizer.param_groups[0]["lr"]
     skipped_before = getattr(eng.wrapped, "skipped_steps", 0)
+    # the scale this step's losses are multiplied by, as _plain_step reports it: DeepSpeed's step updates it
+    scale = float(getattr(eng.optimizer, "cur_scale", getattr(eng.optimizer, "loss_scale", 1.0)) or 1.0)
     for batch in micro_batches:
         loss, parts = eng.wrapped(to_device(batch, eng.device))
         eng.wrapped.backward(loss.float())
@@ -92,7 +94,6 @@ def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
         _accumulate(sums, loss, parts, len(micro_batches))
     norm = eng.wrapped.get_global_grad_norm()
     norm = float(norm) if norm is not None else float("nan")
-    scale = float(getattr(eng.optimizer, "cur_scale", getattr(eng.optimizer, "loss_scale", 1.0)) or 1.0)
     skipped = getattr(eng.wrapped, "skipped_steps", 0) > skipped_before
     return _result(sums, eng, norm, lr, scale, skipped)
 

@@ -398,6 +398,21 @@ def test_eval_records_sync_once_into_the_store_at_their_time(tmp_path, monkeypat
     assert len(client.search_runs([runs[0].info.experiment_id])) == 2
 
 
+def test_an_eval_after_a_cut_short_append_keeps_every_record_whole(tmp_path, capsys):
+    """A killed write's partial last line is cut before the next record is appended (before, the record
+    ran on from it, and that line, no longer the last, made every later sync refuse the file)."""
+    from repro.eval.report import read_records
+
+    run = _gpt_checkpoint(tmp_path / "g5")
+    assert _eval(capsys, run, "--no-mlflow")[0] == 0
+    with open(run / "zero_shot.jsonl", "a") as f:
+        f.write('{"task": "lamb')  # an append cut short
+    with pytest.warns(UserWarning, match="dropped an unfinished last line"):
+        assert _eval(capsys, run, "--no-mlflow", "--max-examples", "3")[0] == 0
+    records = read_records(run / "zero_shot.jsonl")
+    assert [r.params["max_examples"] for r in records] == [2, 3], [r.params for r in records]
+
+
 @pytest.mark.parametrize("task, option, value", [
     ("lambada", "--max-examples", "0"), ("lambada", "--max-examples", "-5100"), ("lambada", "--batch-size", "0"),
     ("wikitext", "--batch-size", "-1"), ("wikitext", "--max-lines", "-4300"), ("wikitext", "--max-lines", "0"),

@@ -468,6 +468,32 @@ def test_a_live_logged_run_is_found_again_after_a_sync_into_another_store(tmp_pa
     assert sync_run(run_dir).run_id == live.run_id and _runs_of(store) == [live.run_id]
 
 
+def test_two_directories_of_the_same_relative_path_sync_into_runs_of_their_own(tmp_path, store, monkeypatch):
+    """Two checkouts' `runs/gpt` synced into one shared store: B (logged live into its own store first,
+    so its mlflow_run_id names a run the shared store lacks) gets a run of its own. Before, B's sync
+    found A's run by the relative synced_from tag and added B's loss to it."""
+    from mlflow import MlflowClient
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    offline = _offline_logger(monkeypatch, Path("runs/gpt"), "exp-shared")
+    _log(offline, (1,))
+    offline.close()
+    sync_run(Path("runs/gpt"))
+    monkeypatch.chdir(tmp_path / "b")
+    with monkeypatch.context() as local:
+        local.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'local_b.db'}")
+        live = RunLogger(Path("runs/gpt"), "exp-shared", "gpt", {}, {})
+        live.log_metrics({"loss": 99.0}, 1)
+        live.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # B's run id is not in the shared store
+        sync_run(Path("runs/gpt"))
+    a, b = recorded_run_id(tmp_path / "a/runs/gpt"), recorded_run_id(tmp_path / "b/runs/gpt")
+    losses = {run: [m.value for m in MlflowClient(store).get_metric_history(run, "loss")] for run in (a, b)}
+    assert a != b and losses == {a: [9.0], b: [99.0]}, losses
+
+
 @pytest.mark.parametrize("line, problem", [
     ('{"task": "wikitext", "metrics": {"word_ppl": "12.5x"}, "params": {"window": 1024}}',
      "metrics: word_ppl='12.5x', not a number"),

@@ -48,8 +48,12 @@ def _fmt(value: float) -> str:
 
 
 def write_json(record: EvalRecord, path: Path) -> None:
-    """Append the record as one JSON line (the copy that survives a tracking server outage)."""
+    """Append the record as one JSON line (the copy that survives a tracking server outage), after
+    cutting a killed write's partial last line, which the record would otherwise run on from."""
+    from repro.tracking.logger import drop_partial_line
+
     path.parent.mkdir(parents=True, exist_ok=True)
+    drop_partial_line(path)
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record.__dict__, sort_keys=True) + "\n")
 

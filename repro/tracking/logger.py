@@ -39,13 +39,14 @@ def recorded_run_id(run_dir: str | Path) -> str | None:
     return (path.read_text().strip() or None) if path.is_file() else None
 
 
-def _drop_partial_row(path: Path) -> None:
-    """Cut a killed run's unfinished last line, so a resumed run appends whole rows after it."""
+def drop_partial_line(path: Path) -> None:
+    """Cut the unfinished last line a killed writer left in a JSON-lines file, so that the next append
+    starts a whole line after it (metrics.jsonl on resume, zero_shot.jsonl before a new record)."""
     data = path.read_bytes() if path.exists() else b""
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
         warnings.warn(f"{path}: dropped an unfinished last line ({len(data) - cut} bytes) left by a "
-                      "killed run", stacklevel=3)
+                      "killed writer", stacklevel=3)
         with open(path, "r+b") as handle:
             handle.truncate(cut)
 
@@ -77,7 +78,7 @@ class RunLogger:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         (self.run_dir / STOP_MARKER).unlink(missing_ok=True)  # an earlier launch's stop, not this one's
         earlier_run_id = _set_aside_earlier_launch(self.run_dir) if starts_over else None
-        _drop_partial_row(self.metrics_path)
+        drop_partial_line(self.metrics_path)
         _write_text(self.run_dir / "params.json", json.dumps(params, indent=1, sort_keys=True))
         _write_text(self.run_dir / "tags.json", json.dumps({**tags, "experiment": experiment,
                                                            "run_name": run_name}, indent=1))
@@ -404,7 +405,7 @@ def _create_run(client, run_dir: Path, tags: dict):
     """A new run; its id is recorded first, so a broken sync resumes into it."""
     rest = {k: str(v) for k, v in tags.items() if k not in ("experiment", "run_name")}
     run = client.create_run(experiment_id(client, tags["experiment"]), run_name=tags["run_name"],
-                            tags={**rest, "synced_from": str(run_dir), RUN_DIR_TAG: str(run_dir.resolve())})
+                            tags={**rest, "synced_from": str(run_dir.resolve()), RUN_DIR_TAG: str(run_dir.resolve())})
     _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
     return run
 
@@ -413,13 +414,14 @@ def _run_of_dir(client, run_dir: Path, experiment: str):
     """The newest live run of `experiment` this directory logged or synced (its run_dir tag, or the
     synced_from tag of syncs before that tag), not one of a launch set aside (mlflow_run_id.before-*):
     `mlflow_run_id` names another store's run after a sync into that store, and this store's run is
-    found again instead of uploaded twice."""
+    found again instead of uploaded twice. Only by absolute path: a relative one (`runs/gpt`) names
+    another user's or checkout's directory as well, whose run this directory's rows must not join."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
     path = str(run_dir.resolve())
     dead = {p.read_text().strip() for p in run_dir.glob(f"{RUN_ID_FILE}.before-*")}
-    for key, value in ((RUN_DIR_TAG, path), ("synced_from", str(run_dir)), ("synced_from", path)):
+    for key, value in ((RUN_DIR_TAG, path), ("synced_from", path)):
         if "'" in value:  # not expressible in a search filter
             continue
         runs = client.search_runs([exp.experiment_id], f"tags.{key} = '{value}'", max_results=100,

@@ -175,6 +175,19 @@ def test_the_login_node_reads_the_store_the_cluster_settings_give_the_jobs(tmp_p
     assert default_tracking_uri().endswith("/mlruns/mlflow.db")
 
 
+def test_a_new_experiment_keeps_its_artifacts_where_its_store_does(tmp_path, monkeypatch):
+    """A server (named by the environment or only by cluster.env) keeps the artifacts where it is told;
+    a sqlite store keeps them beside its database. Before, a server named only by cluster.env got
+    experiments whose artifacts went to the login node's checkout (mlruns/artifacts)."""
+    from repro.tracking.store import default_artifact_location
+
+    assert default_artifact_location("gpt2", "http://login01:5000") is None
+    shared = tmp_path / "shared" / "mlflow.db"
+    assert default_artifact_location("gpt2", f"sqlite:///{shared}") == (shared.parent / "artifacts/gpt2").as_uri()
+    monkeypatch.chdir(tmp_path)  # a relative database path (three slashes) is resolved
+    assert default_artifact_location("bert", "sqlite:///shared/mlflow.db") == (shared.parent / "artifacts/bert").as_uri()
+
+
 def test_the_check_before_launch_asks_a_server_once_and_names_the_fix(tmp_path):
     """probe_tracking_server: nothing to ask of a sqlite store; a server that does not answer is
     reported with what it said; MLflow 3's refusal of an unknown Host name comes with the fix (the

@@ -122,6 +122,18 @@ def test_an_extended_run_killed_before_its_new_final_metrics_finishes_on_relaunc
     assert [row["step"] for row in read_metrics(tmp_path) if "loss" in row] == [1, 2, 3, 4]
 
 
+def test_the_last_steps_periodic_evaluation_is_the_final_one(corpus, tmp_path, capsys):
+    """train_iters a multiple of eval_interval (every paper config: 300,000 / 1,000): the last step's
+    periodic evaluation is the final one, run and logged once. Before, the final evaluation ran it
+    again and logged a second, identical valid_loss row at the last step."""
+    final = train_rank(TINY, tiny_overrides(corpus, tmp_path, **{"train.train_iters": 4, "train.eval_interval": 2,
+                                                                  "train.eval_iters": 1}))
+    assert capsys.readouterr().out.count("validation at iteration") == 2
+    logged = [(row["step"], row["valid_loss"]) for row in read_metrics(tmp_path) if "valid_loss" in row]
+    assert [step for step, _ in logged] == [2, 4] and logged[-1][1] == final["valid_loss"], logged
+    assert json.loads((tmp_path / "final_metrics.json").read_text())["valid_loss"] == final["valid_loss"]
+
+
 def _resume_error(config: str, overrides: list[str]) -> str:
     try:
         train_rank(config, overrides)

@@ -87,11 +87,14 @@ def experiment_id(client, name: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    return client.create_experiment(name, artifact_location=default_artifact_location(name))
+    return client.create_experiment(name, artifact_location=default_artifact_location(name, client.tracking_uri))
 
 
-def default_artifact_location(experiment: str) -> str | None:
-    """Artifact folder for a new experiment in the embedded store (None for a remote server)."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
+def default_artifact_location(experiment: str, uri: str) -> str | None:
+    """Artifact folder for a new experiment of the store at `uri`: beside a sqlite store's database
+    (mlruns/artifacts for the embedded one), None for a server, which keeps them where it is told.
+    Decided by the store, not by where its URI came from: a login node that reads cluster.env's
+    server must not give the server's experiment a folder on the login node's disk."""
+    if not uri.startswith("sqlite:///"):
         return None
-    return (project_root() / "mlruns" / "artifacts" / experiment).as_uri()
+    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "artifacts" / experiment).as_uri()

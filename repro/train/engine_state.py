@@ -9,7 +9,7 @@ this module decides what of an Engine goes into it and comes back out.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,9 @@ class TrainState:
     consumed_samples: int = 0
     saved_at: int = -1
     """The iteration the last checkpoint holds (known alike on every rank: no filesystem read)."""
+    held_out: dict[str, float] = field(default_factory=dict)
+    """This launch's latest periodic held-out evaluation; `held_out_at` its iteration."""
+    held_out_at: int = -1
 
 
 def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:

@@ -352,11 +352,11 @@ def _after_step(eng, state, result, interval, peak, logger, valid, stop: StopSig
     refuse_divergence(result, it, state.saved_at, eng)  # logged (MLflow shows it), then neither evaluated nor saved
     if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0 and not stop.agreed(eng.device):
         began = time.perf_counter()
-        held_out = evaluate(eng, valid())
+        state.held_out, state.held_out_at = evaluate(eng, valid()), it
         if logger:
-            print(f" validation at iteration {it}: " + " | ".join(f"{k} {v:.4f}" for k, v in held_out.items()),
+            print(f" validation at iteration {it}: " + " | ".join(f"{k} {v:.4f}" for k, v in state.held_out.items()),
                   flush=True)
-        _log(logger, {**held_out, "eval_seconds": interval.exclude(began)}, it)
+        _log(logger, {**state.held_out, "eval_seconds": interval.exclude(began)}, it)
     if cfg.train.save_interval and it % cfg.train.save_interval == 0:
         began = time.perf_counter()
         save(eng, state, logger.run_id if logger else None)
@@ -378,7 +378,9 @@ def _finish(eng, state, final, logger, valid, meta) -> dict:
     final = {**final, "iteration": state.iteration, "consumed_samples": state.consumed_samples,
              "optimizer_state_bytes": optimizer_state_bytes(eng),
              "local_parameters": sum(p.numel() for p in eng.model.parameters())}
-    if valid:
+    if valid and state.held_out_at == state.iteration:  # the last step's periodic evaluation: not run twice
+        final.update(state.held_out)
+    elif valid:
         held_out = evaluate(eng, valid())
         final.update(held_out)
         _log(logger, held_out, state.iteration)

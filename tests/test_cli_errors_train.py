@@ -4,6 +4,7 @@ and nothing already written changed (file bytes and mtimes compared before and a
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -343,8 +344,44 @@ def test_a_diverged_step_stops_the_run_before_it_saves(corpus, tmp_path, capfd, 
         "precision.precision": precision, **layout})
     assert rc == 2, out
     assert re.search(r"iteration 2: loss (nan|inf), gradient norm", out), out
-    assert "iteration 1, saved before it" in out and "Fix: resume from the last checkpoint" in out
+    assert "iteration 1, saved before it" in out and "optim.override_schedule=true" in out
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "latest").read_text() == "iter_0000001"
     assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000001"]
     assert not (tmp_path / "final_metrics.json").exists()
+
+
+def test_the_advice_after_a_divergence_works(corpus, tmp_path, capfd, monkeypatch):
+    """Following the DivergedError's fix after iteration 2 diverged (a nan loss injected) with iteration
+    1's checkpoint sound: a resume with a lower lr is refused without optim.override_schedule (naming
+    it), and with it trains on from iteration 1 at the new lr. The diverged launch's rows after the
+    checkpoint (iteration 2's nan) move aside, so metrics.jsonl holds each step once, all finite.
+    (Before, the advised resume was refused, and a resume kept the nan row in place of the redone one.)"""
+    import dataclasses
+
+    from repro.train import loop
+
+    real_step, calls = loop.train_step, []
+
+    def diverging_at_2(eng, batches):
+        calls.append(1)
+        result = real_step(eng, batches)
+        return dataclasses.replace(result, loss=float("nan")) if len(calls) == 2 else result
+
+    monkeypatch.setattr(loop, "train_step", diverging_at_2)
+    run = {"train.train_iters": 4, "optim.min_lr": 0.0, "optim.lr_warmup_iters": 0}
+    rc, out = _train(capfd, corpus, tmp_path, **{**run, "optim.lr": 1e-3})
+    assert rc == 2 and "Fix: resume from it (or from an earlier one" in out, out
+    monkeypatch.setattr(loop, "train_step", real_step)
+    rc, out = _train(capfd, corpus, tmp_path, **{**run, "optim.lr": 1e-4})
+    assert rc == 2 and "optim.lr: 0.001 -> 0.0001" in out and "--set optim.override_schedule=true" in out, out
+    rc, out = _train(capfd, corpus, tmp_path, **{**run, "optim.lr": 1e-4, "optim.override_schedule": "true"})
+    assert rc == 0 and "new schedule from iteration 2: optim.lr 0.001 -> 0.0001" in out, out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [(row["step"], row["loss"]) for row in rows if "loss" in row]
+    assert [step for step, _ in losses] == [1, 2, 3, 4] and all(math.isfinite(v) for _, v in losses), losses
+    lrs = [row["lr"] for row in rows if "lr" in row]  # cosine from the peak to 0 over 4 iterations
+    assert lrs == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi / 4))] +
+                                [1e-4 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in (2, 3, 4)]), lrs
+    aside = list(tmp_path.glob("metrics.jsonl.before-*"))
+    assert len(aside) == 1 and '"step": 2' in aside[0].read_text()

@@ -213,6 +213,29 @@ def _set_aside_earlier_launch(run_dir: Path) -> str | None:
     return earlier
 
 
+def set_aside_rows_after(run_dir: Path, step: int) -> Path | None:
+    """Keep metrics.jsonl's rows up to `step`; the whole earlier file goes to metrics.jsonl.before-TIME
+    (returned; None if no row was after `step`). For a resume whose steps after its checkpoint are
+    redone with other values (a new schedule): their rows replace the earlier launch's."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
+    kept = [line for line in lines if _row_step(line) <= step]
+    if len(kept) == len(lines):
+        return None
+    aside = run_dir / f"metrics.jsonl.before-{time.strftime('%Y%m%dT%H%M%S')}"
+    aside.write_bytes(path.read_bytes())
+    _write_text(path, "".join(kept))
+    return aside
+
+
+def _row_step(line: str) -> float:
+    """A metrics.jsonl line's step (inf for a line that is not a whole row: it goes with the later rows)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 def _live_run(client, run_id: str | None, run_dir: Path, experiment: str):
     """The run to resume into, or None: none named, or one deleted in the UI since (metrics logged
     into it would be invisible to the analysis), or one this store does not hold (the tracking URI

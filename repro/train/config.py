@@ -64,6 +64,11 @@ class OptimConfig:
     Compiled on a GPU whatever train.compile says (it needs inductor's Triton there: eagerly it would be
     about ten kernels a run, slower than the fused AdamW), eager on CPU. Off by default until a GPU
     measures it faster (`gpu_bench --optimizer flat`)."""
+    override_schedule: bool = False
+    """On resume, take the schedule (lr, min_lr, lr_warmup_iters, lr_decay_iters, lr_decay_style) from
+    this config instead of refusing a change (Megatron-LM's --override-opt_param-scheduler): the way
+    on after a divergence. metrics.jsonl's rows after the checkpoint move to metrics.jsonl.before-*,
+    as the steps are redone with other values (MLflow keeps both in the metric's history)."""
 
 
 @dataclass
@@ -416,9 +421,11 @@ def to_yaml(cfg: RunConfig) -> str:
 # files must hold the same data (the position in it is the checkpoint's consumed_samples).
 RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
                "train.eval_interval", "train.eval_iters", "train.exit_duration_minutes", "train.compile",
-               "train.compile_scope", "train.zero_overlap_comm", "optim.flat_step",
+               "train.compile_scope", "train.zero_overlap_comm", "optim.flat_step", "optim.override_schedule",
                "model.activation_checkpointing",
                "tracking.", "data.")
+SCHEDULE_KEYS = ("optim.lr", "optim.min_lr", "optim.lr_warmup_iters", "optim.lr_decay_iters", "optim.lr_decay_style")
+"""What optim.override_schedule lets a resume change."""
 
 
 def _flat(node: dict, prefix: str = "") -> dict:
@@ -429,14 +436,27 @@ def _flat(node: dict, prefix: str = "") -> dict:
     return out
 
 
-def resume_differences(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
-    """`key -> (saved, new)` for every setting that differs from a checkpoint's resolved config
-    and is not in RESUME_SAFE (keys only one side knows, from another code version, are skipped)."""
+def _all_differences(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
+    """`key -> (saved, new)` for every setting that differs from a checkpoint's resolved config (keys
+    only one side knows, from another code version, are skipped)."""
     saved = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     new = _flat(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
-    return {key: (saved[key], new[key]) for key in sorted(saved.keys() & new.keys())
-            if saved[key] != new[key] and not any(key == s or (s.endswith(".") and key.startswith(s))
-                                                  for s in RESUME_SAFE)}
+    return {key: (saved[key], new[key]) for key in sorted(saved.keys() & new.keys()) if saved[key] != new[key]}
+
+
+def resume_differences(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
+    """The differences a resume may not make: outside RESUME_SAFE, and outside SCHEDULE_KEYS unless
+    optim.override_schedule."""
+    safe = RESUME_SAFE + (SCHEDULE_KEYS if cfg.optim.override_schedule else ())
+    return {key: change for key, change in _all_differences(saved_yaml, cfg).items()
+            if not any(key == s or (s.endswith(".") and key.startswith(s)) for s in safe)}
+
+
+def schedule_changes(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
+    """The schedule settings a resume with optim.override_schedule changes (none without it)."""
+    if not cfg.optim.override_schedule:
+        return {}
+    return {key: change for key, change in _all_differences(saved_yaml, cfg).items() if key in SCHEDULE_KEYS}
 
 
 def check_resume(saved_yaml: str, cfg: RunConfig, ckpt: str) -> None:
@@ -444,10 +464,12 @@ def check_resume(saved_yaml: str, cfg: RunConfig, ckpt: str) -> None:
     diff = resume_differences(saved_yaml, cfg)
     if diff:
         lines = "".join(f"\n  {key}: {old!r} -> {new!r}" for key, (old, new) in diff.items())
+        schedule = (" A new schedule (after a divergence): add --set optim.override_schedule=true." if
+                    set(diff) & set(SCHEDULE_KEYS) else "")
         raise RunConfigError(
             f"{ckpt} was saved with a different config:{lines}\nresume with the saved config (drop those "
             f"--set overrides or YAML edits; it is in {cfg.run_dir}/config.yaml), or start a new run with "
-            f"--set run_dir=NEW_DIR. Safe to change on resume: "
+            f"--set run_dir=NEW_DIR.{schedule} Safe to change on resume: "
             f"{', '.join(k + '*' if k.endswith('.') else k for k in RESUME_SAFE)}")
 
 

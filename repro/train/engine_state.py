@@ -198,6 +198,8 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
         eng.scheduler.load_state_dict(extra["scheduler"])
         if eng.scaler and extra["scaler"]:
             eng.scaler.load_state_dict(extra["scaler"])
+    if eng.cfg.optim.override_schedule:  # the peak lr from this config, not the checkpoint's
+        eng.scheduler.base_lrs = [eng.cfg.optim.lr] * len(eng.scheduler.base_lrs)
     resync_lr(eng.scheduler)  # the schedule may have changed with train.train_iters
     meta["rng"] = rng  # restored just before the first step (setup draws too)
     return TrainState(meta["iteration"], meta["consumed_samples"], saved_at=meta["iteration"]), meta

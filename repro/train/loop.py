@@ -21,9 +21,9 @@ from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro.provenance import git_sha, write_atomic
-from repro.tracking.logger import STOP_MARKER, RunLogger, logged_metrics, recorded_run_id
+from repro.tracking.logger import STOP_MARKER, RunLogger, logged_metrics, recorded_run_id, set_aside_rows_after
 from repro.train import checkpoint as ck
-from repro.train.config import RunConfig, derive, flat_params, to_yaml
+from repro.train.config import RunConfig, derive, flat_params, schedule_changes, to_yaml
 from repro.train.engine import Engine, build_engine
 from repro.train.engine_state import TrainState, load, optimizer_state_bytes, resume_meta, save
 from repro.train.objectives import build_dataset, data_loader
@@ -222,6 +222,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))
         valid = _valid_loader(cfg, pg, eng.device.type)
+        if meta and pg.rank == 0:
+            _set_aside_if_rescheduled(cfg, meta, state.iteration)
         # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
         resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
         logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data), placement,
@@ -246,6 +248,19 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             if logger:
                 logger.close("FAILED")
             raise
+
+
+def _set_aside_if_rescheduled(cfg: RunConfig, meta: dict, iteration: int) -> None:
+    """A resume with a new schedule (optim.override_schedule) redoes the steps after its checkpoint with
+    other values: the earlier launch's rows of those steps are moved aside, not kept in their place."""
+    changes = schedule_changes(meta["config_yaml"], cfg) if "config_yaml" in meta else {}
+    if not changes:
+        return
+    changed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+    print(f"new schedule from iteration {iteration + 1}: {changed}", flush=True)
+    aside = set_aside_rows_after(Path(cfg.run_dir), iteration)
+    if aside:
+        print(f"the earlier launch's rows after iteration {iteration} are in {aside} only", flush=True)
 
 
 def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: dict, stop: StopSignal) -> dict:

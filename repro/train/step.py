@@ -111,13 +111,16 @@ def refuse_divergence(result: StepResult, iteration: int, saved_at: int, eng: En
     finite = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
     if finite or (result.skipped and eng.cfg.precision.precision == "fp16"):
         return
-    last = (f"{eng.cfg.run_dir}/checkpoints holds iteration {saved_at}, saved before it" if saved_at >= 0
-            else "no checkpoint was saved before it")
+    gentler = "a lower optim.lr or a longer optim.lr_warmup_iters"
+    last, fix = ((f"{eng.cfg.run_dir}/checkpoints holds iteration {saved_at}, saved before it",
+                  f"resume from it (or from an earlier one, if its losses were already climbing: echo "
+                  f"iter_NNNNNNN > {eng.cfg.run_dir}/checkpoints/latest) with {gentler} and --set "
+                  "optim.override_schedule=true (a resume keeps the saved schedule without it)") if saved_at >= 0 else
+                 ("no checkpoint was saved before it", f"run again with {gentler}"))
     raise DivergedError(
         f"iteration {iteration}: loss {result.loss}, gradient norm {result.grad_norm} in "
         f"{eng.cfg.precision.precision}, which has no loss scale to lower: training diverged (or this "
-        f"iteration's data is bad), so the run stops without saving this iteration; {last}. Fix: resume from "
-        "the last checkpoint with a lower optim.lr or a longer optim.lr_warmup_iters")
+        f"iteration's data is bad), so the run stops without saving this iteration; {last}. Fix: {fix}")
 
 
 def train_step(eng: Engine, micro_batches: list) -> StepResult:

@@ -85,7 +85,11 @@ def process_groups(tp: int, command: str = "eval ..."):
 
     if tp < 1:
         raise UserError(f"--tp {tp}: give a tensor-parallel size of 1 or more (1: no tensor parallelism)")
-    if discover_launch_env().world_size > 1:  # torchrun, or srun with several tasks
+    world = discover_launch_env().world_size
+    if world > 1 and world % tp:
+        raise UserError(f"--tp {tp} does not divide the {world} ranks launched: give a --tp that divides them "
+                        f"(the rest are data-parallel), or launch a multiple of {tp} ranks")
+    if world > 1:  # torchrun, or srun with several tasks
         return init_distributed(tp)
     if tp > 1:
         raise UserError(f"--tp {tp} needs {tp} ranks: launch with `torchrun --nproc-per-node {tp} "
@@ -135,7 +139,9 @@ def _out_path(out: str | None, ckpt: Path) -> Path:
 
 
 def load_gpt(ckpt: Path, pg):
-    """The model and its training run id, through the trainer's checkpoint module."""
+    """The model and its training run id, through the trainer's checkpoint module; a UserError for a
+    checkpoint that cannot load, or cannot be split at this --tp (one not dividing the heads)."""
+    from repro.models.config import ConfigError
     from repro.parallel.groups import discover_launch_env
     from repro.train.checkpoint import CheckpointError, checkpoint_run_id
     from repro.train.reshard import load_model_for_eval
@@ -145,6 +151,8 @@ def load_gpt(ckpt: Path, pg):
         return load_model_for_eval(ckpt, pg, device).eval(), checkpoint_run_id(ckpt)
     except CheckpointError as err:
         raise UserError(str(err)) from err
+    except ConfigError as err:
+        raise UserError(f"{ckpt} cannot load at --tp {pg.tp_size}: {err}") from None  # names the fix
 
 
 POSITIVE_OPTIONS = {"batch_size": "e.g. --batch-size 8", "max_lines": "or leave it out for the whole file",

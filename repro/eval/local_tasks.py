@@ -39,7 +39,7 @@ def wikitext_pages(raw_text: str) -> list[str]:
 
 
 def write_local_tasks(data_dir: Path, out_dir: Path) -> Path:
-    """Write the task YAMLs (data paths made absolute) and the wikitext page jsonl into out_dir."""
+    """Write the task YAMLs (data paths made absolute, quoted) and the wikitext page jsonl into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     pages = wikitext_pages(data_path(data_dir, WIKITEXT_RAW).read_text(encoding="utf-8"))
     with open(out_dir / "wikitext_document_level.test.jsonl", "w", encoding="utf-8") as handle:
@@ -50,7 +50,7 @@ def write_local_tasks(data_dir: Path, out_dir: Path) -> Path:
         if source.suffix == ".yaml":
             text = source.read_text(encoding="utf-8")
             for old, new in targets.items():
-                text = text.replace(f"test: {old}", f"test: {new}")
+                text = text.replace(f"test: {old}", f"test: {json.dumps(str(new))}")  # quoted: a " #" stays
             (out_dir / source.name).write_text(text, encoding="utf-8")
         elif source.suffix == ".py":
             shutil.copyfile(source, out_dir / source.name)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Mapping
 
 from repro.cli import UserError
+from repro.eval.commands import process_groups
 from repro.eval.race import RaceFormatError, encode_race, load_race, race_dir_from_env
 from repro.eval.race_finetune import SeedStopped
 from repro.models.bert import BertConfig
@@ -166,16 +167,6 @@ def torch_device_bytes(device) -> float:
     return float(torch.cuda.get_device_properties(device).total_memory)
 
 
-def _groups(tp: int):
-    from repro.parallel.groups import ProcessGroups, discover_launch_env, init_distributed
-
-    if discover_launch_env().world_size > 1:  # torchrun, or srun with several tasks
-        return init_distributed(tp)
-    if tp != 1:
-        raise UserError(f"--tp {tp} needs {tp} ranks: launch with torchrun --nproc-per-node {tp}")
-    return ProcessGroups.single()
-
-
 def _device():
     """This rank's GPU under a launcher (LOCAL_RANK / SLURM_LOCALID) when CUDA is there, else CPU."""
     from repro.parallel.groups import discover_launch_env
@@ -212,6 +203,19 @@ def check_numbers(args) -> None:
         raise UserError(f"--lr {args.lr} must be positive. Fix: e.g. --lr 2e-5, or leave it out for the paper's")
 
 
+def check_layout(batch_size: int, cfg: BertConfig, pg, given: bool) -> None:
+    """A UserError, before the run starts, for a TP that does not divide the heads or a batch
+    (`given` by --batch-size, else the paper's) the DP ranks cannot split evenly."""
+    heads, tp, dp = cfg.num_attention_heads, pg.tp_size, pg.dp_size
+    if heads % tp:
+        raise UserError(f"num_attention_heads={heads} is not divisible by tp={tp}: every TP rank must own whole "
+                        f"heads. Fix: give --tp a divisor of {heads} (and of the ranks), or leave it out")
+    if batch_size % dp:
+        what = f"--batch-size {batch_size}" if given else f"the batch size {batch_size} (the paper's)"
+        raise UserError(f"{what} is not divisible by the {dp} data-parallel ranks ({tp * dp} ranks / tp={tp}). "
+                        f"Fix: give a --batch-size that is a multiple of {dp}, or launch ranks to match")
+
+
 def run(args) -> int:
     """Fine-tune on train, evaluate dev and test (middle/high/total) for each seed; report the median seed.
 
@@ -245,7 +249,8 @@ def run(args) -> int:
         done = finished_seeds(Path(args.run_dir), args.seeds, settings)
     except ValueError as err:
         raise UserError(str(err)) from None
-    pg = _groups(_tp(args, cfg))
+    pg = process_groups(_tp(args, cfg), "finetune race ...")
+    check_layout(settings["batch_size"], cfg, pg, given=args.batch_size is not None)
     device = _device()
     from repro.tracking.logger import RunLogger, recorded_run_id
     from repro.provenance import git_sha

@@ -39,9 +39,21 @@ class WikitextData:
     path: str = ""
 
 
+def _read_utf8(path: Path) -> str:
+    """The file's text; a DataError naming it when it is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        from repro.data.errors import DataError
+
+        raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}). Fix: convert it "
+                        "(e.g. `iconv -f latin1 -t utf-8`), or use WikiText-103's own wiki.test.tokens, "
+                        "which is UTF-8") from None
+
+
 def load_wikitext(path: Path | str, tokenizer, max_lines: int | None = None) -> WikitextData:
     """Read a WikiText file (or its first max_lines lines), count T_o, detokenize, BPE-tokenize."""
-    text = Path(path).read_bytes().decode("utf-8")
+    text = _read_utf8(Path(path))
     if max_lines is not None:
         text = "".join(text.splitlines(keepends=True)[:max_lines])
     tokens, words = tokenizer.encode(wikitext_detokenize(text)), count_original_tokens(text)

@@ -15,7 +15,8 @@ from repro.data.documents import read_documents, split_sentences
 from repro.data.errors import DataError
 from repro.data.filters import FilterOptions
 from repro.data.indexed_dataset import IndexedDataset
-from repro.data.preprocess import PrepareOptions, parse_split, prepare, split_bounds
+from repro.data.prepare_checks import parse_split
+from repro.data.preprocess import PrepareOptions, prepare, split_bounds
 
 NO_FILTERS = FilterOptions(min_tokens=0, dedup=False, eval_overlap=False)
 

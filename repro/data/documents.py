@@ -16,7 +16,8 @@ What a document is:
 - Layout `file`: the whole file is one document (an extracted OpenWebText page per .txt file).
 A gzip file (known by its first bytes, whatever its name) is read as the text it holds
 (`corpus.jsonl.gz` is JSON lines). Other binary files (xz, zstd, bz2, tar) are refused by name.
-Whitespace-only documents are skipped. Bytes that are not UTF-8 read as U+FFFD, and so do the lone
+Whitespace-only documents are skipped. A UTF-8 byte-order mark that starts a file is dropped (before
+the format is decided). Bytes that are not UTF-8 read as U+FFFD, and so do the lone
 surrogates a JSON escape can hold (web crawls have both): one bad byte never stops a long run. A
 record that holds no text (malformed JSON, no `json_key`, a non-string value) is an error naming
 its line, or, with `bad_records` (a list), is skipped and noted there.
@@ -41,6 +42,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 FORMATS = ("auto", "jsonl", "text")
 LAYOUTS = ("auto", "wikitext", "paragraph", "file")
 GZIP_MAGIC = b"\x1f\x8b"
+BOM = "\ufeff"  # UTF-8 byte-order mark, dropped from the start of a file
 JSON_SUFFIXES = (".jsonl", ".json")  # also with .gz
 TEXT_SUFFIXES = (".txt", ".text", ".tokens", ".raw")
 
@@ -126,19 +128,22 @@ def _check_text(path: Path) -> None:
 
 def _lines(path: Path, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
     """The file's lines as text mode gives them (universal newlines; bytes that are not UTF-8 as
-    U+FFFD), telling `on_bytes` how many bytes of the file on disk each took (progress through a
-    large input; compressed bytes for a `.gz`). A damaged or truncated `.gz` is a DataError."""
+    U+FFFD; a leading byte-order mark dropped, as "utf-8-sig" does), telling `on_bytes` how many
+    bytes of the file on disk each took (progress through a large input; compressed bytes for a
+    `.gz`). A damaged or truncated `.gz` is a DataError."""
     compressed = is_gzip(path)
     with open(path, "rb") as raw:
         handle = gzip.GzipFile(fileobj=raw) if compressed else raw
         seen = 0
         try:
-            for line in handle:
+            for number, line in enumerate(handle):
                 if on_bytes is not None:
                     position = raw.tell() if compressed else seen + len(line)
                     on_bytes(position - seen)
                     seen = position
                 text = line.decode("utf-8", errors="replace")
+                if number == 0:  # Windows tools and pandas' to_json(encoding="utf-8-sig") write a BOM
+                    text = text.removeprefix(BOM)
                 if "\r" in text:  # \r\n, or a lone \r that text mode also ends a line at
                     yield from io.StringIO(text, newline=None)
                 else:

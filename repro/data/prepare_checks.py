@@ -1,11 +1,12 @@
-"""What `repro data prepare` checks before any work: the --split weights, the input files (found,
-readable, their format decided) and the output prefix (free, writable), each failure a DataError
-that names the fix."""
+"""What `repro data prepare` checks before any work: the --split weights, order and seed, the input
+files (found, readable, their format decided) and the output prefix (free, writable), each failure a
+DataError that names the fix."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import tempfile
 import warnings
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from repro.data.preprocess import PrepareOptions
 
 SPLIT_NAMES = ("train", "valid", "test")
+SPLIT_ORDERS = ("file", "random")
 CORPUS_SUFFIXES = JSON_SUFFIXES + TEXT_SUFFIXES  # also with .gz
 
 
@@ -30,18 +32,38 @@ def parse_split(split: str) -> tuple[float, float, float]:
         weights = tuple(float(x) for x in split.split(","))
     except ValueError:
         weights = ()
-    if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise DataError(f"split {split!r} is not three finite non-negative weights with a positive sum. "
-                        "Fix: e.g. --split 949,50,1 (train,valid,test)")
+    if (len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or not 0 < sum(weights) < math.inf):
+        raise DataError(f"split {split!r} is not three finite non-negative weights with a positive, finite "
+                        "sum. Fix: e.g. --split 949,50,1 (train,valid,test)")
     return weights
 
 
+def check_split(opts: PrepareOptions) -> tuple[float, float, float]:
+    """The --split weights, once --split-order and --split-seed are known good too: a DataError now,
+    not after the whole corpus is tokenized."""
+    weights = parse_split(opts.split)
+    if opts.split_order not in SPLIT_ORDERS:
+        raise DataError(f"--split-order {opts.split_order!r} is unknown. Fix: choose {' or '.join(SPLIT_ORDERS)}")
+    if not isinstance(opts.split_seed, numbers.Integral) or opts.split_seed < 0:
+        raise DataError(f"--split-seed {opts.split_seed!r} is not a non-negative integer (the seed of "
+                        "--split-order random). Fix: a seed of 0 or more, e.g. 1234 (the default)")
+    return weights
+
+
+def is_output_prefix(prefix: str | Path) -> bool:
+    """True when `prepare` wrote a dataset at PREFIX (its PREFIX_prepare.json is there)."""
+    return Path(f"{prefix}_prepare.json").exists()
+
+
 def base_prefix(prefix: str | Path) -> str:
-    """prepare's --output-prefix, given it or one of its PREFIX_train/_valid/_test."""
+    """prepare's --output-prefix, given it or one of its PREFIX_train/_valid/_test: PREFIX itself when
+    it is one (a dataset prepared as data/wiki_test), else PREFIX less one split suffix."""
     base = str(prefix)
-    for name in SPLIT_NAMES:
-        base = base.removesuffix(f"_{name}")
-    return base
+    if is_output_prefix(base):
+        return base
+    name = next((n for n in SPLIT_NAMES if base.endswith(f"_{n}")), None)
+    return base.removesuffix(f"_{name}") if name else base
 
 
 def output_files(prefix: str) -> list[Path]:

@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,8 +45,8 @@ from repro.data.filters import (FilterOptions, MinHasher, NearDuplicateFilter, c
                                 eval_ngram_set, ngram_hashes, words)
 from repro.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, best_dtype,
                                         copy_document_runs, document_runs, move_leading_documents)
-from repro.data.prepare_checks import (SPLIT_NAMES, check_inputs, check_output_dir, check_outputs,
-                                       describe_inputs, input_files, make_output_dir, output_files, parse_split,
+from repro.data.prepare_checks import (SPLIT_NAMES, check_inputs, check_output_dir, check_outputs, check_split,
+                                       describe_inputs, input_files, make_output_dir, output_files,
                                        warn_stale_temporaries)
 from repro.data.tokenizers import TextTokenizer, build_tokenizer
 from repro.data.verify import digests
@@ -159,6 +160,29 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """TERM and USR1 that arrive inside the block take effect as it ends. `stop_signals_blocked` is not
+    enough here: with them masked in this thread the kernel hands a process-wide signal to another
+    thread (tqdm's monitor, the tokenizer's pool), and Python runs its handler in the main thread all
+    the same. So their Python handlers are swapped for one that notes the signal; at the end the old
+    ones are put back and the first noted signal is raised again. Off the main thread nothing is
+    needed: Python handlers only ever interrupt the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    swapped = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not None]  # None: not set from Python
+    previous = {sig: signal.signal(sig, lambda signum, _frame: noted.append(signum)) for sig in swapped}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if noted:
+            signal.raise_signal(noted[0])
 
 
 def worker_signal_defaults() -> None:
@@ -307,7 +331,7 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
 
     Everything is written under temporary names and renamed into place at the end, so a failure
     leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite)."""
-    weights = parse_split(opts.split)
+    weights = check_split(opts)  # --split, --split-order, --split-seed
     files = input_files(opts.input)
     formats = check_inputs(opts, files)  # input errors first
     check_outputs(opts)
@@ -332,8 +356,9 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
             move_leading_documents(tmp_prefix, runs[0][0][1], f"{staged}_train")
         report.sha256 = digests(staged, opts.progress)  # one more read of the outputs: a copy can be verified
         _write_report(opts, report, Path(f"{staged}_prepare.json"))
-        for src, dst in zip(output_files(staged), output_files(opts.output_prefix)):
-            os.replace(src, dst)
+        with stop_signals_deferred():  # a stop waits for the whole dataset: never old and new files mixed
+            for src, dst in zip(output_files(staged), output_files(opts.output_prefix)):
+                os.replace(src, dst)
     finally:
         for path in [Path(tmp_prefix + ".bin"), Path(tmp_prefix + ".idx"), *output_files(staged)]:
             path.unlink(missing_ok=True)

@@ -23,7 +23,7 @@ import numpy as np
 from repro.data.errors import DataError
 from repro.data.gpt_dataset import samples_per_epoch
 from repro.data.indexed_dataset import IndexedDataset
-from repro.data.prepare_checks import base_prefix
+from repro.data.prepare_checks import base_prefix, is_output_prefix
 from repro.data.preprocess import SPLIT_NAMES
 
 PAPER_ITERS_PER_EPOCH = 68_507  # GPT-2 runs: global batch 512, seq 1024 (PAPER.md §3)
@@ -64,8 +64,9 @@ def summarize(prefix: str | Path) -> SplitSummary:
 
 
 def split_prefixes(prefix: str | Path) -> list[str]:
-    """PREFIX itself when it is a dataset, else its existing PREFIX_{train,valid,test}."""
-    if Path(f"{prefix}.idx").exists():
+    """PREFIX itself when it is a dataset, else its existing PREFIX_{train,valid,test}; prepare's
+    --output-prefix (PREFIX_prepare.json there) is never taken for a split of another dataset."""
+    if Path(f"{prefix}.idx").exists() and not is_output_prefix(prefix):
         return [str(prefix)]
     found = [f"{prefix}_{name}" for name in SPLIT_NAMES if Path(f"{prefix}_{name}.idx").exists()]
     if not found:

@@ -142,3 +142,16 @@ def test_a_tp_that_does_not_divide_the_ranks_exits_2(tmp_path, command):
     for code, err in run_ranks(_main_on_rank, 2, argv, timeout=120):
         assert code == 2 and "--tp 4 does not divide the 2 ranks launched" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists() and not (tmp_path / "o.jsonl").exists()
+
+
+def test_local_tasks_from_a_data_dir_without_lambada_make_no_output_dir(tmp_path):
+    """Both inputs are found before the output folder is made (before: an empty folder was left)."""
+    from repro.data.errors import DataError
+    from repro.eval.local_tasks import WIKITEXT_RAW, write_local_tasks
+
+    data = tmp_path / "data"
+    (data / WIKITEXT_RAW).parent.mkdir(parents=True)
+    os.symlink(mirror() / WIKITEXT_RAW, data / WIKITEXT_RAW)
+    with pytest.raises(DataError, match="missing"):
+        write_local_tasks(data, tmp_path / "tasks")
+    assert not (tmp_path / "tasks").exists()

@@ -550,3 +550,17 @@ def test_a_dead_launchs_run_is_not_found_again_for_the_run_begun_again(tmp_path,
     synced = sync_run(run_dir)
     assert synced.action == "created" and synced.run_id != dead.run_id
     assert _steps(store, dead.run_id) == [1, 2] and _steps(store, synced.run_id) == [1, 2, 3]
+
+
+def test_all_runs_reads_every_page(store):
+    """One search_runs call stops at its max_results (the eval sync's 1,000, the analysis' 5,000): past
+    them a sync logged a record again and a table missed runs. all_runs follows the page tokens."""
+    from mlflow import MlflowClient
+
+    from repro.tracking.store import all_runs, experiment_id
+
+    client = MlflowClient(store)
+    exp = experiment_id(client, "exp-pages")
+    made = {client.create_run(exp).info.run_id for _ in range(5)}
+    assert len(client.search_runs([exp], max_results=2)) == 2
+    assert {r.info.run_id for r in all_runs(client, [exp], page_size=2)} == made

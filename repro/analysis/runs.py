@@ -12,6 +12,7 @@ import pandas as pd
 
 from repro.models.sizes import SIZES
 from repro.tracking.logger import RESUMED_PARAM_TAG
+from repro.tracking.store import all_runs
 
 FAMILY_EXPERIMENTS = ("scaling", "gpt2", "zero-shot", "bert")
 PROVENANCE_KEYS = ("device_name", "world_size", "precision", "git_sha")
@@ -119,7 +120,7 @@ def run_counts(uri: str, experiments: tuple[str, ...] = FAMILY_EXPERIMENTS) -> d
     with store_errors(uri):
         for name in experiments:
             exp = mc.get_experiment_by_name(name)
-            counts[name] = len(mc.search_runs([exp.experiment_id], max_results=1000)) if exp else 0
+            counts[name] = sum(1 for _ in all_runs(mc, [exp.experiment_id])) if exp else 0
     return counts
 
 
@@ -145,7 +146,7 @@ def load_runs(uri: str, experiment: str, finished_only: bool = True) -> pd.DataF
         return pd.DataFrame(columns=["run_id", "run_name", "status", "start_time", "experiment"])
     mc = client(uri)
     exp = mc.get_experiment_by_name(experiment)
-    runs = mc.search_runs([exp.experiment_id], max_results=5000, order_by=["attributes.start_time DESC"]) if exp else []
+    runs = list(all_runs(mc, [exp.experiment_id], order_by=["attributes.start_time DESC"])) if exp else []
     if finished_only:
         runs = [r for r in runs if r.info.status == "FINISHED"]
     rows = [_row(r, experiment) for r in runs]

@@ -40,11 +40,12 @@ def wikitext_pages(raw_text: str) -> list[str]:
 
 def write_local_tasks(data_dir: Path, out_dir: Path) -> Path:
     """Write the task YAMLs (data paths made absolute, quoted) and the wikitext page jsonl into out_dir."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     pages = wikitext_pages(data_path(data_dir, WIKITEXT_RAW).read_text(encoding="utf-8"))
+    lambada = data_path(data_dir, LAMBADA).resolve()  # both inputs found before out_dir is made
+    out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "wikitext_document_level.test.jsonl", "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps({"page": p}, ensure_ascii=False) + "\n" for p in pages)
-    targets = {f"data/{LAMBADA}": data_path(data_dir, LAMBADA).resolve(),
+    targets = {f"data/{LAMBADA}": lambada,
                f"data/{WIKITEXT_PAGES}": (out_dir / "wikitext_document_level.test.jsonl").resolve()}
     for source in TASKS_DIR.iterdir():
         if source.suffix == ".yaml":

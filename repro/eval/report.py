@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from repro.tracking.store import all_runs
+
 EXPERIMENT = "zero-shot"
 
 
@@ -161,7 +163,7 @@ def _logged_run_id(client, experiment_id: str, record: EvalRecord) -> str | None
     as a diverged model's perplexity): one linked to its training run, or one logged before that run
     existed (training offline, evaluation live), which is linked to it now."""
     params, metrics = _mlflow_params(record), _mlflow_metrics(record)
-    for run in client.search_runs([experiment_id], f"tags.task = '{record.task}'", max_results=1000):
+    for run in all_runs(client, [experiment_id], f"tags.task = '{record.task}'"):
         linked = run.data.tags.get("training_run_id")
         if linked not in (None, record.training_run_id) or not params.items() <= run.data.params.items():
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -98,3 +99,17 @@ def default_artifact_location(experiment: str, uri: str) -> str | None:
     if not uri.startswith("sqlite:///"):
         return None
     return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "artifacts" / experiment).as_uri()
+
+
+def all_runs(client, experiment_ids: list[str], filter_string: str = "", order_by: list[str] | None = None,
+             page_size: int = 1000) -> Iterator:
+    """Every run a search finds, page by page (one search_runs call stops at its max_results: past
+    1,000 evaluations of a task, a sync would log a record the store holds again)."""
+    token = None
+    while True:
+        page = client.search_runs(experiment_ids, filter_string, max_results=page_size, order_by=order_by,
+                                  page_token=token)
+        yield from page
+        token = page.token
+        if not token:
+            return

@@ -52,15 +52,16 @@ class TrigramOracle(nn.Module):
         return logits
 
 
-def write_tiny_checkpoint(run_dir, run_id: str | None = None, seq_length: int = 128):
-    """A trainer-format checkpoint (meta.json + model_tp00.pt) of a tiny untrained GPT."""
+def write_tiny_checkpoint(run_dir, run_id: str | None = None, seq_length: int = 128, **shape):
+    """A trainer-format checkpoint (meta.json + model_tp00.pt) of a tiny untrained GPT (`shape`:
+    ModelConfig fields in place of 2 layers, hidden size 32 and 4 heads)."""
     from repro.models.config import ModelConfig
     from repro.models.gpt import GPT
     from repro.parallel.groups import ProcessGroups
     from repro.train import checkpoint as ck
 
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=seq_length,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(**{"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, **shape},
+                      seq_length=seq_length, hidden_dropout=0.0, attention_dropout=0.0)
     root, pg = run_dir / "checkpoints", ProcessGroups.single()
     tmp = ck.begin_save(root, 5, pg)
     torch.save(GPT(cfg, seed=11).state_dict(), tmp / "model_tp00.pt")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from eval_helpers import mirror, write_tiny_checkpoint
 from repro.parallel.spawn import run_ranks
-from test_race import FIXTURE, ROOT, write_fixture_vocab
+from test_race import FIXTURE, write_fixture_vocab
 
 
 def _main_on_rank(argv: list[str]) -> tuple[int, str]:
@@ -67,22 +66,7 @@ def test_race_paper_batch_size_is_checked_against_dp(tmp_path):
 
 def _gpt_checkpoint(run_dir: Path, heads: int) -> Path:
     """A trainer-format checkpoint of a tiny untrained GPT with `heads` attention heads."""
-    import torch
-
-    from repro.models.config import ModelConfig
-    from repro.models.gpt import GPT
-    from repro.parallel.groups import ProcessGroups
-    from repro.train import checkpoint as ck
-
-    cfg = ModelConfig(num_layers=1, hidden_size=8 * heads, num_attention_heads=heads, seq_length=64,
-                      hidden_dropout=0.0, attention_dropout=0.0)
-    root, pg = run_dir / "checkpoints", ProcessGroups.single()
-    tmp = ck.begin_save(root, 5, pg)
-    torch.save(GPT(cfg, seed=1).state_dict(), tmp / "model_tp00.pt")
-    meta = {"format": ck.FORMAT_VERSION, "family": "gpt", "iteration": 5, "tp": 1, "dp": 1,
-            "world_size": 1, "model": cfg.__dict__, "mlflow_run_id": None}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    return ck.finish_save(root, 5, pg)
+    return write_tiny_checkpoint(run_dir, seq_length=64, num_layers=1, hidden_size=8 * heads, num_attention_heads=heads)
 
 
 def test_eval_tp_that_does_not_divide_the_heads_exits_2(tmp_path):

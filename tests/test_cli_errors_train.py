@@ -241,6 +241,18 @@ def test_optimizer_values_out_of_range_are_refused_before_anything_is_written(co
     assert needle in capfd.readouterr().err
 
 
+def test_a_loss_scale_deepspeed_would_round_is_refused_under_zero():
+    """DeepSpeed takes the initial loss scale as a power of two (3000 would start at 4096, the plain
+    trainer at 3000): refused under ZeRO with the power to give, accepted without ZeRO and as 2**k."""
+    from repro.train.config import RunConfigError, derive
+
+    fp16 = ["precision.precision=fp16", "train.zero_stage=1", "train.micro_batch_size=2"]
+    with pytest.raises(RunConfigError, match=r"initial_loss_scale=3000 under ZeRO.*--set precision.initial_loss_scale=4096"):
+        derive(load_config(TINY, fp16 + ["precision.initial_loss_scale=3000"]), 2)
+    derive(load_config(TINY, fp16 + ["precision.initial_loss_scale=4096"]), 2)
+    derive(load_config(TINY, fp16[:1] + ["precision.initial_loss_scale=3000"]), 2)
+
+
 def test_slurm_check_refuses_zero_tasks(capfd):
     assert main(["slurm", "check", TINY, "--ntasks", "0"]) == 2
     assert "world size 0: launch at least one rank" in capfd.readouterr().err

@@ -64,3 +64,15 @@ def test_an_included_files_architecture_gives_way_to_the_size_named_by_the_inclu
     assert load_config(tmp_path / "run.yaml", ["model_size=gpt2-2.5b"]).model.num_layers == 54
     (tmp_path / "own.yaml").write_text("include: [base.yaml]\nmodel_size: gpt2-355m\nmodel:\n  num_layers: 4\n")
     assert load_config(tmp_path / "own.yaml").model.num_layers == 4
+
+
+def test_a_size_named_by_set_outranks_the_files_own_architecture():
+    """`--set model_size=gpt2-355m` on a config with its own shape (the tiny GPT): the named size's
+    shape, not the file's (before, MLflow's model_size named gpt2-355m while the tiny model trained);
+    a --set model.* given with it still wins."""
+    tiny = ROOT / "experiments/tiny/gpt_tiny.yaml"
+    cfg = load_config(tiny, ["model_size=gpt2-355m"])
+    assert (cfg.model_size, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == \
+        ("gpt2-355m", 24, 1024, 16)
+    assert load_config(tiny, ["model_size=gpt2-355m", "model.num_layers=3"]).model.num_layers == 3
+    assert load_config(tiny).model.num_layers == 2

@@ -10,6 +10,7 @@ Derived values (dp, gradient-accumulation steps, padded vocab) are computed in `
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -299,6 +300,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     """Compose YAML (+ includes, + named size) with dotted overrides into a typed RunConfig."""
     raw = _load_yaml(Path(path).resolve()) if path else {}
     dotted = _dotted(list(overrides))
+    if dotted.get("model_size") and isinstance(raw.get("model"), dict):  # --set model_size= outranks the file
+        raw["model"] = {k: v for k, v in raw["model"].items() if k not in SIZE_SHAPE_KEYS}
     try:
         raw = _size_defaults(_merge(raw, dotted))
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
@@ -353,6 +356,12 @@ def _check_optim_values(cfg: RunConfig) -> None:
         raise RunConfigError(f"precision.min_loss_scale={p.min_loss_scale} and precision.initial_loss_scale="
                              f"{p.initial_loss_scale} must satisfy 0 < min_loss_scale <= initial_loss_scale: "
                              "e.g. the defaults, 1 and 2**32")
+    if cfg.train.zero_stage and p.precision == "fp16" and math.log2(p.initial_loss_scale) % 1:
+        power = round(math.log2(p.initial_loss_scale))
+        raise RunConfigError(f"precision.initial_loss_scale={p.initial_loss_scale:g} under ZeRO: DeepSpeed takes the "
+                             f"scale as a power of two and would start at 2**{power} = {2.0**power:g}, unlike the "
+                             f"plain trainer. Fix: --set precision.initial_loss_scale={2.0**power:g} (or another "
+                             "power of two)")
 
 
 def derive(cfg: RunConfig, world_size: int) -> Derived:

@@ -57,8 +57,9 @@ def test_race_paper_batch_size_is_checked_against_dp(tmp_path):
 
     from repro.cli import UserError
     from repro.eval.race_cli import check_layout
+    from repro.models.bert import BertConfig
 
-    cfg = SimpleNamespace(num_attention_heads=4)
+    cfg = BertConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=64)
     check_layout(32, cfg, SimpleNamespace(tp_size=2, dp_size=4), given=False)
     with pytest.raises(UserError, match=r"batch size 32 \(the paper's\) is not divisible by the 3 .*Fix:"):
         check_layout(32, cfg, SimpleNamespace(tp_size=1, dp_size=3), given=False)
@@ -124,7 +125,7 @@ def test_a_tp_that_does_not_divide_the_ranks_exits_2(tmp_path, command):
     else:
         argv = _race_argv(tmp_path, _bert_config(tmp_path / "model.yaml", 4), "--tp", "4")
     for code, err in run_ranks(_main_on_rank, 2, argv, timeout=120):
-        assert code == 2 and "--tp 4 does not divide the 2 ranks launched" in err and "Traceback" not in err, err
+        assert code == 2 and "--tp 4: tensor-parallel size tp=4 does not divide world size 2" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists() and not (tmp_path / "o.jsonl").exists()
 
 

@@ -81,16 +81,15 @@ def run_lambada(model, pg, tokenizer, opts: EvalOptions) -> EvalRecord:
 
 def process_groups(tp: int, command: str = "eval ..."):
     """This launch's groups (TP of `tp`, the rest DP); one process without a launcher is serial."""
-    from repro.parallel.groups import ProcessGroups, discover_launch_env, init_distributed
+    from repro.parallel.groups import LayoutError, ProcessGroups, discover_launch_env, init_distributed
 
     if tp < 1:
         raise UserError(f"--tp {tp}: give a tensor-parallel size of 1 or more (1: no tensor parallelism)")
-    world = discover_launch_env().world_size
-    if world > 1 and world % tp:
-        raise UserError(f"--tp {tp} does not divide the {world} ranks launched: give a --tp that divides them "
-                        f"(the rest are data-parallel), or launch a multiple of {tp} ranks")
-    if world > 1:  # torchrun, or srun with several tasks
-        return init_distributed(tp)
+    if discover_launch_env().world_size > 1:  # torchrun, or srun with several tasks
+        try:
+            return init_distributed(tp)
+        except LayoutError as err:  # raised before any process group is made
+            raise UserError(f"--tp {tp}: {err}") from None
     if tp > 1:
         raise UserError(f"--tp {tp} needs {tp} ranks: launch with `torchrun --nproc-per-node {tp} "
                         f"$(which repro) {command}`")

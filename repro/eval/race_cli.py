@@ -204,12 +204,15 @@ def check_numbers(args) -> None:
 
 
 def check_layout(batch_size: int, cfg: BertConfig, pg, given: bool) -> None:
-    """A UserError, before the run starts, for a TP that does not divide the heads or a batch
-    (`given` by --batch-size, else the paper's) the DP ranks cannot split evenly."""
-    heads, tp, dp = cfg.num_attention_heads, pg.tp_size, pg.dp_size
-    if heads % tp:
-        raise UserError(f"num_attention_heads={heads} is not divisible by tp={tp}: every TP rank must own whole "
-                        f"heads. Fix: give --tp a divisor of {heads} (and of the ranks), or leave it out")
+    """A UserError, before the run starts, for a model the TP ranks cannot split (ModelConfig.validate)
+    or a batch (`given` by --batch-size, else the paper's) the DP ranks cannot split evenly."""
+    from repro.models.config import ConfigError
+
+    tp, dp = pg.tp_size, pg.dp_size
+    try:
+        cfg.validate(tp)
+    except ConfigError as err:
+        raise UserError(f"{err}. Fix: give --tp a divisor of the heads (and of the ranks), or leave it out") from None
     if batch_size % dp:
         what = f"--batch-size {batch_size}" if given else f"the batch size {batch_size} (the paper's)"
         raise UserError(f"{what} is not divisible by the {dp} data-parallel ranks ({tp * dp} ranks / tp={tp}). "

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 REPRO := $(VENV)/bin/repro
 # The read-only data mirror on this project's machines; unset elsewhere -> public downloads.
-REPRO_DATA_MIRROR ?= $(firstword $(wildcard ../shared/data /work/shared/data))
+REPRO_DATA_MIRROR ?= $(abspath $(firstword $(wildcard ../shared/data /work/shared/data)))
 export REPRO_DATA_MIRROR
 export REPRO_DATA_DIR ?= $(CURDIR)/data
 export OMP_NUM_THREADS ?= 1

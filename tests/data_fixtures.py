@@ -23,7 +23,7 @@ def mirror_path() -> Path | None:
     """The mirror directory to test against, or None."""
     value = os.environ.get("REPRO_DATA_MIRROR")
     if value:
-        return Path(value)
+        return Path(value).absolute()
     return DEFAULT_MIRROR if DEFAULT_MIRROR.is_dir() else None
 
 

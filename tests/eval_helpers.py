@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import require
 
-MIRROR = Path(os.environ.get("REPRO_DATA_MIRROR") or "/work/shared/data")
+MIRROR = Path(os.environ.get("REPRO_DATA_MIRROR") or "/work/shared/data").absolute()
 
 
 def mirror() -> Path:

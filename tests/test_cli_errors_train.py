@@ -3,6 +3,7 @@ and nothing already written changed (file bytes and mtimes compared before and a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require
 from repro.cli import main
 from repro.parallel.spawn import run_ranks
 from repro.train.commands import train_rank
@@ -361,6 +363,26 @@ def test_a_diverged_step_stops_the_run_before_it_saves(corpus, tmp_path, capfd, 
     assert (checkpoints / "latest").read_text() == "iter_0000001"
     assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000001"]
     assert not (tmp_path / "final_metrics.json").exists()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1], ids=["ours", "deepspeed"])
+def test_fp16_stops_at_an_overflow_the_minimum_loss_scale_cannot_answer(corpus, tmp_path, capfd, zero_stage):
+    """From 2^32 the tiny model's gradients overflow until the scale is 2^28. With min_loss_scale 2^30
+    and hysteresis 2, iteration 4 overflows at 2^30 with the hysteresis used up: both scalers stop the
+    run there with the DivergedError, at DP=2. (Before, our scaler skipped every step to the end and
+    exited 0 having trained nothing; DeepSpeed's raised its own bare Exception, a traceback.)"""
+    if zero_stage:
+        require(importlib.util.find_spec("deepspeed") is not None, "DeepSpeed")
+    rc, out = _train(capfd, corpus, tmp_path, "--nproc", "2", **{
+        "train.train_iters": 6, "train.log_interval": 1, "train.zero_stage": zero_stage,
+        "precision.precision": "fp16", "precision.initial_loss_scale": 2.0**32,
+        "precision.min_loss_scale": 2.0**30})
+    assert rc == 2, out
+    assert "iteration 4: loss" in out and "minimum loss scale (precision.min_loss_scale=1.07374e+09)" in out, out
+    assert "iteration 3, saved before it" in out and "Traceback" not in out, out
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "iter_0000003"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss_scale"] for r in rows if "loss_scale" in r] == [2.0**32, 2.0**32, 2.0**31, 2.0**30]
 
 
 def test_the_advice_after_a_divergence_works(corpus, tmp_path, capfd, monkeypatch):

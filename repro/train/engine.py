@@ -137,6 +137,8 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
         wrapped, optimizer, _, scheduler = deepspeed.initialize(
             model=objective, optimizer=optimizer, lr_scheduler=scheduler, mpu=pg,
             config=deepspeed_config(cfg, derived), dist_init_required=False)
+        if hasattr(getattr(optimizer, "loss_scaler", None), "raise_error_at_min_scale"):
+            optimizer.loss_scaler.raise_error_at_min_scale = False  # refuse_divergence stops it, as ours
         return Engine(cfg, derived, pg, device, model, objective, wrapped, optimizer, scheduler, None, rng, True)
     wrapped = compiled(objective, model, compile_scope(cfg, pg.dp_size, pg.tp_size)) if cfg.train.compile else objective
     main_grads = flat_step = None

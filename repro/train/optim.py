@@ -173,6 +173,12 @@ class DynamicLossScaler:
         """True if any of `values` (gradient norms) is inf/nan on any rank of `group` (one host sync)."""
         return _on_any_rank((~torch.isfinite(values)).any().float().reshape(1), group)
 
+    def floored(self, overflow: bool) -> bool:
+        """True if this step's overflow cannot lower the scale: it is at min_scale and the hysteresis
+        is used up. The run has diverged (DeepSpeed's scaler stops the run here; Megatron-LM's would
+        skip every step after it)."""
+        return overflow and self.scale <= self.min_scale and self.overflows_left <= 1
+
     def update(self, overflow: bool) -> None:
         """Advance the scale after a step (skipped or not)."""
         if overflow:

@@ -24,6 +24,8 @@ class StepResult:
     skipped: bool
     parts: dict[str, float] = field(default_factory=dict)
     """The objective's loss components (BERT: mlm_loss, sop_loss), averaged like `loss`."""
+    floored: bool = False
+    """fp16: the step overflowed at the minimum loss scale with the hysteresis used up."""
 
 
 def _dp_means(values: dict[str, torch.Tensor], eng: Engine) -> dict[str, float]:
@@ -42,9 +44,9 @@ def _accumulate(sums: dict[str, torch.Tensor], loss: torch.Tensor, parts: dict, 
 
 
 def _result(sums: dict[str, torch.Tensor], eng: Engine, norm: float, lr: float, scale: float,
-            skipped: bool) -> StepResult:
+            skipped: bool, floored: bool) -> StepResult:
     means = _dp_means(sums, eng)
-    return StepResult(means.pop("loss"), norm, lr, scale, skipped, means)
+    return StepResult(means.pop("loss"), norm, lr, scale, skipped, means, floored)
 
 
 def _stepped_grads(eng: Engine) -> list[torch.nn.Parameter]:
@@ -75,16 +77,29 @@ def _plain_step(eng: Engine, micro_batches) -> StepResult:
         if eng.masters is not None and eng.flat_step is None:  # the flat step rounded them in already
             eng.masters.masters_to_model()
         eng.scheduler.step()
+    floored = bool(eng.scaler and eng.scaler.floored(overflow))
     if eng.scaler:
         eng.scaler.update(overflow)
     # the norm is read after the optimizer's kernels are queued: no device sync between clip and step
-    return _result(sums, eng, float("nan") if norm is None else norm.item(), lr, scale, overflow)
+    return _result(sums, eng, float("nan") if norm is None else norm.item(), lr, scale, overflow, floored)
+
+
+def _deepspeed_at_floor(optimizer) -> bool:
+    """True if DeepSpeed's fp16 scaler cannot lower its scale at the next overflow (its
+    DynamicLossScaler: at min_scale, hysteresis used up). repro.train.engine turns off its own raise
+    there, so that the run stops with refuse_divergence's DivergedError, as our scaler's runs do."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    try:
+        return scaler.cur_scale <= scaler.min_scale and (scaler.delayed_shift == 1 or scaler.cur_hysteresis == 1)
+    except AttributeError:  # bf16/fp32, or a static scale
+        return False
 
 
 def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
     sums: dict[str, torch.Tensor] = {}
     lr = eng.optimizer.param_groups[0]["lr"]
     skipped_before = getattr(eng.wrapped, "skipped_steps", 0)
+    at_floor = _deepspeed_at_floor(eng.optimizer)
     # the scale this step's losses are multiplied by, as _plain_step reports it: DeepSpeed's step updates it
     scale = float(getattr(eng.optimizer, "cur_scale", getattr(eng.optimizer, "loss_scale", 1.0)) or 1.0)
     for batch in micro_batches:
@@ -95,7 +110,7 @@ def _deepspeed_step(eng: Engine, micro_batches) -> StepResult:
     norm = eng.wrapped.get_global_grad_norm()
     norm = float(norm) if norm is not None else float("nan")
     skipped = getattr(eng.wrapped, "skipped_steps", 0) > skipped_before
-    return _result(sums, eng, norm, lr, scale, skipped)
+    return _result(sums, eng, norm, lr, scale, skipped, skipped and at_floor)
 
 
 class DivergedError(RuntimeError):
@@ -107,9 +122,12 @@ def refuse_divergence(result: StepResult, iteration: int, saved_at: int, eng: En
     (it lowers the scale and goes on). bf16 and fp32 have no scale to lower: a step taken has left
     inf/nan weights, and one DeepSpeed skipped only wastes the iterations after it, so the run stops
     before the iteration's evaluation and save (Megatron-LM's --check-for-nan-in-loss-and-grad).
-    Every rank holds the same DP-averaged loss and global norm, so all ranks stop together."""
+    fp16 stops at an overflow its scale can no longer answer (at precision.min_loss_scale, hysteresis
+    used up), where DeepSpeed's scaler stops too. Every rank holds the same DP-averaged loss, global
+    norm and overflow, so all ranks stop together."""
+    fp16 = eng.cfg.precision.precision == "fp16"
     finite = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
-    if finite or (result.skipped and eng.cfg.precision.precision == "fp16"):
+    if not result.floored and (finite or (result.skipped and fp16)):
         return
     gentler = "a lower optim.lr or a longer optim.lr_warmup_iters"
     last, fix = ((f"{eng.cfg.run_dir}/checkpoints holds iteration {saved_at}, saved before it",
@@ -117,10 +135,13 @@ def refuse_divergence(result: StepResult, iteration: int, saved_at: int, eng: En
                   f"iter_NNNNNNN > {eng.cfg.run_dir}/checkpoints/latest) with {gentler} and --set "
                   "optim.override_schedule=true (a resume keeps the saved schedule without it)") if saved_at >= 0 else
                  ("no checkpoint was saved before it", f"run again with {gentler}"))
+    why = (f"fp16, overflowing at the minimum loss scale (precision.min_loss_scale="
+           f"{eng.cfg.precision.min_loss_scale:g}), which cannot go lower" if result.floored else
+           f"{eng.cfg.precision.precision}, which has no loss scale to lower")
     raise DivergedError(
-        f"iteration {iteration}: loss {result.loss}, gradient norm {result.grad_norm} in "
-        f"{eng.cfg.precision.precision}, which has no loss scale to lower: training diverged (or this "
-        f"iteration's data is bad), so the run stops without saving this iteration; {last}. Fix: {fix}")
+        f"iteration {iteration}: loss {result.loss}, gradient norm {result.grad_norm} in {why}: training "
+        f"diverged (or this iteration's data is bad), so the run stops without saving this iteration; {last}. "
+        f"Fix: {fix}")
 
 
 def train_step(eng: Engine, micro_batches: list) -> StepResult:

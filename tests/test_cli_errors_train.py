@@ -314,6 +314,25 @@ def test_damaged_checkpoint_file_names_the_file_and_the_way_back(run, corpus, ca
     assert _snapshot(run) == before
 
 
+def test_a_resume_on_another_training_split_is_refused_a_moved_one_is_not(run, corpus, capfd, tmp_path):
+    """The checkpoint's consumed_samples is a position in the split it trained on: a resume on other
+    data (here the valid split) exits 2 naming what differs, before anything is written; the same
+    files under another path resume."""
+    before = _snapshot(run)
+    rc, out = _train(capfd, corpus, run, **{"train.train_iters": 3, "data.train_prefix": corpus["valid"]})
+    assert rc == 2, out
+    err = out.splitlines()[-1]
+    assert "iter_0000002 was trained on other data than data.train_prefix=" in err and "tokens " in err, out
+    assert "Fix: point data.train_prefix at the split it was trained on" in err
+    assert _snapshot(run) == before
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(corpus["train"] + suffix, moved / f"train{suffix}")
+    rc, out = _train(capfd, corpus, run, **{"train.train_iters": 3, "data.train_prefix": str(moved / "train")})
+    assert rc == 0 and "resumed from" in out, out
+
+
 def test_train_without_a_config_names_the_missing_argument(capfd):
     """Before, `repro train` alone blamed an empty data.train_prefix."""
     assert main(["train"]) == 2

@@ -427,7 +427,8 @@ def to_yaml(cfg: RunConfig) -> str:
 # Keys a resumed run may change: its length and reporting, where files live, and knobs that do not
 # change the math. With optim.lr_decay_iters unset the decay follows train.train_iters, so a longer
 # run also stretches the schedule; set optim.lr_decay_iters to keep it. data.* are locations: the
-# files must hold the same data (the position in it is the checkpoint's consumed_samples).
+# files must hold the same data (the position in it is the checkpoint's consumed_samples; the training split's
+# size is checked at resume: repro.train.engine_state.check_same_train_data).
 RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
                "train.eval_interval", "train.eval_iters", "train.exit_duration_minutes", "train.compile",
                "train.compile_scope", "train.zero_overlap_comm", "optim.flat_step", "optim.override_schedule",

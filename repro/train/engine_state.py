@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from repro.data.indexed_dataset import IndexedDataset
 from repro.parallel.groups import ProcessGroups
 from repro.provenance import git_sha
 from repro.train import checkpoint as ck
@@ -32,6 +33,8 @@ class TrainState:
     held_out: dict[str, float] = field(default_factory=dict)
     """This launch's latest periodic held-out evaluation; `held_out_at` its iteration."""
     held_out_at: int = -1
+    train_data: dict[str, int] = field(default_factory=dict)
+    """The training split's size (`train_data_size`), saved with checkpoints and checked at resume."""
 
 
 def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
@@ -57,7 +60,7 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
                 "consumed_samples": state.consumed_samples, "tp": pg.tp_size,
                 "dp": pg.dp_size, "world_size": pg.dims.world_size, "zero_stage": eng.cfg.train.zero_stage,
                 "model": eng.cfg.model.__dict__, "config_yaml": to_yaml(eng.cfg), "git_sha": git_sha(),
-                "mlflow_run_id": run_id}
+                "mlflow_run_id": run_id, "train_data": state.train_data}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     final = ck.finish_save(root, state.iteration, pg)
     state.saved_at = state.iteration
@@ -90,6 +93,26 @@ def zero_fp32_state_dict(model: torch.nn.Module, keep: bool) -> dict[str, torch.
         if keep:
             state[name] = (full if full is not None else tensor.detach()).cpu()
     return state if keep else None
+
+
+def train_data_size(prefix: str) -> dict[str, int]:
+    """What identifies a training split cheaply (from its index): its tokens, documents and sequences
+    (GPT documents, BERT sentences)."""
+    data = IndexedDataset(prefix)
+    return {"tokens": int(data.num_tokens), "documents": data.num_documents, "sequences": len(data)}
+
+
+def check_same_train_data(meta: dict, size: dict[str, int], prefix: str, ckpt: Path) -> None:
+    """Refuse to resume on another training split: the checkpoint's consumed_samples is a position in
+    the data it was trained on, and elsewhere it would silently skip or repeat data (data.train_prefix
+    may move, as long as the files hold the same split)."""
+    saved = meta.get("train_data")
+    if saved and saved != size:
+        changed = ", ".join(f"{key} {saved.get(key)} -> {size.get(key)}" for key in size if saved.get(key) != size.get(key))
+        raise ck.CheckpointError(
+            f"{ckpt} was trained on other data than data.train_prefix={prefix} holds ({changed}): a resume "
+            "continues at the checkpoint's position in its data. Fix: point data.train_prefix at the split it "
+            "was trained on, or start a new run with --set run_dir=NEW_DIR")
 
 
 def resume_meta(cfg: RunConfig, tp: int, world_size: int) -> tuple[Path | None, dict]:

@@ -25,7 +25,8 @@ from repro.tracking.logger import STOP_MARKER, RunLogger, logged_metrics, record
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, derive, flat_params, schedule_changes, to_yaml
 from repro.train.engine import Engine, build_engine
-from repro.train.engine_state import TrainState, load, optimizer_state_bytes, resume_meta, save
+from repro.train.engine_state import (TrainState, check_same_train_data, load, optimizer_state_bytes, resume_meta,
+                                      save, train_data_size)
 from repro.train.objectives import build_dataset, data_loader
 from repro.train.signals import STOP_SIGNALS, PendingStop
 from repro.train.step import evaluate, refuse_divergence, train_step
@@ -205,6 +206,9 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     # SIGTERM/SIGUSR1 from here on (Slurm warns before a time limit; setup may be under way): a signal
     # during setup or loading is honoured after the first step
     with StopSignal(pg.world_group, 60 * cfg.train.exit_duration_minutes) as stop:
+        data_size = train_data_size(cfg.data.train_prefix)
+        if latest is not None:  # before the engine is built, the checkpoint read, or a cache written
+            check_same_train_data(saved, data_size, cfg.data.train_prefix, latest)
         eng = build_engine(cfg, derived, pg, local_rank)
         state, meta = TrainState(), {}
         if latest is not None:
@@ -220,6 +224,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             _say_if_the_code_changed(meta, latest, pg.rank)
         placement = pg.placement or gather_placement(pg.world_group)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
+        state.train_data = data_size
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))
         valid = _valid_loader(cfg, pg, eng.device.type)
         if meta and pg.rank == 0:

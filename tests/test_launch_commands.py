@@ -18,6 +18,7 @@ FAKE_SBATCH = """#!/bin/bash
 # a fake sbatch: logs its arguments, refuses any script named in $SBATCH_REFUSE, else a new job id
 echo "$*" >> "$SBATCH_LOG"
 echo "cluster env: $REPRO_CLUSTER_ENV" >> "$SBATCH_LOG.env"
+echo "$PWD" >> "$SBATCH_LOG.cwd"
 case "$*" in *"$SBATCH_REFUSE"*)
   echo "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy" >&2; exit 1;; esac
 echo "$((7000 + $(wc -l < "$SBATCH_LOG")));cluster"
@@ -78,6 +79,17 @@ def test_submit_puts_the_script_arguments_on_sbatch(sbatch, capsys):
     assert main(["slurm", "submit", str(ROOT / "slurm/scale_1b.sh"), "--", "--smoke"]) == 0
     assert "submitted job 7001" in capsys.readouterr().out
     assert _calls(sbatch) == [f"--parsable {ROOT}/slurm/scale_1b.sh --smoke"]
+
+
+def test_a_script_outside_slurm_is_submitted_from_the_repository_root(sbatch, capsys, tmp_path):
+    """A job script copied elsewhere to edit (its `source ${SLURM_SUBMIT_DIR}/slurm/launch.sh` needs the
+    repository root as the submit directory). Before, sbatch ran in the script's grandparent directory."""
+    mine = tmp_path / "my jobs" / "big" / "scale_1b_mine.sh"
+    mine.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "slurm/scale_1b.sh", mine)
+    assert main(["slurm", "submit", str(mine)]) == 0
+    assert _calls(sbatch) == [f"--parsable {mine}"]
+    assert Path(f"{sbatch}.cwd").read_text().splitlines() == [str(ROOT)]
 
 
 def test_sweep_prints_each_job_at_once_and_a_failure_names_the_queued_and_the_rest(sbatch, capsys, monkeypatch):
@@ -195,3 +207,18 @@ def test_a_dry_run_prints_a_command_that_pastes_as_one_word_per_argument(sbatch,
     assert main(["slurm", "submit", SCRIPT, "--dry-run", "--", "--set", "name=a b"]) == 0
     words = shlex.split(capsys.readouterr().out.strip())
     assert words[words.index("-A") + 1] == "my proj" and words[-2:] == ["--set", "name=a b"], words
+
+
+def test_scontrol_fields_keep_values_with_spaces_and_equals_signs():
+    """`repro slurm status` read `scontrol show job -o` by splitting at spaces: a job named `scale 1b`
+    (sbatch -J, SBATCH_JOB_NAME) showed as `scale`, and a WorkDir with a space was cut short."""
+    from repro.launch.commands import scontrol_fields
+
+    line = ("JobId=12 JobName=scale 1b UserId=me(1000) JobState=COMPLETED Restarts=0 ExitCode=0:0 "
+            "RunTime=00:00:05 TRES=cpu=1,mem=1G,node=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* "
+            "Command=/home/me/my jobs/x.sh --smoke WorkDir=/home/me/repro Power=")
+    fields = scontrol_fields(line)
+    assert (fields["JobName"], fields["Command"], fields["TRES"]) == (
+        "scale 1b", "/home/me/my jobs/x.sh --smoke", "cpu=1,mem=1G,node=1")
+    assert (fields["Socks/Node"], fields["NtasksPerN:B:S:C"], fields["Power"]) == ("*", "0:0:*:*", "")
+    assert list(fields)[:3] == ["JobId", "JobName", "UserId"] and len(fields) == 13

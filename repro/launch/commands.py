@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 from repro.launch.scripts import (FROM_TABLE1, NEEDS, PER_JOB, TABLES, ClusterEnvError, check_required, cluster_settings,
-                                  table_scripts)
+                                  slurm_dir, table_scripts)
 
 
 def _user_error(msg: str):
@@ -156,7 +157,8 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
     if not shutil.which(cmd[0], path=settings.get("PATH", os.defpath)):  # where subprocess looks
         raise _user_error(f"`{cmd[0]}` is not on PATH: submit from a node of the Slurm cluster (a login node), or "
                           "load its Slurm module first; `--dry-run` prints the command without it")
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=script.parent.parent, env=settings)
+    # from the repository root, wherever the script lies: the job's SLURM_SUBMIT_DIR finds slurm/launch.sh
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=slurm_dir().parent, env=settings)
     if out.returncode:
         raise _user_error(f"sbatch {script.name} failed: {out.stderr.strip()}")
     return out.stdout.strip().split(";")[0]
@@ -240,12 +242,21 @@ def _slurm(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
+_FIELD = re.compile(r"([A-Za-z][\w/:]*)=(.*?)(?= [A-Za-z][\w/:]*=|$)")
+
+
+def scontrol_fields(line: str) -> dict[str, str]:
+    """`scontrol show ... -o`'s one line of `Key=value` fields as a dict; a value may hold spaces (a
+    JobName, a WorkDir) and `=` (TRES=cpu=1,mem=1G), so a field ends where the next ` Key=` begins."""
+    return dict(_FIELD.findall(line))
+
+
 def job_record(job_id: str) -> dict[str, str]:
     """`scontrol show job -o ID` as a dict: empty when the controller no longer knows the job, a
     UserError with Slurm's own message when it cannot answer (no controller, a malformed id)."""
     out = _slurm(["scontrol", "show", "job", "-o", job_id])
     if out.returncode == 0:
-        return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+        return scontrol_fields(out.stdout.strip())
     if "Invalid job id specified" in out.stderr:  # finished and purged (MinJobAge)
         return {}
     raise _user_error(f"scontrol could not report job {job_id}: {out.stderr.strip() or out.stdout.strip()}")

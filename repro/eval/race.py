@@ -57,6 +57,8 @@ def parse_race_file(path: Path, level: str) -> list[RaceQuestion]:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise _bad(path, f"not valid JSON ({err})") from None
+    except OSError as err:  # a dangling link, no permission: the errno alone named no fix
+        raise _bad(path, f"cannot be read ({err.strerror or err})") from None
     if not isinstance(doc, dict):
         raise _bad(path, "not a JSON object")
     missing = [k for k in REQUIRED_KEYS if k not in doc]
@@ -97,12 +99,31 @@ def load_race(root: Path | str, split: str, levels: tuple[str, ...] = LEVELS) ->
         if not folder.is_dir():
             raise RaceFormatError(f"{folder}: missing (RACE layout is {{train,dev,test}}/{{middle,high}}"
                                   f"/*.txt). Fix: {DOWNLOAD_FIX}")
-        files = sorted(folder.glob("*.txt"), key=lambda p: (len(p.stem), p.stem))
+        files = sorted(filter(_race_file, folder.glob("*.txt")), key=lambda p: (len(p.stem), p.stem))
         if not files:
             raise RaceFormatError(f"{folder}: no *.txt files. Fix: {DOWNLOAD_FIX}")
         for path in files:
             questions += parse_race_file(path, level)
     return questions
+
+
+def _race_file(path: Path) -> bool:
+    """A file to read: a regular file (or a link to one), or a dangling link (reported by
+    parse_race_file); a directory named *.txt is not one."""
+    return path.is_file() or (path.is_symlink() and not path.exists())
+
+
+def check_questions(root: Path, raw: dict[str, list[RaceQuestion]]) -> None:
+    """RaceFormatError for a split, or a level of a split, without questions (its accuracy would be
+    nan, or the run would fail after training): the paper reports middle and high of dev and test."""
+    empty = [s for s, q in raw.items() if not q]
+    if empty:
+        raise RaceFormatError(f"{root}: the {' and '.join(empty)} split(s) hold no questions. Fix: point "
+                              "--race-dir (REPRO_RACE_DIR) at the full RACE release (train, dev and test)")
+    missing = [f"{s}/{lv}" for s, q in raw.items() for lv in LEVELS if not any(x.level == lv for x in q)]
+    if missing:
+        raise RaceFormatError(f"{root}: {', '.join(missing)} hold(s) no questions (each level's accuracy is "
+                              f"reported). Fix: {DOWNLOAD_FIX}")
 
 
 def race_dir_from_env(value: str | None) -> Path:
@@ -204,7 +225,8 @@ def register(sub) -> None:
     p.add_argument("--size", help="bert-336m | bert-1.3b | bert-3.9b: the paper's batch/lr, logged as the size "
                    "(default: the size of the model's shape, else custom; bert-336m without --checkpoint "
                    "and --model-config)")
-    p.add_argument("--model-config", help="YAML with a model: block (e.g. experiments/bert/tiny_cpu.yaml)")
+    p.add_argument("--model-config", help="a BERT training config (experiments/bert/*.yaml: its model_size and "
+                   "includes apply) or a YAML with only a model: block (e.g. experiments/bert/tiny_cpu.yaml)")
     p.add_argument("--data-dir", help="holds vocab/bert-large-uncased-vocab.txt (REPRO_DATA_DIR)")
     p.add_argument("--vocab", help="a WordPiece vocab.txt to use instead of the data dir's")
     p.add_argument("--epochs", type=int, default=3)

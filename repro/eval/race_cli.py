@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import ChainMap
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Mapping
 
 from repro.cli import UserError
 from repro.eval.commands import process_groups
-from repro.eval.race import RaceFormatError, encode_race, load_race, race_dir_from_env
+from repro.eval.race import RaceFormatError, check_questions, encode_race, load_race, race_dir_from_env
 from repro.eval.race_finetune import SeedStopped
 from repro.models.bert import BertConfig
 
@@ -23,6 +23,9 @@ def _tokenizer(args):
     from repro.data.tokenizers import bert_tokenizer, build_tokenizer
 
     if args.vocab:
+        if not Path(args.vocab).is_file():
+            raise UserError(f"--vocab {args.vocab} is not a file. Fix: give the WordPiece vocab.txt the model "
+                            "was pretrained with, or leave out --vocab for the data dir's (repro data fetch)")
         return bert_tokenizer(Path(args.vocab))
     from repro.data.fetch import data_dir_from_env
 
@@ -40,14 +43,7 @@ def model_config(args, vocab_size: int) -> tuple[BertConfig, Mapping | None]:
                             "ids: use the vocab the model was pretrained with (--vocab)")
         return cfg, state
     if args.model_config:
-        from omegaconf import OmegaConf
-
-        if not Path(args.model_config).is_file():
-            raise UserError(f"--model-config {args.model_config} does not exist. Fix: give a YAML file with "
-                            "a model: block, e.g. experiments/bert/tiny_cpu.yaml")
-        block = OmegaConf.to_container(OmegaConf.load(args.model_config).get("model", {}))
-        known = {f.name for f in fields(BertConfig)}
-        cfg = BertConfig(**{k: v for k, v in block.items() if k in known})
+        cfg = yaml_config(args.model_config)
     else:
         if args.size is None and not _cuda():
             raise UserError(f"no --checkpoint or --model-config: the default model is {DEFAULT_SIZE} at sequence "
@@ -59,6 +55,64 @@ def model_config(args, vocab_size: int) -> tuple[BertConfig, Mapping | None]:
     print(f"warning: no --checkpoint: fine-tuning a randomly initialised BERT ({cfg.num_layers} layers, "
           f"hidden {cfg.hidden_size})")
     return cfg, None
+
+
+YAML_FIX = "Fix: give a YAML file with a model: block, e.g. experiments/bert/tiny_cpu.yaml"
+
+
+def yaml_config(path: str) -> BertConfig:
+    """The BertConfig of a YAML file: a `repro train` BERT config's model (its model_size and includes
+    applied), else the file's model: block (its BertConfig keys, type-checked); a UserError naming the
+    file for a missing or unreadable file, a top level or model: that is no mapping, a bad value."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not Path(path).is_file():
+        raise UserError(f"--model-config {path} does not exist. {YAML_FIX}")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+    except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--model-config {path} is not readable YAML ({_first_line(err)}). {YAML_FIX}") from None
+    if isinstance(raw, dict) and raw.keys() - {"model"}:  # family, model_size, include, train, ...
+        return _training_config_model(path)
+    block = raw.get("model", {}) if isinstance(raw, dict) else raw
+    if not isinstance(block, dict):
+        what = "its model: block" if isinstance(raw, dict) else "its top level"
+        kind = "empty" if block is None else f"a YAML {type(block).__name__}"
+        raise UserError(f"--model-config {path}: {what} is {kind}, not a mapping of model settings. {YAML_FIX}")
+    known = {f.name for f in fields(BertConfig)}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(BertConfig), {k: v for k, v in block.items() if k in known})
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        where = f"model.{key}: " if key else ""
+        raise UserError(f"--model-config {path}: {where}{_first_line(err)}. {YAML_FIX}") from None
+
+
+def _training_config_model(path: str) -> BertConfig:
+    """The model of a `repro train` config (experiments/bert/*.yaml), composed as training composes it
+    (includes, model_size); a UserError for a config that is not BERT's (`family: bert`)."""
+    from repro.models.bert import as_bert_config
+    from repro.train.config import RunConfigError, load_config
+
+    try:
+        run = load_config(path)
+    except RunConfigError as err:
+        raise UserError(f"--model-config {err}") from None
+    if run.family != "bert":
+        raise UserError(f"--model-config {path} is a {run.family} config (family: {run.family}): RACE fine-tunes "
+                        f"a BERT. {YAML_FIX}, or experiments/bert/bert_336m.yaml")
+    return as_bert_config(run.model)
+
+
+def _first_line(err: Exception) -> str:
+    """An error's first line; for a YAML syntax error, where it is and what is wrong."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {err.problem or err.context}"
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _cuda() -> bool:
@@ -174,12 +228,14 @@ def _device():
     return discover_launch_env().device()
 
 
-def _settings(args, size: str, cfg: BertConfig, train_questions: int) -> dict:
-    """What a seed's numbers depend on besides the seed (a restart skips only seeds finished with these)."""
+def _settings(args, size: str, cfg: BertConfig, train_questions: int, identity: dict) -> dict:
+    """What a seed's numbers depend on besides the seed (a restart skips only seeds finished with these):
+    the model's full config, the checkpoint (its path and `identity`), the vocab, the schedule, the data."""
     from repro.eval.race_finetune import options_for
 
     opts = options_for(size, args.batch_size, args.lr, args.epochs, 0, args.precision)
-    return {"checkpoint": str(args.checkpoint or ""), "size": size, "epochs": opts.epochs,
+    return {"checkpoint": str(args.checkpoint or ""), "checkpoint_identity": identity, "model": asdict(cfg),
+            "vocab": str(args.vocab or ""), "size": size, "epochs": opts.epochs,
             "batch_size": opts.batch_size, "lr": opts.lr, "precision": opts.precision,
             "seq_length": cfg.seq_length, "max_qa_tokens": args.max_qa_tokens,
             "train_questions": train_questions, "eval_train": bool(args.eval_train)}
@@ -227,6 +283,7 @@ def run(args) -> int:
     limit), agreed by all ranks after a step, ends the current seed unfinished: RUN_DIR/stopped_by_signal,
     exit 0, so slurm/launch.sh requeues the job; the restart redoes that seed from its start."""
     from repro.eval.race_finetune import finished_seeds, read_stopped_seed, write_results
+    from repro.models.bert_checkpoint import checkpoint_identity
     from repro.train.checkpoint import CheckpointError
 
     check_numbers(args)
@@ -235,19 +292,17 @@ def run(args) -> int:
         raw = {s: load_race(root, s) for s in ("train", "dev", "test")}
         tok = _tokenizer(args)
         cfg, state = model_config(args, tok.vocab_size)
+        identity = checkpoint_identity(args.checkpoint) if args.checkpoint else {}
         size = size_label(args.size, cfg)
         cfg, state = shorten(cfg, state, args.seq_length)
-        empty = [s for s, q in raw.items() if not q]
-        if empty:
-            raise RaceFormatError(f"{root}: the {' and '.join(empty)} split(s) hold no questions. Fix: point "
-                                  "--race-dir (REPRO_RACE_DIR) at the full RACE release (train, dev and test)")
+        check_questions(root, raw)
         splits = {s: encode_race(q, tok, cfg.seq_length, args.max_qa_tokens) for s, q in raw.items()}
     except (RaceFormatError, FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
     except CheckpointError as err:
-        raise UserError(f"--checkpoint {args.checkpoint}: {err} (fine-tuning needs a BERT `repro train` "
-                        "run)") from None
-    settings = _settings(args, size, cfg, len(splits["train"]))
+        hint = "" if "Fix:" in str(err) else " (fine-tuning needs a BERT `repro train` run)"
+        raise UserError(f"--checkpoint {args.checkpoint}: {err}{hint}") from None
+    settings = _settings(args, size, cfg, len(splits["train"]), identity)
     try:
         done = finished_seeds(Path(args.run_dir), args.seeds, settings)
     except ValueError as err:

@@ -278,20 +278,34 @@ def read_stopped_seed(run_dir: Path) -> dict[int, int]:
         return {}
 
 
+def changed_settings(saved: dict, settings: dict, prefix: str = "") -> list[str]:
+    """The (dotted) keys whose values differ, among those both have: a seed saved before a key was
+    recorded is compared on the keys it has."""
+    changed = []
+    for key in sorted(saved.keys() & settings.keys()):
+        old, new = saved[key], settings[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += changed_settings(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}")
+    return changed
+
+
 def finished_seeds(run_dir: Path, seeds: list[int], settings: dict) -> dict[int, FinetuneResult]:
     """The seeds of `seeds` that an earlier run in `run_dir` finished with the same settings; a seed
-    finished with other settings is a ValueError (its numbers would be mixed into this run's median)."""
+    finished with other settings (another model, checkpoint, vocab, schedule) is a ValueError: its
+    numbers would be mixed into this run's median."""
     done = {}
     for seed in seeds:
         path = seed_path(run_dir, seed)
         if not path.is_file():
             continue
         record = json.loads(path.read_text())
-        if record.get("settings") != settings:
-            changed = sorted(k for k in {**settings, **record.get("settings", {})}
-                             if settings.get(k) != record.get("settings", {}).get(k))
+        changed = changed_settings(record.get("settings", {}), settings)
+        if changed:
             raise ValueError(f"{path} holds seed {seed} fine-tuned with other settings ({', '.join(changed)} "
-                             f"differ). Fix: give a new --run-dir, or delete {path.parent} to start over")
+                             f"differ). Fix: give a new --run-dir, or the original inputs and options, or delete "
+                             f"{path.parent} to start over")
         done[seed] = FinetuneResult(seed, record["accuracy"], record["losses"])
     return done
 

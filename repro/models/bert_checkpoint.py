@@ -90,6 +90,52 @@ def read_bert(path: Path | str) -> tuple[BertConfig, Mapping[str, torch.Tensor]]
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert "
                                 "or a `repro train` BERT run directory")
-    # memory-mapped: each rank copies only its TP slices out; the file's pages are shared by a node's ranks
-    blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return BertConfig(**blob["config"]), blob["model"]
+    return _read_file(path)
+
+
+FILE_FIX = ("Fix: pass a file written by save_bert (copy or save it again if it was cut short) or a "
+            "`repro train` BERT run directory")
+
+
+def _read_file(path: Path) -> tuple[BertConfig, Mapping[str, torch.Tensor]]:
+    """A `save_bert` file's config and state; CheckpointError naming the file for anything else."""
+    import pickle
+
+    from repro.train.checkpoint import CheckpointError
+
+    try:  # memory-mapped: each rank copies only its TP slices out; a node's ranks share the file's pages
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} is not a readable torch file ({reason}). {FILE_FIX}") from None
+    keys = sorted(map(str, blob)) if isinstance(blob, dict) else type(blob).__name__
+    if not isinstance(blob, dict) or not isinstance(blob.get("config"), dict) or "model" not in blob:
+        raise CheckpointError(f"{path} holds no save_bert 'config' and 'model' (found: {keys}). {FILE_FIX}")
+    try:
+        return BertConfig(**blob["config"]), blob["model"]
+    except TypeError as err:
+        raise CheckpointError(f"{path}: its config is not a BertConfig ({err}). {FILE_FIX}") from None
+
+
+def checkpoint_identity(path: Path | str) -> dict:
+    """What tells this checkpoint from another at the same path (a `latest` that moved, a file saved
+    again), and survives a copy: a `repro train` checkpoint's iteration and training run id; a file's
+    size and torch serialization id (a fresh one per save)."""
+    path = Path(path)
+    if path.is_dir():
+        from repro.train.checkpoint import training_provenance
+
+        return training_provenance(path)
+    return {"bytes": path.stat().st_size, "serialization_id": _serialization_id(path)}
+
+
+def _serialization_id(path: Path) -> str:
+    """The random id torch.save writes into its zip (read from the zip's index: cheap); "" if none."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = next((n for n in z.namelist() if n.endswith(".data/serialization_id")), None)
+            return z.read(name).decode(errors="replace") if name else ""
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return ""

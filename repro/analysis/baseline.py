@@ -22,11 +22,36 @@ COLUMNS = ["source", "config", "device", "dtype", "params", "act. ckpt", "compil
            "fraction of peak", "model TFLOP/s", "MFU", "provenance"]
 
 
+class BenchError(ValueError):
+    """A benchmark JSON under the bench folder that cannot be read; the message names it and the fix."""
+
+
+def _read_json(path: Path, bench_dir: Path):
+    """A benchmark file's JSON; a BenchError naming it for one cut short or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # JSONDecodeError, UnicodeDecodeError
+        raise BenchError(f"{path} is not readable JSON ({err}): a benchmark report cut short or still being "
+                         f"written. {_fix(bench_dir)}") from None
+
+
+def _fix(bench_dir: Path) -> str:
+    return (f"Fix: move it out of {bench_dir} (or remove it), or rerun the benchmark that wrote it; no table "
+            "was written")
+
+
+def check_benchmarks(bench_dir: str | Path | None) -> None:
+    """Read every benchmark report below `bench_dir` (when it is a folder) before any table is written:
+    a BenchError for one that cannot be read (bench_baseline)."""
+    if bench_dir is not None and Path(bench_dir).is_dir():
+        bench_baseline(Path(bench_dir))
+
+
 def _benchmark_files(bench_dir: Path) -> list[tuple[Path, dict]]:
     """Every gpu_bench report below `bench_dir` measured on a GPU, in path order."""
     found = []
     for path in sorted(Path(bench_dir).rglob("*.json")):
-        data = json.loads(path.read_text())
+        data = _read_json(path, bench_dir)
         if not isinstance(data, dict) or not isinstance(data.get("results"), list):
             continue  # another benchmark's JSON (repro bench, data benchmarks)
         if str(data.get("provenance", {}).get("device", "cpu")).startswith("cpu"):
@@ -55,23 +80,34 @@ def _params(spec: dict) -> str:
 
 
 def bench_baseline(bench_dir: Path) -> pd.DataFrame:
-    """One row per successful configuration of every GPU benchmark report below `bench_dir`."""
+    """One row per successful configuration of every GPU benchmark report below `bench_dir`; a BenchError
+    naming a report that cannot be read."""
     rows = []
     for path, data in _benchmark_files(bench_dir):
-        prov = data.get("provenance", {})
-        for res in data["results"]:
-            if res.get("status") != "ok":
-                continue
-            spec = res["spec"]
-            rows.append({"source": path.relative_to(bench_dir).as_posix(), "model": data.get("model", "?"),
-                         "device": prov.get("device", "?"), "dtype": spec["dtype"],
-                         "params": _params(spec), "checkpointing": spec["checkpointing"],
-                         "compile": _compiled(spec), "batch": spec["batch"],
-                         "hardware_tflops": res["hardware_tflops"], "hfu": res["hfu"],
-                         "model_tflops": res["model_tflops"], "mfu": res["mfu"], "torch": prov.get("torch", "?"),
-                         "date_utc": prov.get("date_utc", "?"), "git_sha": prov.get("git_sha", "?"),
-                         "flops_formula": data.get("flops_formula", "?")})
+        try:
+            rows += _rows(path.relative_to(bench_dir).as_posix(), data)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise BenchError(f"{path} holds a result that is not a gpu_bench result ({type(err).__name__}: "
+                             f"{err}). {_fix(bench_dir)}") from None
     return pd.DataFrame(rows)
+
+
+def _rows(source: str, data: dict) -> list[dict]:
+    """The rows of one gpu_bench report: its successful configurations."""
+    prov, rows = data.get("provenance", {}), []
+    for res in data["results"]:
+        if res.get("status") != "ok":
+            continue
+        spec = res["spec"]
+        rows.append({"source": source, "model": data.get("model", "?"),
+                     "device": prov.get("device", "?"), "dtype": spec["dtype"],
+                     "params": _params(spec), "checkpointing": spec["checkpointing"],
+                     "compile": _compiled(spec), "batch": spec["batch"],
+                     "hardware_tflops": res["hardware_tflops"], "hfu": res["hfu"],
+                     "model_tflops": res["model_tflops"], "mfu": res["mfu"], "torch": prov.get("torch", "?"),
+                     "date_utc": prov.get("date_utc", "?"), "git_sha": prov.get("git_sha", "?"),
+                     "flops_formula": data.get("flops_formula", "?")})
+    return rows
 
 
 def baseline_display(bench: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 HOW_TO_MAKE_RUNS = """make some runs first, e.g.
@@ -23,22 +22,46 @@ def empty_store_message(uri: str, counts: dict[str, int]) -> str:
 
 
 def run_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:
-    """Execute each named notebook with (uri, out) injected; return the tables written."""
-    from repro.analysis.notebook import TABLES, execute, notebook_path
-    from repro.tracking.store import project_root
+    """Execute each named notebook with (uri, a staging folder inside `out`) injected, then move what
+    they wrote into `out`: a failing notebook leaves `out` as it was, not tables of two reports.
+    Returns the tables written."""
+    import shutil
+    import tempfile
 
-    params = {"tracking_uri": uri, "out_dir": str(out), "bench_dir": str(project_root() / "results/bench")}
-    written = []
-    for name in names:
-        print(f"executing analysis/{name}.ipynb ...", flush=True)
-        started = time.time() - 1.0  # (a filesystem's coarse mtimes)
-        execute(notebook_path(name), params, failed_copy=out / "failed" / f"{name}.ipynb")
-        # this run's tables only: one an earlier report left (a baseline without GPU benchmarks now) is not news
-        written += [out / t for t in TABLES[name] if (out / t).exists() and (out / t).stat().st_mtime >= started]
+    from repro.analysis.notebook import TABLES, execute, notebook_path
+
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=out))  # out's filesystem: the moves are renames
+    try:
+        params = {"tracking_uri": uri, "out_dir": str(staging), "bench_dir": str(bench_dir())}
+        for name in names:
+            print(f"executing analysis/{name}.ipynb ...", flush=True)
+            execute(notebook_path(name), params, failed_copy=out / "failed" / f"{name}.ipynb")
+        written = [out / t for name in names for t in TABLES[name] if (staging / t).exists()]
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return written
 
 
+def _move_into(staging: Path, out: Path) -> None:
+    """Move every file below `staging` to the same place below `out` (replacing what is there)."""
+    import os
+
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        target = out / path.relative_to(staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+
+
+def bench_dir() -> Path:
+    """The GPU benchmarks the scaling notebook reads: results/bench of the checkout."""
+    from repro.tracking.store import project_root
+
+    return project_root() / "results" / "bench"
+
+
 def _report(args) -> int:
+    from repro.analysis.baseline import BenchError, check_benchmarks
     from repro.analysis.notebook import NOTEBOOKS, NotebookError
     from repro.analysis.runs import StoreError, resolve_uri, run_counts
     from repro.cli import UserError
@@ -54,6 +77,10 @@ def _report(args) -> int:
         raise UserError(empty_store_message(uri, counts))
     print(f"tracking store {uri}: " + ", ".join(f"{k} {v} run(s)" for k, v in counts.items()))
     out = Path(args.out).resolve() if args.out else project_root() / "results"
+    try:
+        check_benchmarks(bench_dir())  # before any notebook: a broken file is news, not a half-written report
+    except BenchError as err:
+        raise UserError(str(err)) from None
     make_out_dir(out, "/tmp/report")
     try:
         tables = run_report(uri, out, tuple(args.only or NOTEBOOKS))

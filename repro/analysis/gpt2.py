@@ -46,15 +46,16 @@ def _mean(history: pd.DataFrame) -> float:
 def epoch_days(uri: str, run) -> dict:
     """A run's iteration time and days per epoch (training steps alone, and with its evaluations and
     saves at its own intervals); NaN days when it logged no interval yet. `steady`: it logged an
-    interval after warm-up (else its time is a warm-up interval's)."""
-    hist, warmup = (R.metric_history(uri, run["run_id"], k) for k in ("ms_per_iter", R.WARMUP_METRIC))
+    interval after warm-up (else its time is a warm-up interval's). A run resumed on another layout:
+    its last launch only (R.launch_history), the layout its row shows."""
+    hist, warmup = R.launch_history(uri, run, "ms_per_iter")
     ms, iterations = R.median_after_warmup(hist, warmup), epoch_iterations(run)
     steps_days = ms * iterations / 86_400_000
     overhead_s = 0.0
     for metric, interval in (("eval_seconds", "train.eval_interval"), ("save_seconds", "train.save_interval")):
         every = float(R.get(run, f"params.{interval}", 0) or 0)
         if every > 0:
-            overhead_s += _mean(R.metric_history(uri, run["run_id"], metric)) * iterations / every
+            overhead_s += _mean(R.launch_history(uri, run, metric)[0]) * iterations / every
     return {"ms_per_iter": ms, "days_steps": steps_days, "days_per_epoch": steps_days + overhead_s / 86_400,
             "steady": bool(len(R.after_warmup(hist, warmup)))}
 
@@ -63,8 +64,9 @@ def _label(run, days: dict) -> str:
     status = R.get(run, "status", "FINISHED")
     batch = "" if _paper_batch(run) else f", global batch {int(float(run['params.train.global_batch_size']))}"
     warm = ", warm-up interval only" if pd.notna(days["days_per_epoch"]) and not days["steady"] else ""
+    resumed = ", layout changed at resume: its last launch only" if R.layout_changed(run) else ""
     return (R.run_label(run) + batch + ("" if status == "FINISHED" else f", {status.lower()} (unfinished run)")
-            + warm)
+            + resumed + warm)
 
 
 def _measured_row(uri: str, run) -> dict:
@@ -124,7 +126,8 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
 def report(tracking_uri: str, out_dir: str | Path, experiment: str = "gpt2") -> str:
     """Write gpt2_table2.{csv,md}; return the Markdown."""
     table = build(tracking_uri, experiment)
-    notes = [f"Measured days/epoch: median logged ms/iter (first interval dropped) x {PAPER_ITERS_PER_EPOCH:,} "
+    notes = [f"Measured days/epoch: median logged ms/iter (the first interval of every launch dropped; a run "
+             f"resumed on another GPU count or batch: its last launch only) x {PAPER_ITERS_PER_EPOCH:,} "
              f"iterations (the paper's epoch of {PAPER_ITERS_PER_EPOCH:,} x {PAPER_BATCH} x {PAPER_SEQ:,} tokens; "
              "a run at another global batch or sequence length: the iterations those tokens take it), plus the "
              "mean logged evaluation and checkpoint seconds x the evaluations and saves an epoch holds at the "

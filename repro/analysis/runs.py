@@ -196,10 +196,38 @@ def median_after_warmup(history: pd.DataFrame, warmup: pd.DataFrame | None = Non
     return float((kept if len(kept) else history)["value"].median())
 
 
-def sustained(uri: str, run_id: str, key: str) -> float:
+LAYOUT_KEYS = ("world_size", "tp", "dp", "train.global_batch_size", "train.micro_batch_size", "device_type",
+               "device_name", "precision", "model.activation_checkpointing", "train.compile")
+"""Params that set a run's speed: a resume that changed one (a resumed_with.* tag) split its launches in two."""
+
+
+def layout_changed(row) -> bool:
+    """A resume changed the run's layout or recipe (a `resumed_with.` tag on a LAYOUT_KEYS param): its
+    row shows the new one, and only its last launch is known to have run it."""
+    return any(get(row, f"tags.{RESUMED_PARAM_TAG}{key}") is not None for key in LAYOUT_KEYS)
+
+
+def last_launch(history: pd.DataFrame, warmup: pd.DataFrame) -> pd.DataFrame:
+    """A per-interval metric's rows of the last launch: from the last step `warmup` flags on (a later
+    launch logs after an earlier one's steps). Empty when no step is flagged: launches not told apart."""
+    flagged = warmup.loc[warmup["value"] > 0, "step"]
+    return history[history["step"] >= flagged.max()] if len(flagged) else history.iloc[:0]
+
+
+def launch_history(uri: str, row, key: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A per-interval metric's history and the warm-up flags of the launches at the layout the row shows:
+    every launch, or only the last of a run resumed on another layout (layout_changed)."""
+    history, warmup = metric_history(uri, row["run_id"], key), metric_history(uri, row["run_id"], WARMUP_METRIC)
+    if layout_changed(row):
+        return last_launch(history, warmup), last_launch(warmup, warmup)
+    return history, warmup
+
+
+def sustained(uri: str, row, key: str) -> tuple[float, bool]:
     """A run's steady-state value of a per-interval metric (ms_per_iter, tflops_per_device, ...):
-    median_after_warmup of its logged history."""
-    return median_after_warmup(metric_history(uri, run_id, key), metric_history(uri, run_id, WARMUP_METRIC))
+    median_after_warmup of launch_history; and whether it is steady (an interval after warm-up logged)."""
+    history, warmup = launch_history(uri, row, key)
+    return median_after_warmup(history, warmup), bool(len(after_warmup(history, warmup)))
 
 
 def get(row, key: str, default=None):

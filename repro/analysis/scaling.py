@@ -7,9 +7,10 @@ recipe: activation checkpointing, parameter precision, torch.compile, ZeRO stage
 is the preferred (_preferred_first) 1-device run with a logged throughput in its series, of config 1
 (only) for the paper's scaling configs, else of the same model shape (so a tiny CPU GPT is compared
 to itself), with FLOPs counted the same way (hardware FLOPs, or model FLOPs for runs that predate
-that metric). Each table point takes a run with a logged throughput, then one with an efficiency,
-then its run on the baseline's device where there is one, a full-length run before a test run cut
-short, then the newest (_preferred_first).
+that metric). Each table point takes a run with a logged throughput, then a steady one (not a
+warm-up interval alone, labelled), then one with an efficiency, then its run on the baseline's
+device where there is one, a full-length run before a test run cut short, then the newest
+(_preferred_first). A run resumed on another layout is measured by its last launch (runs.launch_history).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ STRONG_GPUS = (1, 2, 4, 8)  # Appendix D Table 8: the 1.2B model at batch 8 on 1
 SCALING_ITERS = 1000  # experiments/scaling/base.yaml's train.train_iters: a shorter run is a test run
 
 
-def run_throughput(uri: str, run_id: str) -> tuple[float, str]:
+def run_throughput(uri: str, run) -> tuple[float, str, bool]:
     """Sustained TFLOP/s per device counted like the paper's 39 (recomputation included, the 96 form,
-    when the run checkpointed: `hw_tflops_per_device`); runs logged before that metric: model FLOPs."""
-    hardware = R.sustained(uri, run_id, "hw_tflops_per_device")
+    when the run checkpointed: `hw_tflops_per_device`); runs logged before that metric: model FLOPs.
+    Also which FLOPs, and whether it is steady (not a warm-up interval alone): R.sustained."""
+    hardware, steady = R.sustained(uri, run, "hw_tflops_per_device")
     if hardware == hardware:  # not NaN
-        return hardware, "hardware"
-    return R.sustained(uri, run_id, "tflops_per_device"), "model"
+        return hardware, "hardware", steady
+    model, steady = R.sustained(uri, run, "tflops_per_device")
+    return model, "model", steady
 
 
 def efficiency(per_device_tflops: float, baseline_per_device_tflops: float) -> float:
@@ -57,28 +60,32 @@ def _config(row) -> str:
 def measured_points(runs: pd.DataFrame, throughput) -> pd.DataFrame:
     """One row per training run: config, gpus, tp, dp, TFLOP/s per device, label, provenance.
 
-    `throughput(run_id)` returns the run's sustained TFLOP/s per device and which FLOPs it counts."""
+    `throughput(run)` returns the run's sustained TFLOP/s per device, which FLOPs it counts and
+    (optionally) whether it is steady, not a warm-up interval alone (run_throughput)."""
     rows = []
     for _, run in runs.iterrows():
         config = _config(run)
-        tflops, counted = throughput(run["run_id"])
+        tflops, counted, *steady = throughput(run)
+        steady = bool(steady[0]) if steady else True
         rows.append({"config": config, "gpus": int(R.get(run, "params.world_size", 1)),
                      "tp": int(R.get(run, "params.tp", 1)), "dp": int(R.get(run, "params.dp", 1)),
                      "device": R.get(run, "params.device_name", "n/a"),
                      "precision": R.get(run, "params.precision", "n/a"),
                      "baseline_model": "scaling-1.2b" if config.startswith("scaling-") else _shape(run),
                      "recipe": _recipe(run), "batch": _float(R.get(run, "params.train.global_batch_size")),
-                     "tflops_per_device": tflops, "flops_counted": counted, "label": _label(run, config),
+                     "tflops_per_device": tflops, "flops_counted": counted, "steady": steady,
+                     "label": _label(run, config, warmup_only=tflops == tflops and not steady),
                      "train_iters": _float(R.get(run, "params.train.train_iters")),
                      "provenance": R.provenance(run), "run_id": run["run_id"],
                      "start_time": run.get("start_time", 0)})
     return pd.DataFrame(rows)
 
 
-def _label(run, config: str) -> str:
+def _label(run, config: str, warmup_only: bool = False) -> str:
     """run_label, plus the length of a paper config's run cut short (`--set train.train_iters=100`), a
     run whose TP groups spanned hosts (their all-reduces crossed the network: not the paper's layout),
-    and torch.compile or a ZeRO stage (each its own efficiency series)."""
+    torch.compile or a ZeRO stage (each its own efficiency series), a resume on another layout (its
+    last launch measured) and a throughput of a warm-up interval only."""
     iters = _float(R.get(run, "params.train.train_iters"))
     short = config.startswith("scaling-") and iters < SCALING_ITERS
     across = R.get(run, "params.tp_groups_within_host") == "false"
@@ -86,7 +93,9 @@ def _label(run, config: str) -> str:
     return (R.run_label(run) + (f", test run of {int(iters)} iterations" if short else "")
             + (", TP groups across hosts" if across else "")
             + (", torch.compile" if R.get(run, "params.train.compile") == "True" else "")
-            + (f", ZeRO-{zero}" if zero != "0" else ""))
+            + (f", ZeRO-{zero}" if zero != "0" else "")
+            + (", layout changed at resume: its last launch only" if R.layout_changed(run) else "")
+            + (", warm-up interval only" if warmup_only else ""))
 
 
 def _float(value) -> float:
@@ -174,12 +183,15 @@ def appendix_predictions() -> dict[str, dict[str, float]]:
 
 
 def _preferred_first(runs: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
-    """The runs in the order a table point takes them: a logged throughput first, then one with an
-    efficiency (a 1-device baseline of its own precision, recipe and FLOP count: a newer fp32 check
-    does not hide the bf16 run the baseline measures), then (when given) runs on `device`, the table's
-    baseline device, then full-length runs before test runs cut short (a newer 100-iteration check of
-    a script does not replace its measurement), then the newest."""
+    """The runs in the order a table point takes them: a logged throughput first, then a steady one (an
+    interval after warm-up logged, not a warm-up interval alone), then one with an efficiency (a
+    1-device baseline of its own precision, recipe and FLOP count: a newer fp32 check does not hide the
+    bf16 run the baseline measures), then (when given) runs on `device`, the table's baseline device,
+    then full-length runs before test runs cut short (a newer 100-iteration check of a script does not
+    replace its measurement), then the newest."""
     keys = {"_logged": runs["tflops_per_device"].notna()}
+    if "steady" in runs:
+        keys["_steady"] = runs["steady"].fillna(True).astype(bool)
     if "efficiency" in runs:
         keys["_efficiency"] = runs["efficiency"].notna()
     if device is not None and "device" in runs:
@@ -317,7 +329,7 @@ def appendix_display(table: pd.DataFrame) -> pd.DataFrame:
 def measured_runs(tracking_uri: str, experiment: str = "scaling") -> pd.DataFrame:
     """One row per run of `experiment`: throughput, aggregate PFLOP/s and efficiency."""
     runs = R.load_runs(tracking_uri, experiment)
-    measured = measured_points(runs, lambda rid: run_throughput(tracking_uri, rid))
+    measured = measured_points(runs, lambda run: run_throughput(tracking_uri, run))
     return add_efficiency(measured) if len(measured) else measured
 
 
@@ -333,22 +345,28 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
            bench_dir: str | Path | None = None) -> str:
     """Write scaling_table, scaling_appendix_d and scaling_baseline (.csv, .md) and fig_scaling.png;
     return the Markdown."""
+    from repro.analysis.baseline import check_benchmarks, write_baseline
     from repro.analysis.figures import plot_scaling
     from repro.analysis.paper import paper_values
+    from repro.tracking.store import project_root
 
+    bench_dir = Path(bench_dir) if bench_dir else project_root() / "results" / "bench"
+    check_benchmarks(bench_dir)  # a broken file fails before any table is written, not after two
     out_dir, predicted, paper = Path(out_dir), predictions(), paper_values()
     measured = measured_runs(tracking_uri, experiment)
     table = combine(paper_points(paper), measured, predicted)
     notes = ["Efficiency = sustained FLOP/s per device / the 1-device baseline's (paper: config 1 on one V100). "
              "Measured TFLOP/s per device: median of the logged intervals (the first interval of every launch, "
-             "resumes included, dropped as warm-up) of "
+             "resumes included, dropped as warm-up; a run that logged nothing else is labelled 'warm-up interval "
+             "only' and ranks after steady runs; a run resumed on another layout: its last launch only) of "
              "`hw_tflops_per_device`, which counts FLOPs as the paper's 39 TFLOP/s and the analytic model do "
              "(96 B s l h^2 (1 + s/6h + V/16lh) with activation recomputation when the run checkpointed, the 72 "
              "form without; the trainer's `hw_flop_formula` param), or of the model FLOPs `tflops_per_device` "
              "for runs that predate it ('FLOPs' column). Efficiency is a ratio of the same count. "
              "'model' columns: the analytic prediction of repro/perf/scaling_model.py (see results/scaling_model/) "
              + ("" if predicted is not None else "— NOT AVAILABLE (module missing) "),
-             "Each point takes a run with a logged throughput, then one with an efficiency, then a run on the device "
+             "Each point takes a run with a logged throughput, then a steady one, then one with an efficiency, then "
+             "a run on the device "
              "of the config-1 baseline where one exists, a full-length run "
              f"({SCALING_ITERS} iterations, experiments/scaling/base.yaml) before a test run cut short (labelled), "
              "then the newest; 'measured on' names each row's device. The other runs of a paper point follow "
@@ -370,10 +388,6 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "scaling",
                                 "the preferred run of experiment `scaling` with that model and layout (a logged "
                                 "throughput, an efficiency, the baseline's device, full length, then the newest)."],
                                tracking_uri)
-    from repro.analysis.baseline import write_baseline
-    from repro.tracking.store import project_root
-
-    bench_dir = Path(bench_dir) if bench_dir else project_root() / "results" / "bench"
     if bench_dir.is_dir():
         baseline = write_baseline(bench_dir, out_dir, paper, tracking_uri)
         if baseline:

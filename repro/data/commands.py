@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import signal
 from pathlib import Path
 
 from repro.data.fetch import DEFAULT_DATA_DIR
+from repro.train.signals import exiting_on_stop_signals
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -21,25 +20,6 @@ def _fetch(args: argparse.Namespace) -> int:
         print(f"{action:>20}  {data_dir / path}")
     print(f"{len(done)} files in {data_dir}, sha256 verified")
     return 0
-
-
-def _exit_for_signal(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def _exiting_on_stop_signals():
-    """Inside the block, SIGTERM or SIGUSR1 (slurm/prepare_data.sh's warning before its time limit)
-    is SystemExit, so prepare's cleanup of its temporary files runs (the default action would leave
-    tens of GB of them at the paper's scale). The caller's handlers are back afterwards: a Python
-    TERM handler left in a process that goes on hung a later multiprocessing pool's terminate() in
-    that process (most likely a worker that got the pool's TERM while being forked lost it)."""
-    previous = {sig: signal.signal(sig, _exit_for_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -68,7 +48,7 @@ def _prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, skip_bad_records=args.skip_bad_records, split_order=args.split_order,
         split_seed=args.split_seed,
         **({"workers": args.workers} if args.workers is not None else {}))
-    with _exiting_on_stop_signals():  # Slurm's warning, time limit or scancel: clean up, exit
+    with exiting_on_stop_signals():  # Slurm's warning, time limit or scancel: clean up, exit
         report = prepare(opts)
     print(f"documents {report.documents}: kept {report.kept}, under {filters.min_tokens} tokens "
           f"{report.too_short}, eval overlap {report.eval_overlap}, near-duplicates "

@@ -182,17 +182,30 @@ def resolve(path: str | Path) -> Path:
                           "or an iter_XXXXXXX directory with meta.json")
 
 
-def _damaged(path: Path, err: Exception) -> CheckpointError:
-    """The error for an unreadable file of a checkpoint (the iter_* directory above it), naming the way back."""
+def _way_back(path: Path) -> str | None:
+    """How to go back to the checkpoint before the one (iter_* directory) holding `path`; None without one."""
     ckpt = next((p for p in path.parents if p.name.startswith("iter_")), path.parent)
-    latest = ckpt.parent / "latest"
     earlier = sorted(p.name for p in ckpt.parent.glob("iter_*[0-9]")
                      if p.name < ckpt.name and (p / "meta.json").exists())
-    fix = (f"use the previous checkpoint {earlier[-1]}: move {ckpt} aside and run "
-           f"`echo {earlier[-1]} > {latest}`" if earlier else
-           "there is no earlier checkpoint to go back to: start again in a new run_dir")
+    if not earlier:
+        return None
+    latest = ckpt.parent / "latest"
+    return f"use the previous checkpoint {earlier[-1]}: move {ckpt} aside and run `echo {earlier[-1]} > {latest}`"
+
+
+def _damaged(path: Path, err: Exception) -> CheckpointError:
+    """The error for an unreadable file of a checkpoint (the iter_* directory above it), naming the way back."""
+    fix = _way_back(path) or "there is no earlier checkpoint to go back to: start again in a new run_dir"
     reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
     return CheckpointError(f"checkpoint file {path} is damaged ({reason}): {fix}")
+
+
+def mismatched_file(path: Path, detail: str) -> CheckpointError:
+    """The error for a model file whose tensors are not those of the model its meta.json describes."""
+    back = _way_back(path)
+    return CheckpointError(f"checkpoint file {path} does not hold the model of {path.parent / 'meta.json'} "
+                           f"({detail}). Fix: write it again (re-save, or re-run the reshard or import that made "
+                           f"it){f', or {back}' if back else ''}")
 
 
 def read_meta(ckpt: Path) -> dict:
@@ -296,12 +309,22 @@ def load_replicated(path: Path, pg: ProcessGroups, device: torch.device) -> dict
 
 def checkpoint_run_id(ckpt: str | Path) -> str | None:
     """The MLflow run id of the training run that wrote the checkpoint; for a run trained while MLflow was
-    unreachable, the one `repro tracking sync` recorded in its run directory afterwards."""
+    unreachable, the one `repro tracking sync` recorded in its run directory afterwards. A model-only copy
+    (reshard, import) is not in a run directory: its own id, else its `resharded_from` source's, else None."""
     from repro.tracking.logger import recorded_run_id
 
-    path = resolve(ckpt)
-    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    return read_meta(path).get("mlflow_run_id") or recorded_run_id(run_dir)
+    path, seen = resolve(ckpt), set()
+    while path not in seen:
+        seen.add(path)
+        meta = read_meta(path)
+        if meta.get("mlflow_run_id") or not meta.get("model_only"):
+            run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+            return meta.get("mlflow_run_id") or recorded_run_id(run_dir)
+        try:
+            path = resolve(meta["resharded_from"])
+        except (KeyError, CheckpointError, OSError):  # an import, or its source is gone
+            return None
+    return None
 
 
 def training_provenance(path: str | Path) -> dict[str, str]:

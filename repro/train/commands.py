@@ -185,6 +185,17 @@ def _wrap(fn):
     return run
 
 
+def _stoppable(fn):
+    """A `repro checkpoint` handler in which SIGTERM or SIGUSR1 (scancel, a time limit) is SystemExit, as
+    in `repro data prepare`: its temporary output directory is removed, not left half written."""
+    from repro.train.signals import exiting_on_stop_signals
+
+    def run(args) -> int:
+        with exiting_on_stop_signals():
+            return fn(args)
+    return _wrap(run)
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model from a YAML config (under torchrun/srun, or --nproc)")
     p.add_argument("config", nargs="?", default=None, help="YAML config (experiments/...)")
@@ -199,11 +210,11 @@ def register(sub) -> None:
     r.add_argument("checkpoint")
     r.add_argument("--tp", type=int, required=True)
     r.add_argument("--out", required=True)
-    r.set_defaults(func=_wrap(_reshard))
+    r.set_defaults(func=_stoppable(_reshard))
     e = csub.add_parser("export-hf", help="merge to TP=1 and write a transformers GPT2LMHeadModel")
     e.add_argument("checkpoint")
     e.add_argument("--out", required=True)
-    e.set_defaults(func=_wrap(_export_hf))
+    e.set_defaults(func=_stoppable(_export_hf))
     i = csub.add_parser("import-hf", help="write a transformers GPT2LMHeadModel (e.g. OpenAI's GPT-2) as a "
                         "model-only checkpoint at a TP degree that divides its heads")
     i.add_argument("model", help="a save_pretrained directory, or a hub name (gpt2-medium) where the hub is reachable")
@@ -211,7 +222,7 @@ def register(sub) -> None:
     i.add_argument("--tp", type=int, default=1)
     i.add_argument("--make-vocab-size-divisible-by", type=int, default=1024,
                    help="vocab padding unit (1024: the paper's 51,200 rows for GPT-2's 50,257 tokens)")
-    i.set_defaults(func=_wrap(_import_hf))
+    i.set_defaults(func=_stoppable(_import_hf))
     m = csub.add_parser("import-megatron", help="write a Megatron-LM GPT or BERT checkpoint (torch format, any "
                         "TP x PP, e.g. NVIDIA's 345M releases) as a model-only checkpoint at a TP degree")
     m.add_argument("checkpoint", help="Megatron-LM's --save directory (with latest_checkpointed_iteration.txt), "
@@ -227,10 +238,10 @@ def register(sub) -> None:
                    help="vocab padding unit here (Megatron's own padded rows are dropped on import)")
     m.add_argument("--gelu", choices=("tanh", "erf"), default=None,
                    help="the GeLU form, where the checkpoint's arguments do not say it (default: from them, else tanh)")
-    m.set_defaults(func=_wrap(_import_megatron))
+    m.set_defaults(func=_stoppable(_import_megatron))
     x = csub.add_parser("export-megatron", help="write a GPT checkpoint as a Megatron-LM release checkpoint "
                         "(torch format, megatron-core names) at a TP degree")
     x.add_argument("checkpoint")
     x.add_argument("--out", required=True, help="a new directory")
     x.add_argument("--tp", type=int, default=1)
-    x.set_defaults(func=_wrap(_export_megatron))
+    x.set_defaults(func=_stoppable(_export_megatron))

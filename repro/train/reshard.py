@@ -8,9 +8,12 @@ again, on disk (`repro checkpoint reshard`, `import-hf`) or in memory (`load_mod
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
+import re
 import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -21,13 +24,21 @@ from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import pad_vocab_rows, shard_master, to_empty_keeping_markers, unshard
 from repro.provenance import git_sha, write_atomic
-from repro.train.checkpoint import FORMAT_VERSION, CheckpointError, load_file, read_meta, resolve
+from repro.train.checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_run_id, load_file, mismatched_file,
+                                    read_meta, resolve)
 
 
 def partition_spec(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, int]]:
     """name -> (partition_dim, stride) of every TP-sharded parameter (from a meta-device model)."""
+    return _spec_of(_meta_model(cfg, family))
+
+
+def _meta_model(cfg: ModelConfig, family: str):
     with torch.device("meta"):
-        model = _build(cfg, family)
+        return _build(cfg, family)
+
+
+def _spec_of(model) -> dict[str, tuple[int, int]]:
     return {n: (p.partition_dim, p.partition_stride)
             for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
 
@@ -73,18 +84,46 @@ def shard_state(full: dict, spec: dict[str, tuple[int, int]], rank: int, tp: int
     return shard
 
 
-def _model_shards(ckpt: Path, meta: dict, mmap: bool = False) -> list[dict]:
-    return [load_file(ckpt / f"model_tp{r:02d}.pt", mmap=mmap) for r in range(meta["tp"])]
+def shard_shapes(model, cfg: ModelConfig, tp: int) -> dict[str, torch.Size]:
+    """name -> shape of every tensor in a TP=`tp` rank's model file of meta-device `model` (shard_state's)."""
+    cfg.validate(tp)
+    full = {n: t[:cfg.vocab_size] if _is_vocab(n) else t for n, t in model.state_dict().items()}
+    return {n: t.shape for n, t in shard_state(full, _spec_of(model), 0, tp, cfg.padded_vocab_size(tp)).items()}
+
+
+def check_shard(path: Path, state: Mapping, expected: Mapping[str, torch.Size]) -> None:
+    """CheckpointError unless model file `path` (read as `state`) holds exactly `expected`'s tensors and shapes."""
+    missing, extra = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    wrong = [f"{n} is {tuple(state[n].shape)}, not {tuple(s)}" for n, s in expected.items()
+             if n in state and state[n].shape != s]
+    problems = [f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []
+    problems += [f"has unexpected {extra[:3]} ({len(extra)} in all)"] if extra else []
+    problems += wrong[:3] + ([f"{len(wrong)} of the wrong shape in all"] if len(wrong) > 3 else [])
+    if problems:
+        raise mismatched_file(path, "; ".join(problems))
+
+
+def _model_shards(ckpt: Path, meta: dict, model, mmap: bool = False) -> list[dict]:
+    """Every TP rank's model file, each checked against meta-device `model` (meta.json's) at the saved TP."""
+    expected = shard_shapes(model, ModelConfig(**meta["model"]), meta["tp"])
+    shards = []
+    for rank in range(meta["tp"]):
+        path = ckpt / f"model_tp{rank:02d}.pt"
+        shards.append(load_file(path, mmap=mmap))
+        check_shard(path, shards[-1], expected)
+    return shards
 
 
 class MergedModelState(Mapping):
     """A checkpoint's TP=1 state dict (unpadded vocab), each tensor merged from the memory-mapped TP
-    shards when it is read: going through it holds one full tensor at a time, not the whole model."""
+    shards when it is read: going through it holds one full tensor at a time, not the whole model.
+    Shards that do not fit meta.json's model are a CheckpointError naming the file."""
 
     def __init__(self, ckpt: Path, meta: dict) -> None:
         cfg = ModelConfig(**meta["model"])
-        self.spec, self.vocab_size = partition_spec(cfg, meta.get("family", "gpt")), cfg.vocab_size
-        self.shards = _model_shards(ckpt, meta, mmap=True)
+        model = _meta_model(cfg, meta.get("family", "gpt"))
+        self.spec, self.vocab_size = _spec_of(model), cfg.vocab_size
+        self.shards = _model_shards(ckpt, meta, model, mmap=True)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return merge_shards([{name: s[name]} for s in self.shards], self.spec, self.vocab_size)[name]
@@ -122,7 +161,15 @@ def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
 
 
 def _check_new_dir(dst: Path) -> None:
-    """Refuse an output directory that holds anything (a run, a checkpoint, user files)."""
+    """Refuse an output directory that holds anything (a run, a checkpoint, user files), that names no
+    directory of its own (`.`), or that lies under a file."""
+    if dst.name in ("", ".", ".."):
+        raise CheckpointError(f"--out {dst} names no new directory: give the path of one to create, "
+                              "e.g. --out runs/gpt_tp1 (nothing was written)")
+    blocking = next((p for p in dst.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CheckpointError(f"--out {dst}: {blocking} is a file, not a directory: choose an --out whose "
+                              "parents are directories (nothing was written)")
     if dst.is_dir() and not any(dst.iterdir()):
         return
     if dst.exists():
@@ -135,7 +182,8 @@ def new_directory(dst: Path):
     when the block completes, remove it when the block fails. An occupied `dst` is refused."""
     _check_new_dir(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    remove_stale_siblings(dst)
+    tmp = _tmp_sibling(dst, os.getpid())
     tmp.mkdir()
     try:
         yield tmp
@@ -145,9 +193,39 @@ def new_directory(dst: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _tmp_sibling(dst: Path, pid: int) -> Path:
+    """The temporary sibling that process `pid` of this host builds `dst` in."""
+    return dst.with_name(f".{dst.name}.{socket.gethostname()}.{pid}.tmp")
+
+
+def remove_stale_siblings(dst: Path) -> list[Path]:
+    """Remove the temporary siblings of `dst` left by killed processes of this host (their pid is
+    gone; another host's are left alone); returns what was removed."""
+    prefix = _tmp_sibling(dst, 0).name[:-len("0.tmp")]
+    stale = [p for p in dst.parent.glob(glob.escape(prefix) + "*.tmp")
+             if p.name[len(prefix):-4].isdigit() and not _running(int(p.name[len(prefix):-4]))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _running(pid: int) -> bool:
+    """Another live process of this host has this pid (this process's own is not yet in use)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
     """Write a model-only copy of checkpoint `src` at TP degree `tp` (outputs unchanged) into the
-    new directory `dst`, built in a temporary sibling and renamed into place when complete."""
+    new directory `dst`, built in a temporary sibling and renamed into place when complete. It is
+    credited to the training run of `src` (its MLflow run id, resolved now)."""
     dst = Path(dst)
     _check_new_dir(dst)  # before the (long) load; new_directory checks again before the rename
     src = resolve(src)
@@ -156,7 +234,8 @@ def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
     cfg.validate(tp)
     with new_directory(dst) as tmp:  # one output shard in memory at a time
         shards = (resharded_state(src, meta, rank, tp) for rank in range(tp))
-        _write_model_only(tmp, shards, {**meta, "resharded_from": str(src)}, tp)
+        provenance = {"resharded_from": str(src), "mlflow_run_id": checkpoint_run_id(src)}
+        _write_model_only(tmp, shards, {**meta, **provenance}, tp)
     return dst
 
 
@@ -178,6 +257,7 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
 
     dst = Path(dst)
     _check_new_dir(dst)
+    _check_hf_source(source)
     try:
         cfg = config_from_hf(GPT2Config.from_pretrained(source), make_vocab_size_divisible_by)
     except (OSError, ValueError) as err:
@@ -186,6 +266,17 @@ def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisib
     imported_from = str(Path(source).resolve()) if Path(source).exists() else str(source)
     return _write_imported(_hf_weights(source), cfg, dst, tp, {"imported_from": imported_from,
                                                                 "imported_with": "import-hf"})
+
+
+HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")  # gpt2-medium, openai-community/gpt2
+
+
+def _check_hf_source(source: str) -> None:
+    """A CheckpointError for a source that is neither a directory here nor a hub name."""
+    if Path(source).exists() or (HUB_NAME.fullmatch(source) and not source.startswith(".")):
+        return
+    raise CheckpointError(f"{source}: no such directory. Fix: give a directory written by transformers' "
+                          "save_pretrained (with config.json), or a hub name such as gpt2-medium")
 
 
 def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, options=None) -> Path:
@@ -273,12 +364,14 @@ def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):
     meta = read_meta(ckpt)
     cfg = ModelConfig(**meta["model"])
     cfg.validate(pg.tp_size)
-    if meta["tp"] == pg.tp_size:
-        state = load_file(ckpt / f"model_tp{pg.tp_rank:02d}.pt")
-    else:
-        state = resharded_state(ckpt, meta, pg.tp_rank, pg.tp_size)
     with torch.device("meta"):
         model = _build(cfg, meta.get("family", "gpt"), tp_group=pg.tp_group)
+    if meta["tp"] == pg.tp_size:
+        path = ckpt / f"model_tp{pg.tp_rank:02d}.pt"
+        state = load_file(path)
+        check_shard(path, state, {n: t.shape for n, t in model.state_dict().items()})
+    else:
+        state = resharded_state(ckpt, meta, pg.tp_rank, pg.tp_size)
     model = to_empty_keeping_markers(model, device)  # grad norm, ZeRO and resharding read the TP markers
     model.load_state_dict(state)
     return model.eval()

@@ -38,3 +38,22 @@ def recording_stop_signals() -> Iterator[PendingStop]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _exit_for_signal(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def exiting_on_stop_signals() -> Iterator[None]:
+    """Inside the block, SIGTERM or SIGUSR1 (Slurm's warning before a time limit, scancel) is SystemExit,
+    so a command's cleanup of its temporary files runs (`repro data prepare`'s tens of GB at the paper's
+    scale, a `repro checkpoint` command's half-written output). The caller's handlers are back
+    afterwards: a Python TERM handler left in a process that goes on hung a later multiprocessing pool's
+    terminate() in that process (most likely a worker that got the pool's TERM while being forked lost it)."""
+    previous = {sig: signal.signal(sig, _exit_for_signal) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -130,25 +130,31 @@ def compiled_step_code(cfg, batch: int, device: torch.device, dtype: str = "bf16
     return codes
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from repro.perf.gpu_bench import GPT_SIZES, at_least
+
     parser = argparse.ArgumentParser(prog="python -m repro.perf.compiled_buffers", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for buffers.json and buffers.md")
     parser.add_argument("--tiny", action="store_true", help="gpu_bench's tiny model (a CPU smoke run)")
-    parser.add_argument("--size", default="scaling-1.2b", help="a repro.models.sizes name (its shapes)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer layers to compile (the rest repeat)")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", default="scaling-1.2b", choices=GPT_SIZES,
+                        help="a repro.models.sizes GPT name (its shapes)")
+    parser.add_argument("--layers", type=at_least(1), default=2, help="transformer layers to compile (the rest repeat)")
+    parser.add_argument("--batch", type=at_least(1), default=8)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.layers < 1 or args.batch < 1:
-        parser.error(f"--layers {args.layers} --batch {args.batch}: both must be at least 1")
     try:
         make_out_dir(args.out, "/tmp/buffers")
     except OutDirError as err:
         parser.error(str(err))
-    from repro.models.sizes import get_size
+    from repro.models.sizes import SIZES
     from repro.perf.gpu_bench import TINY
 
-    cfg = replace(TINY if args.tiny else get_size(args.size).model_config(), num_layers=args.layers)
+    cfg = replace(TINY if args.tiny else SIZES[args.size].model_config(), num_layers=args.layers)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     found = [b for code in compiled_step_code(cfg, args.batch, device, args.dtype) for b in buffers(code)]
     result = {"model": f"{'tiny' if args.tiny else args.size}, {args.layers} layers, batch {args.batch}, {args.dtype}",

@@ -32,10 +32,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from repro.models.config import ModelConfig
+from repro.models.sizes import SIZES
 from repro.perf.flops import flops_per_iteration
 from repro.perf.peaks import match_device, measure_cpu_peak
 from repro.provenance import OutDirError, make_out_dir, measurement_provenance, write_report
@@ -46,6 +48,31 @@ from repro.train.optim import DynamicLossScaler, clip_and_step, param_groups
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1000)
+GPT_SIZES = tuple(name for name, size in SIZES.items() if size.family == "gpt")
+"""The repro.models.sizes names these GPT tools (`--size`) can build."""
+
+
+class FlagError(SystemExit):
+    """Flags gpu_bench refuses: exits 2, as argparse's errors; str() is the message, naming the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum` (argparse exits 2 naming the flag)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
+        return value
+
+    parse.__name__ = "int"  # argparse's "invalid int value: 'x'" for a non-number
+    return parse
 
 
 @dataclass
@@ -355,11 +382,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m repro.perf.gpu_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for bench.json and bench.md")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
-    parser.add_argument("--size", default="scaling-1.2b", help="a repro.models.sizes name")
+    parser.add_argument("--size", default="scaling-1.2b", choices=GPT_SIZES, help="a repro.models.sizes GPT name")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dtypes", default="bf16,fp16")
     parser.add_argument("--checkpointing", default="off,on", help="comma list of on/off")
@@ -372,8 +399,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                           help="unscale and clip in foreach passes before the fused AdamW (the trainer's way on a GPU)")
     clip_way.add_argument("--fold-clip", dest="fold_clip", action="store_true", default=None,
                           help="unscale and clip as the fused AdamW's gradient divisor (the trainer's way on CPU)")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=at_least(1), default=10, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps before them")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(model.loss)")
     parser.add_argument("--compile-only", action="store_true", help="time only the compiled configurations")
@@ -389,33 +416,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="torch: fused torch AdamW, then the masters copied into the model (the trainer's step); "
                              "flat (--params half, fp32 main grads): one compiled kernel per flat bucket does both")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def plan(args) -> list[RunSpec]:
     """Configurations in run order: every dtype x checkpointing x params, then compiled ones if asked.
-    `params half` is not defined for fp32 and is left out there."""
+    `params half` is not defined for fp32 and is left out there. Raises FlagError for flags it refuses."""
     for d in args.dtypes.split(","):
         if d not in DTYPES:
-            raise SystemExit(f"unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
+            raise FlagError(f"unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
     for p in args.params.split(","):
         if p not in ("fp32", "half"):
-            raise SystemExit(f"unknown --params {p!r}; choose from fp32, half")
+            raise FlagError(f"unknown --params {p!r}; choose from fp32, half")
     for c in args.checkpointing.split(","):
         if c.strip() not in ("on", "off"):
-            raise SystemExit(f"unknown --checkpointing {c!r}; choose from on, off (e.g. --checkpointing off,on)")
+            raise FlagError(f"unknown --checkpointing {c!r}; choose from on, off (e.g. --checkpointing off,on)")
     if args.batch < 1:
-        raise SystemExit(f"--batch {args.batch}: time at least one sequence a step (the paper's: --batch 8)")
+        raise FlagError(f"--batch {args.batch}: time at least one sequence a step (the paper's: --batch 8)")
     if args.compile_scope != "objective" and not (args.compile or args.compile_only):
-        raise SystemExit(f"--compile-scope {args.compile_scope} needs --compile or --compile-only")
+        raise FlagError(f"--compile-scope {args.compile_scope} needs --compile or --compile-only")
     if args.compile_mode != "default" and (args.compile_scope != "objective" or not (args.compile or args.compile_only)):
-        raise SystemExit(f"--compile-mode {args.compile_mode} needs --compile or --compile-only (whole-step scope)")
+        raise FlagError(f"--compile-mode {args.compile_mode} needs --compile or --compile-only (whole-step scope)")
     if args.optimizer == "flat" and (args.params != "half" or args.main_grads != "fp32" or args.fold_clip is not None):
-        raise SystemExit("--optimizer flat steps the fp32 masters over the flat main-grad buckets and folds the clip "
+        raise FlagError("--optimizer flat steps the fp32 masters over the flat main-grad buckets and folds the clip "
                          "into its kernel: use it with --params half, without --main-grads param and --fold-clip/--foreach-clip")
     ckpts = [c.strip() == "on" for c in args.checkpointing.split(",")]
     combos = [(d, c, p) for d in args.dtypes.split(",") for c in ckpts for p in args.params.split(",")
               if not (d == "fp32" and p == "half")]
+    if not combos:
+        raise FlagError(f"--dtypes {args.dtypes} --params {args.params} plans no configuration: half parameters "
+                        "are bf16 or fp16. Fix: add bf16 or fp16 to --dtypes, or fp32 to --params")
     common = {"clip": args.clip, "fold_clip": args.fold_clip, "main_grads": args.main_grads,
               "optimizer": args.optimizer}
     specs = [] if args.compile_only else [RunSpec(d, c, args.batch, params=p, **common) for d, c, p in combos]
@@ -428,16 +462,28 @@ def plan(args) -> list[RunSpec]:
 def _model_config(args) -> tuple[str, ModelConfig]:
     if args.tiny:
         return "tiny (2 layers, h 64, seq 64)", ModelConfig(**asdict(TINY))
-    from repro.models.sizes import get_size
+    return args.size, SIZES[args.size].model_config()
 
-    return args.size, get_size(args.size).model_config()
+
+def _refuse(parser: argparse.ArgumentParser, err: FlagError) -> None:
+    """Print `err` as argparse prints its errors (usage, then the message) and raise it: exit 2."""
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {err}", file=sys.stderr)
+    raise err
+
+
+def _checked_plan(parser: argparse.ArgumentParser, args) -> list[RunSpec]:
+    try:
+        return plan(args)
+    except FlagError as err:
+        _refuse(parser, err)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    start = time.monotonic()
-    deadline = start + args.budget_s
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    specs = _checked_plan(parser, args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and not args.tiny and args.device is None:
         print("error: no CUDA device: this is the GPU benchmark of the 1.2B config (hours on a CPU). Fix: run it "
@@ -445,11 +491,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     name, cfg = _model_config(args)
-    specs = plan(args)
     try:
         make_out_dir(args.out, "results/bench/gpu_h200_new")
     except OutDirError as err:
-        raise SystemExit(f"error: {err}") from None
+        _refuse(parser, FlagError(str(err)))
+    start = time.monotonic()
+    deadline = start + args.budget_s
     entry = match_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     report = {"model": name, "config": asdict(cfg), "provenance": measurement_provenance(device, argv),
               "precision": "params fp32: autocast over fp32 weights; params half: half model, fp32 main grads, "

@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from repro.models.gpt import GPT
-from repro.models.sizes import get_size
-from repro.perf.gpu_bench import TINY, RunSpec, timed_step
+from repro.models.sizes import SIZES
+from repro.perf.gpu_bench import GPT_SIZES, TINY, RunSpec, at_least, timed_step
 from repro.provenance import OutDirError, make_out_dir, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
@@ -99,16 +99,21 @@ def _gaps(prof) -> str:
         return gap_summary(json.loads(path.read_text())).text()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m repro.perf.gpu_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--size", default="scaling-1.2b")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", default="scaling-1.2b", choices=GPT_SIZES, help="a repro.models.sizes GPT name")
+    parser.add_argument("--batch", type=at_least(1), default=8)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=at_least(1), default=2, help="profiled steps (after 3 untimed)")
     parser.add_argument("--params", choices=("fp32", "half"), default="fp32",
                         help="fp32: bf16 autocast over fp32 weights; half: bf16 model, fp32 masters")
     parser.add_argument("--compile", action="store_true", help="profile torch.compile(model.loss), as gpu_bench --compile")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         make_out_dir(args.out, "results/bench/gpu_h200_new")
     except OutDirError as err:
         parser.error(str(err))
-    cfg = TINY if args.tiny else get_size(args.size).model_config()
+    cfg = TINY if args.tiny else SIZES[args.size].model_config()
     model = GPT(cfg, seed=0).to(device).train()
     spec = RunSpec("bf16", checkpointing=False, batch=args.batch, params=args.params)
     masters = MasterWeights(model, torch.bfloat16) if args.params == "half" else None

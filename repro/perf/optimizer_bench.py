@@ -23,8 +23,9 @@ from typing import Callable
 
 import torch
 
+from repro.models.sizes import SIZES
 from repro.parallel.grads import global_grad_norm
-from repro.perf.gpu_bench import TINY, _sync, build_model
+from repro.perf.gpu_bench import GPT_SIZES, TINY, _sync, at_least, build_model
 from repro.provenance import OutDirError, make_out_dir, measurement_provenance, write_report
 from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
@@ -107,21 +108,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m repro.perf.optimizer_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for optimizer.json and optimizer.md")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
-    parser.add_argument("--size", default="scaling-1.2b", help="a repro.models.sizes name")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--size", default="scaling-1.2b", choices=GPT_SIZES, help="a repro.models.sizes GPT name")
+    parser.add_argument("--reps", type=at_least(1), default=10, help="timed calls per part (their median is kept)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         make_out_dir(args.out, "results/bench/gpu_h200_new/optimizer")
     except OutDirError as err:
         parser.error(str(err))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from repro.models.sizes import get_size
-
-    cfg = TINY if args.tiny else get_size(args.size).model_config()
+    cfg = TINY if args.tiny else SIZES[args.size].model_config()
     model = build_model(cfg, device)
     masters = MasterWeights(model, torch.bfloat16)
     main_grads = MainGrads(masters.pairs())

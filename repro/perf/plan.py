@@ -1,8 +1,10 @@
 """`repro plan`: memory per GPU and time to train of a run config on a described cluster, before launch.
 
-Memory per rank, in two phases of a training step (plain trainer; n = parameters of one TP rank):
+Memory per rank, in the phases of a training step (n = parameters of one TP rank):
 
-    forward/backward:  weights + masters + optimizer + gradient buffers + activations
+    forward/backward:  weights + masters + optimizer + gradient buffers + gradients + activations
+                       (+ DeepSpeed's reduce buckets)
+    DP reduction:      weights + masters + optimizer + reduce buckets + gradients at the reduction (DeepSpeed)
     optimizer step:    weights + masters + optimizer + gradient buffers + gradients
 
 - weights: n x 4 (fp32, autocast) or n x 2 (`precision.params: half`); masters: n x 4 (half only);
@@ -11,13 +13,25 @@ Memory per rank, in two phases of a training step (plain trainer; n = parameters
   forward only when accumulating over micro batches; a half model's step gives its masters fp32
   `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (dp > 1; the `.grad` are
   views of them, except while micro batches accumulate under no_sync()) or the fp32 main-gradient
-  buffer (`main_grads: fp32`, n x 4, the masters' `.grad`).
+  buffer (`main_grads: fp32`, n x 4, the masters' `.grad`). With fp32 main grads, the half gradients
+  of a MainGrads bucket wait in the backward until the bucket is complete: up to one bucket's worth
+  eager (2 x the largest bucket's elements: 2^24, or a larger parameter alone), all of them (n x 2)
+  when the whole step is compiled (its backward hands every gradient over at its end). They pile up
+  as the activations are freed, so the backward holds the larger of the activation peak and, near
+  its end, the waiting gradients beside one layer's activations (the layer rebuilt, checkpointing).
 - activations: repro.perf.activations for one micro batch: what autograd keeps when the forward
   ends (plus torch's autocast weight cache while it runs), or, checkpointing, the layer inputs plus
   one layer rebuilt in the backward.
 - DeepSpeed ZeRO-1/2: repro.perf.memory's partitioned weights, gradients and optimizer state (a half
   model unless precision is fp32), the fp32 gradients of this rank's partition in the step, the same
-  activations; DeepSpeed's communication buckets are not counted.
+  activations, and its gradient-reduction (IPG) buffer: torch.empty(reduce_bucket_size) elements in the
+  model's dtype (repro.train.engine.deepspeed_config sets the size, DeepSpeed's default 5e8), allocated
+  whole whatever the model's size at a backward's first gradient and freed when the backward's
+  reductions end; two with overlap_comm. A reduction adds a flat copy of what it all-reduces and the
+  rank's partition of the gradients (ZeRO-1: every gradient, p.grad until moved into the bucket;
+  ZeRO-2: at most a bucket), with activations when a reduction runs inside the backward (overlap_comm or
+  ZeRO-2, n above a bucket). A parameter cut by a partition boundary is copied whole into the
+  partition (up to that parameter more on some ranks): not counted.
 Not counted: the CUDA context, NCCL's buffers and allocator fragmentation: `HEADROOM_GIB` is kept
 free for them (about what a CUDA context plus NCCL take on an H100-class GPU).
 
@@ -36,7 +50,7 @@ from repro.perf.activations import (
     bert_activation_memory,
     math_attention,
 )
-from repro.perf.memory import bert_params_per_rank, memory_per_rank, params_per_rank
+from repro.perf.memory import bert_params_per_rank, memory_per_rank, params_per_rank, zero_partition_numel
 from repro.perf.scaling_model import Cluster, calibrate_gemm_efficiency, iteration_time
 from repro.train.config import Derived, RunConfig, derive
 
@@ -56,6 +70,11 @@ class MemoryPlan:
     grads_step: int  # .grad the optimizer step reads
     activations: ActivationMemory
     logits_copy: int  # half logits alive beside the cross-entropy's fp32 copy
+    grads_waiting: int = 0  # half gradients in MainGrads' buckets near the backward's end (fp32 main grads)
+    layer_activations: int = 0  # one layer's activations beside them (its rebuild, when checkpointing)
+    reduce_buckets: int = 0  # DeepSpeed's gradient-reduction buffers: alive through each backward
+    reduce_transient: int = 0  # gradients alive at a DeepSpeed reduction beside its buckets
+    reduce_in_backward: bool = False  # a reduction can run while activations are alive
 
     @property
     def static(self) -> int:
@@ -67,8 +86,19 @@ class MemoryPlan:
         return a.kept + max(a.autocast_cache + self.logits_copy, a.rebuilt_layer)
 
     @property
+    def backward_end(self) -> int:
+        """Beside the static memory near the backward's end: waiting half gradients and the last layer."""
+        return self.grads_waiting + self.layer_activations if self.grads_waiting else 0
+
+    @property
     def forward_backward(self) -> int:
-        return self.static + self.grads_forward + self.activation_peak
+        during = self.reduce_transient if self.reduce_in_backward else 0
+        return (self.static + self.grads_forward + self.reduce_buckets + during
+                + max(self.activation_peak, self.backward_end))
+
+    @property
+    def reduction(self) -> int:
+        return self.static + self.reduce_buckets + self.reduce_transient
 
     @property
     def step(self) -> int:
@@ -76,7 +106,7 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        return max(self.forward_backward, self.step)
+        return max(self.forward_backward, self.reduction, self.step)
 
 
 def parameters_per_rank(cfg: RunConfig) -> int:
@@ -101,13 +131,12 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     logits_copy = b * s * vocab // tp * dt.compute if bert or dt.compute < 4 else 0
     accumulating = derived.grad_accum_steps > 1
     if cfg.train.zero_stage:
-        zero = memory_per_rank(cfg.model, tp, dp, cfg.train.zero_stage, "half" if zero_half else "fp32", n=n)
-        fp32_slice = n * 4 // dp if zero_half else 0  # the step's fp32 gradients of this rank's partition
-        return MemoryPlan(zero.params, 0, zero.optimizer, 0, zero.grads if accumulating else 0,
-                          zero.grads + fp32_slice, acts, logits_copy)
+        return _zero_plan(cfg, derived, n, zero_half, acts, logits_copy)
     weight_bytes = 2 if half else 4
     if half and p.main_grads == "fp32":
-        return MemoryPlan(n * 2, n * 4, n * 8, n * 4, 0, 0, acts, logits_copy)
+        layer = acts.rebuilt_layer or acts.layers // cfg.model.num_layers
+        return MemoryPlan(n * 2, n * 4, n * 8, n * 4, 0, 0, acts, logits_copy,
+                          grads_waiting=waiting_half_grad_bytes(cfg, dp, n), layer_activations=layer)
     if dp > 1:  # torch DDP's buckets hold the gradients all run (.grad are views of them), but the
         # micro batches under no_sync() accumulate into fresh .grad beside them (set to None each step)
         return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, n * weight_bytes,
@@ -116,6 +145,44 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     step_grads = n * 4 if half else grads  # a half model's masters get fp32 .grad for the step
     return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, 0,
                       grads if accumulating else 0, step_grads, acts, logits_copy)
+
+
+def largest_parameter(cfg: RunConfig) -> int:
+    """Elements of the largest parameter one TP rank holds: the word embedding, an MLP matrix or
+    the position embedding."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return max(m.padded_vocab_size(tp) * m.hidden_size // tp, 4 * m.hidden_size ** 2 // tp,
+               m.seq_length * m.hidden_size)
+
+
+def waiting_half_grad_bytes(cfg: RunConfig, dp: int, n: int) -> int:
+    """Half gradients MainGrads holds in a backward until their bucket is complete: one bucket's
+    worth eager (a bucket is 2^24 elements, or one larger parameter alone), all of them when the
+    whole step is compiled (one backward graph hands every gradient over at its end)."""
+    from repro.train.engine import compile_scope
+    from repro.train.main_grads import DEFAULT_BUCKET_NUMEL
+
+    whole = cfg.train.compile and compile_scope(cfg, dp, cfg.parallel.tp) == "objective"
+    return 2 * (n if whole else min(n, max(DEFAULT_BUCKET_NUMEL, largest_parameter(cfg))))
+
+
+def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: ActivationMemory,
+               logits_copy: int) -> MemoryPlan:
+    """DeepSpeed ZeRO-1/2 on one rank (see the module's docstring)."""
+    from repro.train.engine import deepspeed_config
+
+    dp, stage = derived.dp, cfg.train.zero_stage
+    zero = memory_per_rank(cfg.model, cfg.parallel.tp, dp, stage, "half" if zero_half else "fp32", n=n)
+    element = 2 if zero_half else 4
+    config = deepspeed_config(cfg, derived)["zero_optimization"]
+    bucket, overlap = config["reduce_bucket_size"], config["overlap_comm"]
+    all_reduced = n if stage == 1 else min(n, bucket)  # ZeRO-1: every p.grad, then their flat copy
+    transient = (all_reduced + zero_partition_numel(n, dp)) * element
+    fp32_slice = n * 4 // dp if zero_half else 0  # the step's fp32 gradients of this rank's partition
+    return MemoryPlan(zero.params, 0, zero.optimizer, 0, zero.grads if derived.grad_accum_steps > 1 else 0,
+                      zero.grads + fp32_slice, acts, logits_copy,
+                      reduce_buckets=bucket * element * (2 if overlap else 1), reduce_transient=transient,
+                      reduce_in_backward=(stage == 2 or overlap) and n > bucket)
 
 
 @dataclass(frozen=True)
@@ -213,6 +280,10 @@ def format_plan(p: Plan, cfg: RunConfig) -> str:
         f"  gradient buffers             {_gib(m.grad_buffers)}",
         f"  activations kept             {_gib(a.kept)}   (one micro batch)",
         f"  + transient in the step      {_gib(m.activation_peak - a.kept)}   (rebuilt layer / autocast cache)",
+        *([f"  half gradients waiting       {_gib(m.grads_waiting)}   (MainGrads buckets, near the backward's end)"]
+          if m.grads_waiting else []),
+        *([f"  DeepSpeed reduce buckets     {_gib(m.reduce_buckets)}   (through each backward)",
+           f"  peak, DP reduction           {_gib(m.reduction)}"] if m.reduce_buckets else []),
         f"  peak, forward/backward       {_gib(m.forward_backward)}",
         f"  peak, optimizer step         {_gib(m.step)}",
         f"  peak                         {_gib(m.peak)}  of {usable:g} usable "
@@ -243,7 +314,7 @@ def plan_dict(p: Plan) -> dict:
             "grad_accum_steps": p.derived.grad_accum_steps, "params_per_rank": p.params_per_rank,
             "memory_bytes": {**{k: v for k, v in asdict(m).items() if k != "activations"},
                              "activations": asdict(m.activations), "forward_backward": m.forward_backward,
-                             "step": m.step, "peak": m.peak},
+                             "reduction": m.reduction, "step": m.step, "peak": m.peak},
             "fits": p.fits, "headroom_gib": HEADROOM_GIB, "time": asdict(p.time)}
 
 

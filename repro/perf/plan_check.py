@@ -1,10 +1,12 @@
 """Check `repro plan`'s memory model against measured peaks; writes results/plan/memory_check.{json,md}.
 
-    python -m repro.perf.plan_check --out results/plan          # CPU: under a minute on 2 cores
+    python -m repro.perf.plan_check --out results/plan          # CPU: about 2 minutes on 2 cores
 
 CPU: the trainer itself (engine build and two steps of a 4-layer h=128 GPT on random tokens), for
 every precision recipe, attention kernel and checkpointing setting, with gradient accumulation, at
-TP=2 and at DP=2 (torch DDP), and of the same-size BERT on random padded batches; the peak is the running sum of the allocations torch.profiler records
+TP=2, at DP=2 (torch DDP, and DeepSpeed ZeRO-1/2, whose 5e8-element reduce bucket dominates there),
+an 8-layer h=256 half model whose waiting half gradients show, and of the same-size BERT on random
+padded batches; the peak is the running sum of the allocations torch.profiler records
 (repro.perf.activations.peak_bytes_during). CUDA: the peaks `repro.perf.gpu_bench` measured with
 torch.cuda.max_memory_allocated (a results JSON given with --gpu-json), against the plan for the
 same configuration. On CPU a dropout mask has its input's dtype and attention dropout selects the
@@ -104,7 +106,12 @@ def cpu_cases() -> list[tuple[str, dict, int, int, str]]:
               ("fp32, checkpointing on, 8 layers h=256 (the optimizer step is the peak), DP=2 with torch DDP "
                "(per rank)", DDP_STEP_PEAK, 1, 2, "gpt"),
               ("the same with 2 accumulation steps (no_sync gradients beside the buckets), DP=2 (per rank)",
-               DDP_STEP_PEAK, 2, 2, "gpt")]
+               DDP_STEP_PEAK, 2, 2, "gpt"),
+              ("bf16 half, fp32 main grads, checkpointing on, 8 layers h=256 (half gradients waiting in "
+               "MainGrads' bucket)", {**DDP_STEP_PEAK, **RECIPES["bf16 half, fp32 main grads"]}, 1, 1, "gpt"),
+              ("bf16, DeepSpeed ZeRO-1, DP=2 (per rank)",
+               {**RECIPES["bf16 autocast"], **fused, "train.zero_stage": 1}, 1, 2, "gpt"),
+              ("fp32, DeepSpeed ZeRO-2, DP=2 (per rank)", {**RECIPES["fp32"], **fused, "train.zero_stage": 2}, 1, 2, "gpt")]
     for recipe in ("fp32", "bf16 autocast", "bf16 half, fp32 main grads"):
         for ckpt in (False, True):
             cases.append((f"BERT, {recipe}, fused attention, checkpointing {'on' if ckpt else 'off'}",

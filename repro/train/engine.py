@@ -74,14 +74,21 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
 
 
 def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
-    """DeepSpeed's JSON config for the run (ZeRO block, precision, batch arithmetic)."""
+    """DeepSpeed's JSON config for the run (ZeRO block, precision, batch arithmetic).
+
+    The gradient-reduction (IPG) bucket is set here, not left to DeepSpeed's defaults, because
+    repro.perf.plan counts it: torch.empty(reduce_bucket_size) in the model's dtype per rank (two
+    with overlap_comm) while contiguous_gradients is on. 5e8 elements is DeepSpeed's default.
+    allgather_bucket_size is left alone: it allocates nothing (all_gather_into_tensor)."""
     p = cfg.precision
+    zero = {"stage": cfg.train.zero_stage, "overlap_comm": cfg.train.zero_overlap_comm,
+            "contiguous_gradients": True, "reduce_bucket_size": 500_000_000}
     return {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": derived.grad_accum_steps,
         "train_batch_size": cfg.train.global_batch_size,
         "gradient_clipping": cfg.optim.clip_grad,
-        "zero_optimization": {"stage": cfg.train.zero_stage, "overlap_comm": cfg.train.zero_overlap_comm},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": p.precision == "bf16"},
         "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": int(round(torch.log2(torch.tensor(p.initial_loss_scale)).item())),

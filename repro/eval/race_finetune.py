@@ -96,8 +96,9 @@ def _optimizer(model: nn.Module, opts: FinetuneOptions, steps: int):
 
 
 def _rows(data: RaceTensors, index: torch.Tensor, device: torch.device):
+    """A batch of `data`'s rows on `device`, every tensor int64 (the split is held compact: INPUT_DTYPES)."""
     rows = (data.tokens[index], data.token_types[index], data.padding_mask[index], data.labels[index])
-    return tuple(t.to(device, non_blocking=True) for t in rows)
+    return tuple(t.to(device, non_blocking=True).long() for t in rows)
 
 
 def _device(model: nn.Module) -> torch.device:

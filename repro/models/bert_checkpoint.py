@@ -101,13 +101,12 @@ def _read_file(path: Path) -> tuple[BertConfig, Mapping[str, torch.Tensor]]:
     """A `save_bert` file's config and state; CheckpointError naming the file for anything else."""
     import pickle
 
-    from repro.train.checkpoint import CheckpointError
+    from repro.train.checkpoint import CheckpointError, error_reason
 
     try:  # memory-mapped: each rank copies only its TP slices out; a node's ranks share the file's pages
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
-        reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{path} is not a readable torch file ({reason}). {FILE_FIX}") from None
+        raise CheckpointError(f"{path} is not a readable torch file ({error_reason(err)}). {FILE_FIX}") from None
     keys = sorted(map(str, blob)) if isinstance(blob, dict) else type(blob).__name__
     if not isinstance(blob, dict) or not isinstance(blob.get("config"), dict) or "model" not in blob:
         raise CheckpointError(f"{path} holds no save_bert 'config' and 'model' (found: {keys}). {FILE_FIX}")

@@ -193,11 +193,16 @@ def _way_back(path: Path) -> str | None:
     return f"use the previous checkpoint {earlier[-1]}: move {ckpt} aside and run `echo {earlier[-1]} > {latest}`"
 
 
+def error_reason(err: Exception) -> str:
+    """An exception's first sentence (torch's load errors run on for lines), else its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0].split(". ")[0] if text else type(err).__name__
+
+
 def _damaged(path: Path, err: Exception) -> CheckpointError:
     """The error for an unreadable file of a checkpoint (the iter_* directory above it), naming the way back."""
     fix = _way_back(path) or "there is no earlier checkpoint to go back to: start again in a new run_dir"
-    reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
-    return CheckpointError(f"checkpoint file {path} is damaged ({reason}): {fix}")
+    return CheckpointError(f"checkpoint file {path} is damaged ({error_reason(err)}): {fix}")
 
 
 def mismatched_file(path: Path, detail: str) -> CheckpointError:

@@ -645,3 +645,44 @@ def test_a_pool_prepare_restores_the_signal_mask_and_equals_one_process(data_dir
         outputs.append(Path(f"{prefix}_train.bin").read_bytes())
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
     assert outputs[0] == outputs[1] and outputs[0]
+
+
+def _large_result(_text: str) -> bytes:
+    return b"x" * 32_000_000  # far past a pipe's 64 KiB: a worker is mostly in the middle of writing one
+
+
+def test_a_stop_while_the_workers_write_their_results_never_hangs():
+    """The CI hang of a stop signal mid-`repro data prepare` (1 in about 10 stops): the pool killed its
+    workers, one in the middle of writing a result, and the parent then waited forever for the rest of
+    that message. Abandoned right after its first result (as SystemExit from a stop signal abandons
+    it), the pool now winds down within seconds every time; the old one hung in 1 of about 5 tries."""
+    import threading
+
+    from repro.data.preprocess import process_documents
+
+    for attempt in range(10):
+        results = process_documents(iter(["a document"] * 200), _large_result, workers=2, chunk_docs=1)
+        assert len(next(results)) == 32_000_000
+        closing = threading.Thread(target=results.close, daemon=True)
+        closing.start()
+        closing.join(30)
+        assert not closing.is_alive(), f"the pool hung winding down (attempt {attempt})"
+
+
+def _dies_on_poison(text: str) -> str:
+    import os
+    import signal
+
+    if text == "poison":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer ends a worker
+    return text
+
+
+def test_a_worker_that_dies_is_a_data_error_that_names_the_fix():
+    """A worker killed mid-run (out of memory) is a DataError naming --workers, not a hang: the old
+    pool started a new worker and waited forever for the chunk the dead one held."""
+    from repro.data.preprocess import process_documents
+
+    docs = ["fine"] * 50 + ["poison"] + ["fine"] * 50
+    with pytest.raises(DataError, match="--workers process died.*Fix: rerun with fewer --workers"):
+        list(process_documents(iter(docs), _dies_on_poison, workers=2, chunk_docs=4))

@@ -33,6 +33,8 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -150,11 +152,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
     """TERM and USR1 blocked in this thread while the pool forks its workers, so each is born with
-    them blocked and takes them only after `worker_signal_defaults`. Without this, a TERM from the
-    pool's terminate() that reaches a worker between fork and Python's after-fork reset of pending
-    signals is lost when the parent has a Python handler (`repro data prepare` installs one), and
-    terminate() then waits on that worker forever (seen twice in CI, on a pool closed milliseconds
-    after it started). A blocked signal stays pending in the kernel instead."""
+    them blocked and takes them only after `worker_signal_defaults`. Without this, a TERM (scancel,
+    Slurm's time limit: every process of the step gets it) that reaches a worker between fork and
+    Python's after-fork reset of pending signals is lost when the parent has a Python handler
+    (`repro data prepare` installs one), and the worker lives on. A blocked signal stays pending in
+    the kernel instead."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -186,9 +188,9 @@ def stop_signals_deferred() -> Iterator[None]:
 
 
 def worker_signal_defaults() -> None:
-    """In a worker born under `stop_signals_blocked`: TERM kills (the pool stops its workers with it),
-    USR1 is ignored (srun delivers Slurm's warning to every process; the parent stops), then both are
-    unblocked, so a TERM already pending ends the worker now."""
+    """In a worker born under `stop_signals_blocked`: TERM kills (scancel and Slurm's time limit reach
+    every process), USR1 is ignored (srun delivers Slurm's warning to every process; the parent stops
+    and winds the pool down), then both are unblocked, so a TERM already pending ends the worker now."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -216,23 +218,30 @@ def process_documents(docs: Iterable[str], processor: DocumentProcessor, workers
     """Processed documents in input order; workers > 1 uses a process pool.
 
     Up to 8 chunks per worker are in flight; a new one is sent as soon as the oldest is back, so
-    the workers never wait for the slowest chunk of a batch, and memory stays bounded."""
+    the workers never wait for the slowest chunk of a batch, and memory stays bounded. However it
+    ends (done, an error, a stop signal, an abandoned generator) the chunks not started are dropped,
+    the ones being processed finish, and the workers leave on their own: none is killed. A worker
+    killed while writing its result leaves half a message in the pipe, and the reader then waits
+    forever for the rest (`multiprocessing.Pool.terminate()` hung so in about 1 stop in 10)."""
     if workers <= 1:
         yield from map(processor, docs)
         return
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with stop_signals_blocked():
-        pool = context.Pool(workers, initializer=_init_worker, initargs=(processor,))
-    with pool:  # an error or an abandoned generator: terminate() (TERM to every worker)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(processor,))
+    try:
         pending: collections.deque = collections.deque()
         for chunk in _chunks(docs, chunk_docs):
-            pending.append(pool.apply_async(_process_chunk, (chunk,)))
+            with stop_signals_blocked():  # a submit may fork the workers
+                pending.append(pool.submit(_process_chunk, chunk))
             if len(pending) >= workers * 8:
-                yield from pending.popleft().get()
+                yield from pending.popleft().result()
         while pending:
-            yield from pending.popleft().get()
-        pool.close()  # done: the workers leave on their own, no signal needed
-        pool.join()
+            yield from pending.popleft().result()
+    except BrokenProcessPool as err:
+        raise DataError(f"a --workers process died ({err}): most likely the kernel's out-of-memory killer. "
+                        f"Fix: rerun with fewer --workers, or on a node with more memory") from err
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def split_runs(weights: tuple[float, ...], num_docs: int, order: str = "file",

@@ -333,7 +333,8 @@ def test_several_inputs_are_one_corpus_deduplicated_across_files(data_dir, gpt2_
 
 def test_gzip_is_known_by_its_bytes_and_other_binaries_are_refused(data_dir, tmp_path):
     """A gzip file without .gz in its name (a symlink, a bare download) is still decompressed; an xz
-    file is refused by name; --layout file makes each whole file one document."""
+    file is refused by name, UTF-16 text by its byte-order mark; --layout file makes each whole file one
+    document."""
     import lzma
 
     docs = ["first document here", "second document here"]
@@ -343,6 +344,9 @@ def test_gzip_is_known_by_its_bytes_and_other_binaries_are_refused(data_dir, tmp
     (tmp_path / "c.jsonl.xz").write_bytes(lzma.compress(b'{"text": "x"}\n' * 100))
     with pytest.raises(DataError, match="c.jsonl.xz: not text .*decompress or extract it first"):
         _prepare(data_dir, tmp_path / "c.jsonl.xz", tmp_path / "out", filters=NO_FILTERS)
+    (tmp_path / "notes.txt").write_text("Windows saved this.\n", encoding="utf-16")  # a byte-order mark first
+    with pytest.raises(DataError, match="notes.txt: UTF-16 .*text.*Fix: convert it, e.g. `iconv -f UTF-16"):
+        _prepare(data_dir, tmp_path / "notes.txt", tmp_path / "out", filters=NO_FILTERS)
     (tmp_path / "page.txt").write_text("A web page.\n\nIts second paragraph.\n")
     assert list(read_documents(tmp_path / "page.txt", layout="file")) == ["A web page.\n\nIts second paragraph.\n"]
     assert len(list(read_documents(tmp_path / "page.txt"))) == 2  # paragraphs, by default

@@ -25,6 +25,7 @@ its line, or, with `bad_records` (a list), is skipped and noted there.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import gzip
 import io
@@ -115,12 +116,16 @@ def check_gzip(path: Path) -> None:
 
 
 def _check_text(path: Path) -> None:
-    """Refuse a binary file (a NUL byte in its first 4 KiB, after gzip decompression)."""
+    """Refuse UTF-16 text (its byte-order mark) and a binary file (a NUL byte in its first 4 KiB, after
+    gzip decompression)."""
     try:
         with (gzip.open(path, "rb") if is_gzip(path) else open(path, "rb")) as handle:
             head = handle.read(4096)
     except (EOFError, gzip.BadGzipFile, zlib.error) as err:
         raise _gzip_error(path, err) from None
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise DataError(f"{path}: UTF-16 (or UTF-32) text, its byte-order mark says; UTF-8 is read. Fix: convert "
+                        "it, e.g. `iconv -f UTF-16 -t UTF-8 IN > OUT` (`zcat IN | iconv ...` for a .gz)")
     if b"\0" in head:
         raise DataError(f"{path}: not text (a binary file: xz, zstd, bz2, tar or another format?). Fix: "
                         "decompress or extract it first; plain text, JSON lines and their gzip are read")

@@ -438,3 +438,35 @@ def test_the_advice_after_a_divergence_works(corpus, tmp_path, capfd, monkeypatc
                                 [1e-4 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in (2, 3, 4)]), lrs
     aside = list(tmp_path.glob("metrics.jsonl.before-*"))
     assert len(aside) == 1 and '"step": 2' in aside[0].read_text()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_gpt_corpus_in_another_vocabulary_is_a_data_error_naming_the_fix(corpus, tmp_path, capfd, workers):
+    """Token ids past the model's vocabulary (a corpus prepared with a bigger tokenizer): exit 2 naming the
+    corpus, the id and the fix. Before, the embedding's bounds check raised a RuntimeError traceback in
+    the first forward (exit 1; a device-side assert on a GPU); from a DataLoader worker (data.num_workers
+    > 0) the error came wrapped in the worker's traceback."""
+    import numpy as np
+
+    from repro.data.indexed_dataset import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "wide", np.int32) as writer:
+        for doc in np.random.default_rng(0).integers(0, 100_000, (50, 200)):
+            writer.add_document([doc])
+    rc, out = _train(capfd, {**corpus, "train": str(tmp_path / "wide")}, tmp_path / "fresh",
+                     **{"data.num_workers": workers})
+    assert rc == 2, out
+    assert re.search(r"wide: sample \d+ of epoch 0 holds token id \d+, outside the model's 50,257-id vocabulary",
+                     out), out
+    assert "Fix: prepare it again with `repro data prepare --tokenizer gpt2`" in out and "Traceback" not in out, out
+
+
+def test_a_bert_sequence_too_short_for_a_sentence_pair_is_refused(tmp_path, capfd):
+    """model.seq_length < 8 for BERT: a config error naming the key, before anything is written (was a
+    ValueError traceback from the dataset, exit 1)."""
+    bert = str(ROOT / "experiments/bert/tiny_cpu.yaml")
+    rc = main(["train", bert, "--set", "model.seq_length=6", "--set", f"run_dir={tmp_path / 'fresh'}",
+               "--set", "tracking.enabled=false"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and "model.seq_length=6 is too short for a BERT sentence pair: set model.seq_length >= 8" in err
+    assert "Traceback" not in out + err and not (tmp_path / "fresh").exists()

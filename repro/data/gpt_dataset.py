@@ -53,8 +53,10 @@ class GPTDataset:
     """Map from a global position (epoch-aware) to a sample of seq_length + 1 token ids."""
 
     def __init__(self, prefix: str | Path, seq_length: int, seed: int = 1234,
-                 cache_dir: Path | str | None = None, write_cache: bool = True) -> None:
+                 cache_dir: Path | str | None = None, write_cache: bool = True,
+                 vocab_size: int | None = None) -> None:
         self.data = IndexedDataset(prefix)
+        self.vocab_size = vocab_size
         if len(self.data) > self.data.num_documents:  # some document holds several sequences
             raise DataError(f"{prefix}: {len(self.data):,} sequences in {self.data.num_documents:,} documents: "
                             "sentence-split data (`repro data prepare --tokenizer bert`, or Megatron's "
@@ -97,7 +99,22 @@ class GPTDataset:
             begin = end - int(self.data.sequence_lengths[doc])
             parts.append(self.data[doc][position - begin:min(stop, end) - begin])
             position, k = min(stop, end), k + 1
-        return np.concatenate(parts).astype(np.int64)
+        tokens = np.concatenate(parts).astype(np.int64)
+        self._check_vocabulary(tokens, index, epoch)
+        return tokens
+
+    def _check_vocabulary(self, tokens: np.ndarray, index: int, epoch: int) -> None:
+        """A DataError when an id is outside the model's vocabulary (a corpus prepared with another
+        tokenizer): named here, with its fix, not as an embedding's bounds check deep in the first
+        forward (a device-side assert on a GPU). Per sample, ~2 us; no pass over a multi-GB .bin."""
+        vocab = self.vocab_size
+        if vocab is None or (tokens.min() >= 0 and tokens.max() < vocab):
+            return
+        bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+        raise DataError(f"{self.data.prefix}: sample {index} of epoch {epoch} holds token id {bad}, outside the "
+                        f"model's {vocab:,}-id vocabulary: the corpus was prepared with another tokenizer. Fix: "
+                        "prepare it again with `repro data prepare --tokenizer gpt2`, or set model.vocab_size to "
+                        "its tokenizer's size")
 
     def at(self, position: int) -> np.ndarray:
         """The sample at a global position (epoch = position // len(self))."""

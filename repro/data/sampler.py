@@ -30,10 +30,11 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 
+from repro.cli import UserError
 from repro.provenance import chmod_as_created
 
 Sample = TypeVar("Sample")
@@ -121,8 +122,17 @@ class _MicroBatchSamples:
     def __init__(self, fetch: Callable[[int], Sample]) -> None:
         self.fetch = fetch
 
-    def __getitem__(self, span: tuple[int, int]) -> list[Sample]:
-        return [self.fetch(p) for p in range(*span)]
+    def __getitem__(self, span: tuple[int, int]) -> list[Sample] | _FailedFetch:
+        try:
+            return [self.fetch(p) for p in range(*span)]
+        except UserError as err:  # raised as itself in the trainer, not wrapped in the worker's traceback
+            return _FailedFetch(err)
+
+
+class _FailedFetch(NamedTuple):
+    """A DataLoader worker's user error (a corpus in another vocabulary), handed to the trainer."""
+
+    error: UserError
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:
@@ -198,6 +208,8 @@ class ResumableLoader(Generic[Sample, Batch]):
         else:
             samples = _start_workers(self._background())
         for micro_batch in samples:
+            if isinstance(micro_batch, _FailedFetch):
+                raise micro_batch.error
             self.consumed_samples += global_batch
             yield self.collate(micro_batch)
 

@@ -402,6 +402,9 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
                              "--set train.device=cuda (each rank takes the GPU of its local rank; no index)")
     if cfg.family not in ("gpt", "bert"):
         raise RunConfigError(f"family={cfg.family!r}: use gpt or bert")
+    if cfg.family == "bert" and cfg.model.seq_length < 8:  # [CLS] a [SEP] b [SEP] and room to mask
+        raise RunConfigError(f"model.seq_length={cfg.model.seq_length} is too short for a BERT sentence pair: "
+                             "set model.seq_length >= 8 (the paper's is 512)")
     if not 0 <= t.seed < 2**31:  # numpy's and torch's generators take it; a negative one raised mid-start
         raise RunConfigError(f"train.seed={t.seed}: use a seed in [0, 2**31), e.g. --set train.seed=1234")
     if cfg.data.num_workers is not None and cfg.data.num_workers < 0:

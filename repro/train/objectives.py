@@ -95,7 +95,7 @@ def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
         return BertDataset(prefix, tokenizer, opts, cache_dir=cache, write_cache=write_cache)
     from repro.data.gpt_dataset import GPTDataset
 
-    return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache, write_cache)
+    return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache, write_cache, cfg.model.vocab_size)
 
 
 def data_loader(cfg: RunConfig, pg: ProcessGroups, dataset, consumed_samples: int = 0, device_type: str = "cpu"):

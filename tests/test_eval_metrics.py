@@ -62,6 +62,10 @@ def test_a_file_of_one_word_is_refused_not_divided_by_zero(tmp_path):
     (tmp_path / "one.txt").write_text("Hi\n")
     with pytest.raises(DataError, match="holds 1 word.*Fix:"):
         load_wikitext(tmp_path / "one.txt", build_tokenizer("gpt2", mirror()))
+    (tmp_path / "lines.txt").write_text("hello\nworld\nagain\n")  # T_o counts single spaces: 1, not 3
+    with pytest.raises(DataError, match=r"holds 1 word\(s\) \(T_o: tokens between single spaces.*Fix: give "
+                                        "word-level text with spaces between words"):
+        load_wikitext(tmp_path / "lines.txt", build_tokenizer("gpt2", mirror()))
 
 
 def _telescoping_model(window: int) -> PositionalModel:

@@ -59,9 +59,15 @@ def test_draws_follow_the_filtered_tempered_distribution(sampling, expected):
 
 
 def test_settings_errors_name_the_fix():
-    bad = Sampling(max_new_tokens=0, temperature=-1.0, top_k=-2, top_p=1.5).problems()
-    assert len(bad) == 4 and all("give" in p for p in bad)
+    bad = Sampling(max_new_tokens=0, temperature=-1.0, top_k=-2, top_p=1.5, seed=2**64).problems()
+    assert len(bad) == 5 and all("give" in p for p in bad)  # the seed overflowed torch's manual_seed (exit 1)
     assert Sampling().problems() == [] and Sampling(temperature=0.0, top_p=0.1).problems() == []
+    assert Sampling(seed=-1).problems() == Sampling(seed=2**64 - 1).problems() == []
+
+
+def test_a_tiny_temperature_samples_the_most_probable_token_not_nan():
+    """logits / 1e-310 overflowed to inf and the softmax to nan (a RuntimeError from multinomial)."""
+    assert _frequencies(Sampling(temperature=1e-310), draws=100).tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def _model(tp_group, seq_length=16):

@@ -50,6 +50,8 @@ class Sampling:
             found.append(f"--top-k {self.top_k}: give 0 (off) or a positive count")
         if not 0 < self.top_p <= 1:
             found.append(f"--top-p {self.top_p}: give a probability in (0, 1] (1: off)")
+        if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            found.append(f"--seed {self.seed}: give an integer in [0, 2**64), e.g. --seed 1234")
         return found
 
 
@@ -75,7 +77,8 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     """The next token from full next-token logits (V,) on the CPU."""
     if sampling.temperature == 0:
         return int(logits.argmax())  # ties: the lowest id
-    kept = filter_logits(logits.double() / sampling.temperature, sampling.top_k, sampling.top_p)
+    logits = logits.double()  # the most probable at 0 first: a tiny temperature sends the rest to -inf, not nan
+    kept = filter_logits((logits - logits.max()) / sampling.temperature, sampling.top_k, sampling.top_p)
     return int(torch.multinomial(kept.softmax(-1), 1, generator=generator))
 
 

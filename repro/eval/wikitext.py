@@ -61,8 +61,10 @@ def load_wikitext(path: Path | str, tokenizer, max_lines: int | None = None) -> 
         from repro.data.errors import DataError
 
         lines = f"its first {max_lines} lines hold" if max_lines is not None else "it holds"
-        raise DataError(f"{path}: {lines} {len(text.split())} word(s), {len(tokens)} BPE token(s); perplexity needs at least "
-                        "2 of each. Fix: a longer file (or a larger --max-lines)")
+        raise DataError(f"{path}: {lines} {words} word(s) (T_o: tokens between single spaces, as in WikiText's "
+                        f"word-level files) and {len(tokens)} BPE token(s); perplexity needs at least 2 of each. Fix: "
+                        "give word-level text with spaces between words, such as wiki.test.tokens (or a larger "
+                        "--max-lines)")
     return WikitextData(tokens, words, sha256_file(Path(path)), str(path))
 
 

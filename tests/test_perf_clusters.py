@@ -62,6 +62,21 @@ def test_scaling_model_on_your_cluster_writes_its_tables(tmp_path):
     assert "mean absolute error" not in (tmp_path / "alone" / "table.md").read_text()  # no paper hardware
 
 
+def test_scaling_model_on_your_cluster_without_out_keeps_the_committed_tables(tmp_path, monkeypatch):
+    """--cluster FILE with no --out rewrote results/scaling_model with that cluster's rows alone (the
+    committed DGX-2H table and its error line gone); it now writes a folder of its own."""
+    from repro.perf.commands import scaling_out_dir
+
+    mine = _write(tmp_path / "my nodes.yaml", **{**asdict(BUILT_IN["h200"]), "name": "my nodes"})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results" / "scaling_model").mkdir(parents=True)
+    (tmp_path / "results" / "scaling_model" / "table.md").write_text("the committed table")
+    assert main(["scaling-model", "--cluster", str(mine), "--cluster", "dgx2h"]) == 0
+    assert (tmp_path / "results" / "scaling_model" / "table.md").read_text() == "the committed table"
+    assert "| my nodes | scaling-" in (tmp_path / "results" / "scaling_model_my_nodes-dgx2h" / "table.md").read_text()
+    assert scaling_out_dir(None) == scaling_out_dir([]) == Path("results/scaling_model")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"peak_tflop": 989.0}, "unknown field(s) ['peak_tflop']; missing field(s) ['peak_tflops']"),
     ({"gpus_per_node": "eight"}, "gpus_per_node"),

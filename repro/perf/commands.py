@@ -4,6 +4,7 @@ memory and time of a run config before launch."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 
@@ -16,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-zero", action="store_true", help="skip the DeepSpeed ZeRO-1/2 measurement")
     p.set_defaults(func=_bench)
     s = sub.add_parser("scaling-model", help="predict Table 1's weak-scaling efficiency on a described cluster")
-    s.add_argument("--out", type=Path, default=Path("results/scaling_model"))
+    s.add_argument("--out", type=Path, default=None,
+                   help="default: results/scaling_model (the committed tables of dgx2h and h200); with "
+                        "--cluster, results/scaling_model_<clusters>, so the committed tables stay whole")
     s.add_argument("--cluster", action="append", default=None, metavar="NAME|FILE",
                    help="dgx2h, h200, or a cluster YAML (slurm/clusters/*.yaml); repeatable (default: dgx2h and h200)")
     s.set_defaults(func=_scaling)
@@ -108,9 +111,20 @@ def _scaling(args) -> int:
     from repro.provenance import make_out_dir
 
     clusters = [_cluster(spec) for spec in args.cluster] if args.cluster else None
-    make_out_dir(args.out, "results/scaling_model")
-    print(write_tables(args.out, clusters))
+    out = args.out or scaling_out_dir(args.cluster)
+    make_out_dir(out, "results/scaling_model")
+    print(write_tables(out, clusters))
     return 0
+
+
+def scaling_out_dir(cluster_specs: list[str] | None) -> Path:
+    """Where `repro scaling-model` writes without --out: the committed tables for the built-in
+    clusters, a folder of their own for any --cluster choice (its stems joined: mine.yaml, dgx2h ->
+    results/scaling_model_mine-dgx2h)."""
+    if not cluster_specs:
+        return Path("results/scaling_model")
+    stems = (re.sub(r"[^A-Za-z0-9_.]+", "_", Path(spec).stem) for spec in cluster_specs)
+    return Path("results/scaling_model_" + "-".join(stems))
 
 
 def _cluster(spec: str):

@@ -51,7 +51,7 @@ slurm-deps:
 demo: setup
 	$(REPRO) demo
 
-# Rebuild results/ from reduced-size CPU runs in a fresh store (runs/cpu_results; about 15 minutes).
+# Rebuild results/ from reduced-size CPU runs in a fresh store (runs/cpu_results; about 17 minutes on 2 cores).
 results: setup
 	bash scripts/cpu_results.sh
 

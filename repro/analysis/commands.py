@@ -97,7 +97,8 @@ def register(sub) -> None:
     from repro.analysis.notebook import NOTEBOOKS
 
     p = sub.add_parser("report", help="execute the analysis notebooks; write the paper's tables and figures")
-    p.add_argument("--tracking-uri", default=None, help="MLflow store (default: MLFLOW_TRACKING_URI or mlruns/mlflow.db)")
+    p.add_argument("--tracking-uri", default=None,
+                   help="MLflow store (default: MLFLOW_TRACKING_URI, else slurm/cluster.env's, else mlruns/mlflow.db)")
     p.add_argument("--out", default=None, help="directory for tables (CSV, Markdown) and figures (PNG); default: results/")
     p.add_argument("--only", nargs="+", choices=NOTEBOOKS, help="run only these notebooks")
     p.set_defaults(func=_report)

@@ -197,7 +197,9 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
     """Train (or resume) a GPT or BERT run; returns the final metrics. Every rank calls it."""
     derived = derive(cfg, pg.dims.world_size)
     if not cfg.data.train_prefix:
-        raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it")
+        raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it, e.g. "
+                                 "--set data.train_prefix=data/wt2_gpt_train (the WikiText-2 split `make demo` "
+                                 "prepares)")
     latest, saved = resume_meta(cfg, pg.tp_size, pg.dims.world_size)
     if saved and saved["iteration"] >= cfg.train.train_iters:
         if _finished_at(cfg.run_dir) == saved["iteration"]:

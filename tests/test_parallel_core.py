@@ -445,3 +445,35 @@ def test_compiled_gpt_masks_padded_vocab_as_eager_does():
     assert abs(compiled_loss.item() - model.loss(ids, ids).mean().item()) < 1e-5
     assert not model.transformer.wte.weight.grad[cfg.vocab_size:].any()
     assert model.transformer.wte.weight.grad[:cfg.vocab_size].any()
+
+
+def _attention_dropout_without_a_tracker() -> tuple[str, bool, bool]:
+    """At TP=2 with attention dropout: (the error without an RNG tracker in training, whether eval runs
+    without one, whether training runs with one)."""
+    from dataclasses import replace
+
+    from repro.models.gpt import GPT
+    from repro.parallel.groups import build_process_groups
+    from repro.parallel.random import RNGTracker
+
+    pg = build_process_groups(ParallelDims(tp=2, dp=1))
+    cfg = replace(checks.tiny_config(2), attention_dropout=0.5)
+    ids, labels = checks.random_batch(cfg, 2, "cpu")
+    bare = GPT(cfg, pg.tp_group, seed=1).train()
+    try:
+        bare.loss(ids, labels)
+        error = ""
+    except ValueError as err:
+        error = str(err)
+    evaluated = bool(torch.isfinite(bare.eval().loss(ids, labels)).all())
+    tracked = GPT(cfg, pg.tp_group, RNGTracker(1, pg.tp_rank), seed=1).train()
+    return error, evaluated, bool(torch.isfinite(tracked.loss(ids, labels)).all())
+
+
+def test_attention_dropout_at_tp2_needs_an_rng_tracker():
+    """Without a tracker every TP rank drew the same attention-dropout mask for its head i (the default
+    generator is seeded alike on every rank); training now refuses, naming the fix. Evaluation (no
+    dropout) needs no tracker."""
+    for error, evaluated, tracked in run_ranks(_attention_dropout_without_a_tracker, 2):
+        assert "attention dropout at TP=2 without an RNG tracker" in error and "rng=RNGTracker(seed, tp_rank)" in error
+        assert evaluated and tracked

@@ -32,7 +32,8 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, rng: RNGTracker | None, generator, device=None, causal=True):
         super().__init__()
         h = cfg.hidden_size
-        self.heads_per_rank = cfg.num_attention_heads // group_size(tp_group)
+        self.tp = group_size(tp_group)
+        self.heads_per_rank = cfg.num_attention_heads // self.tp
         self.head_dim = cfg.head_dim
         self.dropout_p, self.rng, self.causal = cfg.attention_dropout, rng, causal
         init = normal_init(cfg.init_method_std)
@@ -47,6 +48,10 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2)
                    for t in qkv.chunk(3, dim=-1))  # (b, nh_local, s, hs)
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.rng is None and dropout_p > 0 and self.tp > 1:
+            raise ValueError(f"attention dropout at TP={self.tp} without an RNG tracker would drop the same "
+                             "positions of head i on every TP rank (the paper gives each rank its own stream). "
+                             "Fix: build the model with rng=RNGTracker(seed, tp_rank) (repro.parallel.random)")
         if self.rng is not None and dropout_p > 0:
             # attention dropout: a different stream on every TP rank. The context manager is entered
             # where it is made: torch 2.9's dynamo refuses one held in a variable first

@@ -19,6 +19,7 @@ from repro.tracking.store import default_tracking_uri, experiment_id, tracking_h
 
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
 STOP_MARKER = "stopped_by_signal"  # the last launch stopped for a signal (launch.sh requeues the job)
+STATUS_FILE = "run_status"  # the last launch ended FAILED or KILLED (close() writes it, MLflow up or not)
 RESUMED_PARAM_TAG = "resumed_with."  # + a param key: its value since a resume changed it (params are fixed)
 RUN_DIR_TAG = "run_dir"  # the run directory's absolute path: sync finds its run in a store again by it
 
@@ -76,7 +77,8 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        (self.run_dir / STOP_MARKER).unlink(missing_ok=True)  # an earlier launch's stop, not this one's
+        for stale in (STOP_MARKER, STATUS_FILE):  # an earlier launch's stop or end, not this one's
+            (self.run_dir / stale).unlink(missing_ok=True)
         earlier_run_id = _set_aside_earlier_launch(self.run_dir) if starts_over else None
         drop_partial_line(self.metrics_path)
         _write_text(self.run_dir / "params.json", json.dumps(params, indent=1, sort_keys=True))
@@ -181,7 +183,15 @@ class RunLogger:
 
     def close(self, status: str = "FINISHED") -> None:
         """Send what is queued and set the run's final status (tried even while paused: the status
-        is what the analysis filters on)."""
+        is what the analysis filters on). A status other than FINISHED also goes to run_status in the
+        run directory, for sync: MLflow may be off or down now."""
+        try:
+            if status == "FINISHED":
+                (self.run_dir / STATUS_FILE).unlink(missing_ok=True)
+            else:
+                _write_text(self.run_dir / STATUS_FILE, status)
+        except OSError as err:
+            warnings.warn(f"could not record status {status} in {self.run_dir / STATUS_FILE}: {err}", stacklevel=2)
         self.flush()
         if self._client is not None:
             try:
@@ -263,14 +273,17 @@ def _live_run(client, run_id: str | None, run_dir: Path, experiment: str):
     return run
 
 
-def _end_dead_launch(client, run_id: str | None) -> None:
-    """Mark the MLflow run of a launch that died before any checkpoint KILLED (it stayed RUNNING)."""
+def _end_dead_launch(client, run_id: str | None) -> bool:
+    """Mark the MLflow run of a launch that died before any checkpoint KILLED (it stayed RUNNING).
+    Whether it did."""
     if run_id:
         try:
             if client.get_run(run_id).info.status == "RUNNING":
                 client.set_terminated(run_id, "KILLED")
+                return True
         except Exception:  # deleted, or another store's: nothing to end
             pass
+    return False
 
 
 def _log_param_changes(client, run, params: dict) -> bool:
@@ -489,6 +502,8 @@ def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple
         else:
             client.log_artifact(run_id, str(path))
     status = run_dir_status(run_dir, rows)
+    if status is None and run.info.status == "FINISHED" and _past_end(run_dir, rows):
+        status = "KILLED"  # extended past its end, and that launch ended without a word (a live one is RUNNING)
     finish = status is not None and run.info.status != status
     if finish:
         client.set_terminated(run_id, status)
@@ -497,18 +512,37 @@ def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple
 
 def run_dir_status(run_dir: Path, rows: list[dict] = ()) -> str | None:
     """The status a run directory shows: KILLED when its last piece stopped for a signal
-    (stopped_by_signal); FINISHED when its end was written (a training run's final_metrics.json from
-    its last logged step, not an earlier end of a run extended since; RACE's results.json); else None:
-    still running, or killed without a word (the store's status is then left as it is)."""
+    (stopped_by_signal); FAILED or KILLED as its last launch's close() recorded it (run_status);
+    FINISHED when its end was written (a training run's final_metrics.json from its last logged step,
+    not an earlier end of a run extended since; RACE's results.json); else None: still running, or
+    killed without a word (the store's status is then left as it is, but for FINISHED: see _upload)."""
     if (run_dir / STOP_MARKER).is_file():
         return "KILLED"
+    try:
+        recorded = (run_dir / STATUS_FILE).read_text().strip()
+    except OSError:
+        recorded = ""
+    if recorded in ("FAILED", "KILLED"):
+        return recorded
     if (run_dir / "results.json").is_file():
         return "FINISHED"
+    if _end_iteration(run_dir) is None:
+        return None
+    return None if _past_end(run_dir, rows) else "FINISHED"
+
+
+def _end_iteration(run_dir: Path) -> int | None:
+    """The iteration final_metrics.json was written at, or None without a readable one."""
     try:
-        ended = int(json.loads((run_dir / "final_metrics.json").read_text())["iteration"])
+        return int(json.loads((run_dir / "final_metrics.json").read_text())["iteration"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return "FINISHED" if all(row.get("step", 0) <= ended for row in rows) else None
+
+
+def _past_end(run_dir: Path, rows: list[dict]) -> bool:
+    """Whether metrics.jsonl has rows after final_metrics.json's iteration (a run extended since)."""
+    ended = _end_iteration(run_dir)
+    return ended is not None and any(row.get("step", 0) > ended for row in rows)
 
 
 def sync_run(run_dir: str | Path) -> SyncResult:
@@ -540,4 +574,8 @@ def sync_run(run_dir: str | Path) -> SyncResult:
         action = "updated" if run is not None else "created"
         run = run or _create_run(client, run_dir, tags)
         sent, changed = _upload(client, client.get_run(run.info.run_id), run_dir, params, rows)
+        ended = [i for i in sorted({p.read_text().strip() for p in run_dir.glob(f"{RUN_ID_FILE}.before-*")})
+                 if i and i != run.info.run_id and _end_dead_launch(client, i)]
+        if ended:  # launches set aside whose restart ran without MLflow: nothing else ends them
+            note = "; ".join(filter(None, [note, f"ended the dead launch run(s) {', '.join(ended)} KILLED"]))
     return SyncResult(run.info.run_id, action if changed or action == "created" else "up to date", sent, uri, note)

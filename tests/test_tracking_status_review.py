@@ -112,3 +112,27 @@ def test_a_dead_launchs_run_is_ended_by_sync_when_the_restart_ran_without_mlflow
     assert result.run_id != dead.run_id and _status(store, result.run_id) == "FINISHED"
     assert _status(store, dead.run_id) == "KILLED" and dead.run_id in result.note
     assert sync_run(run_dir).action == "up to date"
+
+
+def test_a_rescheduled_resume_after_a_kill_gives_the_analysis_one_value_a_step(tmp_path, store):
+    """Launch 1 logs steps 1-4 live and is SIGKILLed (no close); launch 2 resumes from step 2 with a new
+    schedule (the trainer sets the rows after 2 aside in metrics.jsonl) and logs 3-4 again. MLflow keeps
+    both values of steps 3-4 (it deletes no metric value); the analysis took both into its curves and
+    medians. It now reads the last logged value of each step, metrics.jsonl's."""
+    import time
+
+    from repro.analysis.runs import metric_history
+    from repro.tracking.logger import set_aside_rows_after
+
+    run_dir = tmp_path / "run"
+    first = RunLogger(run_dir, "exp-status", "r", {}, {})
+    for step in (1, 2, 3, 4):
+        first.log_metrics({"loss": 10.0 - step}, step)
+    first.flush()  # then killed: no close
+    time.sleep(0.01)  # a later launch logs later (MLflow timestamps are milliseconds)
+    assert set_aside_rows_after(run_dir, 2) is not None
+    with RunLogger(run_dir, "exp-status", "r", {}, {}, resume_run_id=first.run_id) as second:
+        for step in (3, 4):
+            second.log_metrics({"loss": 100.0 + step}, step)
+    history = metric_history(store, first.run_id, "loss")
+    assert history.to_dict("list") == {"step": [1, 2, 3, 4], "value": [9.0, 8.0, 103.0, 104.0]}

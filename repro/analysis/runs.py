@@ -166,10 +166,13 @@ def get_run_row(uri: str, run_id: str) -> dict | None:
 
 
 def metric_history(uri: str, run_id: str, key: str) -> pd.DataFrame:
-    """Every logged value of one metric: columns step, value (sorted by step)."""
+    """One metric's value at each logged step, the last logged where a step has several: a resume with
+    a new schedule redoes the steps after its checkpoint, and MLflow keeps the values it replaced
+    (metrics.jsonl sets them aside). Columns step, value, sorted by step."""
     hist = client(uri).get_metric_history(run_id, key)
-    frame = pd.DataFrame([(m.step, m.value) for m in hist], columns=["step", "value"])
-    return frame.sort_values("step", kind="stable").reset_index(drop=True)
+    frame = pd.DataFrame([(m.step, m.timestamp, m.value) for m in hist], columns=["step", "time", "value"])
+    frame = frame.sort_values(["step", "time"], kind="stable").drop_duplicates("step", keep="last")
+    return frame[["step", "value"]].reset_index(drop=True)
 
 
 WARMUP_METRIC = "warmup_interval"  # 1 on the first logged interval of each launch (repro/train/loop.py)

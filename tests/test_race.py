@@ -305,6 +305,18 @@ def test_a_model_config_without_size_is_logged_custom_with_its_shape(tmp_path, v
     assert [int(v) for v in shape] == [2, 64, 4, 64]
 
 
+def test_a_seq_length_past_the_models_positions_is_said_not_silently_capped(tmp_path, vocab_file, capsys):
+    """--seq-length 512 (the default) on a model of 128 positions: inputs are 128 tokens, as before, and
+    the command now says so (it used to cap them without a word)."""
+    from repro.cli import main
+
+    assert main(["finetune", "race", "--race-dir", str(FIXTURE), "--vocab", str(vocab_file), "--model-config",
+                 str(ROOT / "experiments/bert/tiny_cpu.yaml"), "--epochs", "1", "--batch-size", "5",
+                 "--seeds", "1", "--no-mlflow", "--run-dir", str(tmp_path / "run")]) == 0
+    assert "--seq-length 512: the model has 128 positions, so inputs are 128 tokens" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "params.json").read_text())["seq_length"] in (128, "128")
+
+
 def test_the_median_seed_by_dev_accuracy_reports_one_runs_numbers():
     # per-cell medians would mix seeds (middle of one, high of another); the paper's median is a run
     from repro.eval.race_finetune import FinetuneResult, median_seed

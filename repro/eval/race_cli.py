@@ -309,6 +309,9 @@ def run(args) -> int:
         raise UserError(str(err)) from None
     pg = process_groups(_tp(args, cfg), "finetune race ...")
     check_layout(settings["batch_size"], cfg, pg, given=args.batch_size is not None)
+    if args.seq_length > cfg.seq_length and pg.rank == 0:
+        print(f"--seq-length {args.seq_length}: the model has {cfg.seq_length} positions, so inputs are "
+              f"{cfg.seq_length} tokens (the results record seq_length {cfg.seq_length})", flush=True)
     device = _device()
     from repro.tracking.logger import RunLogger, recorded_run_id
     from repro.provenance import git_sha

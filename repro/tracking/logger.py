@@ -502,7 +502,8 @@ def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple
         else:
             client.log_artifact(run_id, str(path))
     status = run_dir_status(run_dir, rows)
-    if status is None and run.info.status == "FINISHED" and _past_end(run_dir, rows):
+    ended = _end_iteration(run_dir)
+    if status is None and run.info.status == "FINISHED" and ended is not None and _rows_after(rows, ended):
         status = "KILLED"  # extended past its end, and that launch ended without a word (a live one is RUNNING)
     finish = status is not None and run.info.status != status
     if finish:
@@ -526,9 +527,8 @@ def run_dir_status(run_dir: Path, rows: list[dict] = ()) -> str | None:
         return recorded
     if (run_dir / "results.json").is_file():
         return "FINISHED"
-    if _end_iteration(run_dir) is None:
-        return None
-    return None if _past_end(run_dir, rows) else "FINISHED"
+    ended = _end_iteration(run_dir)
+    return None if ended is None or _rows_after(rows, ended) else "FINISHED"
 
 
 def _end_iteration(run_dir: Path) -> int | None:
@@ -539,10 +539,9 @@ def _end_iteration(run_dir: Path) -> int | None:
         return None
 
 
-def _past_end(run_dir: Path, rows: list[dict]) -> bool:
+def _rows_after(rows: list[dict], ended: int) -> bool:
     """Whether metrics.jsonl has rows after final_metrics.json's iteration (a run extended since)."""
-    ended = _end_iteration(run_dir)
-    return ended is not None and any(row.get("step", 0) > ended for row in rows)
+    return any(row.get("step", 0) > ended for row in rows)
 
 
 def sync_run(run_dir: str | Path) -> SyncResult:

@@ -106,7 +106,8 @@ class GPTDataset:
     def _check_vocabulary(self, tokens: np.ndarray, index: int, epoch: int) -> None:
         """A DataError when an id is outside the model's vocabulary (a corpus prepared with another
         tokenizer): named here, with its fix, not as an embedding's bounds check deep in the first
-        forward (a device-side assert on a GPU). Per sample, ~2 us; no pass over a multi-GB .bin."""
+        forward (a device-side assert on a GPU). Per sample, ~4 us for 1,025 ids (timeit, 2-core VM); no pass
+        over a multi-GB .bin."""
         vocab = self.vocab_size
         if vocab is None or (tokens.min() >= 0 and tokens.max() < vocab):
             return

@@ -44,8 +44,9 @@ def zero_memory(model, pg, ids, stage: int) -> dict:
     """Bytes per rank under DeepSpeed ZeRO-`stage` (fp32): params, Adam state, and its gradients at each
     point of one step (`_watch_zero_grads`). `grads` is what the stage keeps: ZeRO-1 all unreduced
     gradients until the boundary reduction, ZeRO-2 only the fp32 partition its optimizer steps on."""
-    import deepspeed
+    from repro.train.engine import import_deepspeed
 
+    deepspeed = import_deepspeed()
     config = {"train_micro_batch_size_per_gpu": ids.shape[0], "train_batch_size": ids.shape[0] * pg.dp_size,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9}

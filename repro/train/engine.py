@@ -124,6 +124,23 @@ def compiled(objective: torch.nn.Module, model: torch.nn.Module, scope: str) -> 
     return objective
 
 
+def import_deepspeed():
+    """DeepSpeed, without the CPU shared-memory comm op its comm backend JIT-compiles at initialize.
+
+    That op serves only DeepSpeed's inference all-reduce, which training never calls. Building it costs a
+    minute on a fresh machine, and torch guards the build with a lock file that a process killed during
+    it leaves behind: every later DeepSpeed run on CPU then waits for that lock forever, silently (seen
+    after a killed test and a full disk). Marking the op incompatible makes DeepSpeed skip it, as it does
+    on accelerators that have none (CUDA)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    shm_builder = get_accelerator().get_op_builder("ShareMemCommBuilder")
+    if shm_builder is not None:
+        deepspeed.ops.__compatible_ops__[shm_builder.NAME] = False
+    return deepspeed
+
+
 def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank: int = 0) -> Engine:
     """Seed, build the model at this TP rank, and wrap it for data parallelism."""
     device = pick_device(cfg.train.device, local_rank)
@@ -136,8 +153,7 @@ def build_engine(cfg: RunConfig, derived: Derived, pg: ProcessGroups, local_rank
     optimizer = build_optimizer(masters or model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.train_iters))
     if cfg.train.zero_stage > 0:
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         # DeepSpeed asserts LOCAL_RANK and takes it as its GPU's index: the one this rank uses (0 when the
         # task sees one GPU, --gpus-per-task=1, though slurm/task.sh exports the node-local task index)
         os.environ["LOCAL_RANK"] = str(device.index if device.type == "cuda" else local_rank)

@@ -228,6 +228,10 @@ def _device():
     return discover_launch_env().device()
 
 
+RECIPE = ("batch_size", "lr", "max_qa_tokens", "warmup_fraction", "weight_decay", "clip_grad")
+"""The settings logged as params too: a run off the paper's batch/lr is told apart (repro/analysis/bert.py)."""
+
+
 def _settings(args, size: str, cfg: BertConfig, train_questions: int, identity: dict) -> dict:
     """What a seed's numbers depend on besides the seed (a restart skips only seeds finished with these):
     the model's full config, the checkpoint (its path and `identity`), the vocab, the schedule, the data."""
@@ -236,18 +240,20 @@ def _settings(args, size: str, cfg: BertConfig, train_questions: int, identity: 
     opts = options_for(size, args.batch_size, args.lr, args.epochs, 0, args.precision)
     return {"checkpoint": str(args.checkpoint or ""), "checkpoint_identity": identity, "model": asdict(cfg),
             "vocab": str(args.vocab or ""), "size": size, "epochs": opts.epochs,
-            "batch_size": opts.batch_size, "lr": opts.lr, "precision": opts.precision,
+            "batch_size": opts.batch_size, "lr": opts.lr, "warmup_fraction": opts.warmup_fraction,
+            "weight_decay": opts.weight_decay, "clip_grad": opts.clip_grad, "precision": opts.precision,
             "seq_length": cfg.seq_length, "max_qa_tokens": args.max_qa_tokens,
             "train_questions": train_questions, "eval_train": bool(args.eval_train)}
 
 
 MIN_SEQ_LENGTH = 8  # [CLS] qa [SEP] article [SEP] with a few tokens of each
+MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed; the model adds offsets to it
 
 
 def check_numbers(args) -> None:
     """A UserError for a count or rate that cannot run (0 epochs crashed after the last seed; a short
     --seq-length raised a traceback; a negative --max-qa-tokens cut tokens off the end; --batch-size 0
-    and --lr 0 silently became the paper's values)."""
+    and --lr 0 silently became the paper's values), for bad --seeds and for a --run-dir under a file."""
     limits = [("--epochs", args.epochs, 1, "e.g. --epochs 3 (paper)"),
               ("--seq-length", args.seq_length, MIN_SEQ_LENGTH, "e.g. --seq-length 512"),
               ("--max-qa-tokens", args.max_qa_tokens, 1, "e.g. --max-qa-tokens 128 (paper)"),
@@ -257,6 +263,30 @@ def check_numbers(args) -> None:
             raise UserError(f"{option} {value} must be at least {least}. Fix: {hint}")
     if args.lr is not None and not args.lr > 0:
         raise UserError(f"--lr {args.lr} must be positive. Fix: e.g. --lr 2e-5, or leave it out for the paper's")
+    check_seeds(args.seeds)
+    check_run_dir(Path(args.run_dir))
+
+
+def check_seeds(seeds: list[int]) -> None:
+    """A UserError for a seed out of 0..MAX_SEED (an OverflowError traceback after the data was loaded)
+    or given twice (counted as two seeds in the median, the same run twice)."""
+    bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if bad:
+        raise UserError(f"--seeds {bad[0]} is out of range: a seed is 0 to {MAX_SEED} (2**63-1). "
+                        "Fix: e.g. --seeds 1234 1235 1236 1237 1238 (the default)")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise UserError(f"--seeds repeats {' '.join(map(str, repeated))}: each seed is one run of the median. "
+                        "Fix: give each seed once, e.g. --seeds 1234 1235 1236 1237 1238 (the default)")
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A UserError for a --run-dir that is, or is under, something other than a directory (it was a
+    NotADirectoryError traceback after the data was loaded); nothing is created."""
+    existing = next((p for p in (run_dir, *run_dir.parents) if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"--run-dir {run_dir}: {existing} is not a directory (the run's results are written "
+                        "into a directory). Fix: give a directory path, e.g. --run-dir runs/race")
 
 
 def check_layout(batch_size: int, cfg: BertConfig, pg, given: bool) -> None:
@@ -305,6 +335,7 @@ def run(args) -> int:
     settings = _settings(args, size, cfg, len(splits["train"]), identity)
     try:
         done = finished_seeds(Path(args.run_dir), args.seeds, settings)
+        logged = read_stopped_seed(Path(args.run_dir), settings)  # launch.sh removes stopped_by_signal first
     except ValueError as err:
         raise UserError(str(err)) from None
     pg = process_groups(_tp(args, cfg), "finetune race ...")
@@ -324,12 +355,11 @@ def run(args) -> int:
               "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
               "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
-              "train_questions": len(splits["train"])}
+              "train_questions": len(splits["train"]), **{k: settings[k] for k in RECIPE}}
     pretrained = _pretraining(args.checkpoint)
     params.update({k: v for k, v in pretrained.items() if k != "training_run_id"})  # iteration or import source
     tags = {"task": "race", **{k: v for k, v in pretrained.items() if k == "training_run_id"}}
     # global rank 0 logs, as in training: metrics.jsonl always, MLflow when reachable (else `repro tracking sync`)
-    logged = read_stopped_seed(Path(args.run_dir))  # launch.sh removes stopped_by_signal before each step
     continued = bool(done) or bool(logged)
     log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, tags,
                     use_mlflow=not args.no_mlflow, starts_over=not continued,
@@ -338,7 +368,7 @@ def run(args) -> int:
         with StopSignal(pg.world_group) as stop:
             chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged)
     except SeedStopped as stopped:
-        return _stopped(args, stopped, pg, log)
+        return _stopped(args, stopped, pg, log, settings)
     except BaseException:
         if log:
             log.close("FAILED")
@@ -357,8 +387,9 @@ def _pretraining(checkpoint: str | None) -> dict[str, str]:
     return training_provenance(checkpoint) if checkpoint else {}
 
 
-def _stopped(args, stopped, pg, log) -> int:
-    """The agreed stop: the marker slurm/launch.sh requeues on, the MLflow run KILLED (a restart reopens it)."""
+def _stopped(args, stopped, pg, log, settings: dict) -> int:
+    """The agreed stop: the marker slurm/launch.sh requeues on, the seed's step and `settings` (a restart
+    with others is refused), the MLflow run KILLED (a restart reopens it)."""
     if pg.rank == 0:
         from repro.eval.race_finetune import save_stopped_seed
         from repro.provenance import write_atomic
@@ -366,7 +397,7 @@ def _stopped(args, stopped, pg, log) -> int:
 
         print(f"stopping: {stopped} (a stop signal); finished seeds are in {Path(args.run_dir) / 'seeds'}, and "
               "the same command in the same --run-dir goes on from the next unfinished seed", flush=True)
-        save_stopped_seed(Path(args.run_dir), stopped.seed, stopped.step)
+        save_stopped_seed(Path(args.run_dir), stopped.seed, stopped.step, settings)
         write_atomic(Path(args.run_dir) / STOP_MARKER, f"race seed {stopped.seed}".encode())
         if log:
             log.close("KILLED")

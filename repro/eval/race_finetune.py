@@ -157,6 +157,17 @@ def _sum_over_dp(value: torch.Tensor, pg: ProcessGroups) -> float:
     return value.item()
 
 
+def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The shuffled order of `size` training questions in `epoch` of `seed`: a pure function of
+    (seed, epoch), hashed jointly (numpy's SeedSequence) into a 63-bit generator seed, so a resumed
+    run draws the same order and no two seeds share one (seed + epoch gave seed s's epoch e+1 to seed
+    s+1's epoch e)."""
+    import numpy as np
+
+    state = np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0]
+    return torch.randperm(size, generator=torch.Generator().manual_seed(int(state) >> 1))
+
+
 def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOptions,
              pg: ProcessGroups | None = None, log=None, stop=None) -> list[float]:
     """Train for opts.epochs; each DP rank takes its slice of every (seeded, shuffled) batch. The
@@ -174,7 +185,7 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
     scaler = DynamicLossScaler() if opts.precision == "fp16" else None  # Megatron's defaults
     losses: list[float] = []
     for epoch in range(opts.epochs):
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(opts.seed + epoch))
+        order = epoch_order(len(train), opts.seed, epoch)
         for step in range(steps_per_epoch):
             batch = order[step * opts.batch_size:(step + 1) * opts.batch_size]
             mine = batch[pg.dp_rank * per_rank:(pg.dp_rank + 1) * per_rank]  # may be empty
@@ -260,23 +271,51 @@ def stopped_seed_path(run_dir: Path) -> Path:
     return Path(run_dir) / "seeds" / "stopped.json"
 
 
-def save_stopped_seed(run_dir: Path, seed: int, step: int) -> None:
-    """Where a stop left the unfinished seed: the restart reopens the MLflow run and logs its steps
-    after `step` only (those up to it are logged already; the redo repeats them from the same seed)."""
+def save_stopped_seed(run_dir: Path, seed: int, step: int, settings: dict) -> None:
+    """Where a stop left the unfinished seed, with the settings it ran with: the restart reopens the
+    MLflow run and logs its steps after `step` only (those up to it are logged already; the redo
+    repeats them from the same seed). A second stop of the seed at an earlier step keeps the later one."""
     from repro.provenance import write_atomic
 
+    previous = _stopped_record(run_dir)
+    if previous.get("seed") == seed:
+        step = max(step, previous["step"])
     path = stopped_seed_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"seed": seed, "step": step}).encode())
+    write_atomic(path, json.dumps({"seed": seed, "step": step, "settings": settings}).encode())
 
 
-def read_stopped_seed(run_dir: Path) -> dict[int, int]:
-    """{seed: steps already logged} of the seed a stop left unfinished ({} when none, or unreadable)."""
+def _stopped_record(run_dir: Path) -> dict:
+    """stopped.json's seed, step and settings ({} when there is none, or it is unreadable; settings {}
+    for a file written before they were recorded)."""
     try:
         record = json.loads(stopped_seed_path(run_dir).read_text())
-        return {int(record["seed"]): int(record["step"])}
-    except (OSError, ValueError, KeyError, TypeError):
+        settings = record.get("settings", {})
+        return {"seed": int(record["seed"]), "step": int(record["step"]),
+                "settings": settings if isinstance(settings, dict) else {}}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+
+
+def read_stopped_seed(run_dir: Path, settings: dict | None = None) -> dict[int, int]:
+    """{seed: steps already logged} of the seed a stop left unfinished ({} when none, or unreadable).
+    A seed stopped with other `settings` is a ValueError: the restart would mix two configurations in
+    that seed's curve and MLflow run."""
+    record = _stopped_record(run_dir)
+    if not record:
+        return {}
+    changed = changed_settings(record["settings"], settings) if settings is not None else []
+    if changed:
+        raise other_settings_error(stopped_seed_path(run_dir), record["seed"], changed,
+                                   f"stopped at step {record['step']}")
+    return {record["seed"]: record["step"]}
+
+
+def other_settings_error(path: Path, seed: int, changed: list[str], state: str = "finished") -> ValueError:
+    """The refusal of a run dir whose seed `seed` (saved in `path`) ran with other settings."""
+    return ValueError(f"{path} holds seed {seed} ({state}) fine-tuned with other settings ({', '.join(changed)} "
+                      f"differ). Fix: give a new --run-dir, or the original inputs and options, or delete "
+                      f"{path.parent} to start over")
 
 
 def changed_settings(saved: dict, settings: dict, prefix: str = "") -> list[str]:
@@ -304,9 +343,7 @@ def finished_seeds(run_dir: Path, seeds: list[int], settings: dict) -> dict[int,
         record = json.loads(path.read_text())
         changed = changed_settings(record.get("settings", {}), settings)
         if changed:
-            raise ValueError(f"{path} holds seed {seed} fine-tuned with other settings ({', '.join(changed)} "
-                             f"differ). Fix: give a new --run-dir, or the original inputs and options, or delete "
-                             f"{path.parent} to start over")
+            raise other_settings_error(path, seed, changed)
         done[seed] = FinetuneResult(seed, record["accuracy"], record["losses"])
     return done
 

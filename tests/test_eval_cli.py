@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -150,5 +151,6 @@ def test_default_eval_tp(monkeypatch, saved, heads, world, expected):
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    assert default_eval_tp({"tp": saved, "model": {"num_attention_heads": heads}}) == expected
+    meta = {"tp": saved, "model": {"num_attention_heads": heads, "hidden_size": 64 * heads}}
+    assert default_eval_tp(Path("ckpt"), meta) == expected
 

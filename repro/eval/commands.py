@@ -96,13 +96,14 @@ def process_groups(tp: int, command: str = "eval ..."):
     return ProcessGroups.single()
 
 
-def default_eval_tp(meta: dict) -> int:
+def default_eval_tp(ckpt: Path, meta: dict) -> int:
     """--tp when not given: the checkpoint's own TP where this launch's ranks are a multiple of it (its
     shards load as saved, and it fit in training), else the largest divisor of the world size that
     divides the model's heads (a 20-head model saved at TP 4, on 6 ranks: TP 2 x DP 3)."""
     from repro.parallel.groups import discover_launch_env
+    from repro.train.checkpoint import model_config
 
-    world, saved, heads = discover_launch_env().world_size, meta["tp"], meta["model"]["num_attention_heads"]
+    world, saved, heads = discover_launch_env().world_size, meta["tp"], model_config(ckpt, meta).num_attention_heads
     if world % saved == 0:
         return saved
     return max(t for t in range(1, world + 1) if world % t == 0 and heads % t == 0)
@@ -184,7 +185,7 @@ def _handle(args) -> int:
 
     opts, ckpt = _options(args), gpt_checkpoint(Path(args.checkpoint))
     meta = read_meta(ckpt)
-    pg = process_groups(args.tp if args.tp is not None else default_eval_tp(meta))
+    pg = process_groups(args.tp if args.tp is not None else default_eval_tp(ckpt, meta))
     out = _out_path(args.out, ckpt)
     model, run_id = load_gpt(ckpt, pg)
     runner = run_wikitext if args.task == "wikitext" else run_lambada

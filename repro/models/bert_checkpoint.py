@@ -79,14 +79,14 @@ def read_bert(path: Path | str) -> tuple[BertConfig, Mapping[str, torch.Tensor]]
     rank loading its slice never holds the whole model."""
     path = Path(path)
     if path.is_dir():
-        from repro.train.checkpoint import read_meta, resolve
+        from repro.train.checkpoint import model_config, read_meta, resolve
         from repro.train.reshard import MergedModelState
 
         ckpt = resolve(path)
         meta = read_meta(ckpt)
         if meta.get("family") != "bert":
             raise FileNotFoundError(f"{path}: a {meta.get('family')} checkpoint, not BERT. Fix: pass a BERT run")
-        return BertConfig(**meta["model"]), MergedModelState(ckpt, meta)
+        return model_config(ckpt, meta, BertConfig), MergedModelState(ckpt, meta)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert "
                                 "or a `repro train` BERT run directory")

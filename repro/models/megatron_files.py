@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+ZIP_MAGIC = b"PK\x03\x04"  # how torch.save's zip archive begins (the format before torch 1.6 is a pickle)
 _TO_TORCH_FORMAT = ("re-save it in Megatron-LM's `torch` format: launch its training script with --load DIR "
                     "--ckpt-convert-format torch --ckpt-convert-save NEW_DIR, then import NEW_DIR")
 
@@ -127,7 +129,38 @@ def load_rank_file(path: Path) -> dict:
             if name is None or any(isinstance(a, tuple) and a[1] == name[1] for a in allowed):
                 raise MegatronFormatError(f"{path}: cannot unpickle ({str(err).splitlines()[0]})") from None
             allowed.append(_placeholder(name[1]))
+        except MemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - unpickling damaged bytes raises almost any type (KeyError, EOFError...)
+            raise _damaged(path, err) from None
     raise MegatronFormatError(f"{path}: names over 100 classes; it is not a Megatron-LM checkpoint")
+
+
+def _damaged(path: Path, err: Exception) -> MegatronFormatError:
+    """The error for a rank file torch cannot read, naming the file, what is wrong with it and the fix."""
+    return MegatronFormatError(f"{path} is damaged ({_what_is_wrong(path, err)}): torch cannot read it. Fix: copy "
+                               "it again from where Megatron-LM saved it (the copy was cut short or overwritten), "
+                               "then import again")
+
+
+def _what_is_wrong(path: Path, err: Exception) -> str:
+    """Empty, not a torch.save file (neither its zip archive nor the pickle before torch 1.6), cut short
+    (where torch says only `[Errno 22] Invalid argument` or raises a bare EOFError), else torch's error."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = None  # unreadable now: torch's error says why
+    if head == b"":
+        return "an empty file"
+    if head is not None and head != ZIP_MAGIC and not head.startswith(b"\x80"):  # nor a pickle's PROTO opcode
+        return "not a torch.save file"
+    if head == ZIP_MAGIC and isinstance(err, OSError) and not zipfile.is_zipfile(path):
+        return "a torch.save zip archive cut short"
+    if isinstance(err, EOFError):  # the pickle before torch 1.6, cut short
+        return "it ends too soon"
+    text = str(err).strip()
+    return text.splitlines()[0].split(". ")[0] if text else type(err).__name__
 
 
 def _placeholder(qualified_name: str) -> tuple[type, str]:

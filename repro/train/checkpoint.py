@@ -19,20 +19,25 @@ through different nodes) and broadcast over the DP group on resume (`load_replic
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
-import pickle
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.provenance import write_atomic
 
 FORMAT_VERSION = 1
+ZIP_MAGIC = b"PK\x03\x04"  # how every torch.save archive (the zip format, torch >= 1.6) begins
+MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 
 class CheckpointError(RuntimeError):
@@ -199,9 +204,30 @@ def error_reason(err: Exception) -> str:
     return text.splitlines()[0].split(". ")[0] if text else type(err).__name__
 
 
+def _remake(ckpt: Path) -> str | None:
+    """How to write model-only checkpoint `ckpt` again: the reshard or import that made it (its meta.json's
+    `resharded_from` or `imported_from`); None for a training checkpoint or an unreadable meta.json."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not meta.get("model_only"):
+        return None
+    if meta.get("resharded_from"):
+        src = meta["resharded_from"]
+        return (f"re-run the reshard that made it (from {src}): `repro checkpoint reshard {src} "
+                f"--tp {meta.get('tp')} --out NEW_DIR`")
+    if meta.get("imported_from"):
+        return (f"re-run the {meta.get('imported_with', 'import')} that made it (from {meta['imported_from']}) "
+                "with a new --out")
+    return None
+
+
 def _damaged(path: Path, err: Exception) -> CheckpointError:
-    """The error for an unreadable file of a checkpoint (the iter_* directory above it), naming the way back."""
-    fix = _way_back(path) or "there is no earlier checkpoint to go back to: start again in a new run_dir"
+    """The error for an unreadable file of a checkpoint (the iter_* directory above it), naming the way
+    back: the reshard or import that made a model-only copy, else an earlier checkpoint of the run."""
+    fix = (_remake(path.parent) or _way_back(path)
+           or "there is no earlier checkpoint to go back to: start again in a new run_dir")
     return CheckpointError(f"checkpoint file {path} is damaged ({error_reason(err)}): {fix}")
 
 
@@ -229,7 +255,31 @@ def read_meta(ckpt: Path) -> dict:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r} is newer than this checkout reads "
                               f"(up to {FORMAT_VERSION}). Fix: update megatron-repro (git pull) to the version "
                               "that wrote it")
+    _check_meta_fields(path, meta)
     return meta
+
+
+def _check_meta_fields(path: Path, meta: dict) -> None:
+    """A CheckpointError unless meta.json's `tp` is a positive integer and its `model` (where given) a
+    mapping of ModelConfig's fields; fields unknown here come from a newer checkout."""
+    tp, model = meta["tp"], meta.get("model", {})
+    if type(tp) is not int or tp < 1:
+        raise _damaged(path, ValueError(f"`tp` is {tp!r}, not a positive integer"))
+    if not isinstance(model, dict):
+        raise _damaged(path, ValueError(f"`model` is a {type(model).__name__}, not a mapping of model settings"))
+    unknown = sorted(set(model) - MODEL_FIELDS)
+    if unknown:
+        raise CheckpointError(f"{path}: model settings {unknown} are unknown to this checkout: the checkpoint was "
+                              "written by a newer checkout of megatron-repro. Fix: update it (git pull) to the "
+                              "version that wrote the checkpoint")
+
+
+def model_config(ckpt: Path, meta: dict, config_type: type[ModelConfig] = ModelConfig) -> ModelConfig:
+    """The model that checkpoint `ckpt`'s meta.json (read by read_meta) describes, as `config_type`; a
+    CheckpointError naming the file when it describes none."""
+    if "model" not in meta:
+        raise _damaged(Path(ckpt) / "meta.json", ValueError("no `model`: it describes no model"))
+    return config_type(**meta["model"])
 
 
 def load_file(path: Path, mmap: bool = False) -> dict:
@@ -240,8 +290,26 @@ def load_file(path: Path, mmap: bool = False) -> dict:
                               "use an earlier one or re-save it")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
-        raise _damaged(path, err) from None
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - unpickling damaged bytes raises almost any type (KeyError, IndexError...)
+        raise _damaged(path, _load_failure(path, err)) from None
+
+
+def _load_failure(path: Path, err: Exception) -> Exception:
+    """What is wrong with a file torch.load failed on: not a torch.save archive at all (torch's legacy
+    reader then fails anywhere in its unpickler), one cut short where the zip reader says only
+    `[Errno 22] Invalid argument`, else torch's own error."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(ZIP_MAGIC))
+    except OSError:
+        return err
+    if head != ZIP_MAGIC:
+        return ValueError("an empty file" if not head else "not a torch.save zip archive")
+    if isinstance(err, OSError) and err.errno == errno.EINVAL and not zipfile.is_zipfile(path):
+        return ValueError("a torch.save zip archive cut short")
+    return err
 
 
 def shard_owner(pg: ProcessGroups) -> int:

@@ -125,9 +125,8 @@ def _reshard(args) -> int:
 
 
 def _export_hf(args) -> int:
-    from repro.models.config import ModelConfig
     from repro.models.hf import hf_gpt2_for_export
-    from repro.train.checkpoint import CheckpointError, read_meta, resolve
+    from repro.train.checkpoint import CheckpointError, model_config, read_meta, resolve
     from repro.train.reshard import MergedModelState, new_directory
 
     out, ckpt = Path(args.out), resolve(args.checkpoint)
@@ -136,7 +135,7 @@ def _export_hf(args) -> int:
         raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
     with new_directory(out) as tmp:  # an occupied --out is refused before loading; a failure leaves nothing
         # merged tensor by tensor into the exported model: one copy of the weights in memory
-        hf = hf_gpt2_for_export(MergedModelState(ckpt, meta), ModelConfig(**meta["model"]))
+        hf = hf_gpt2_for_export(MergedModelState(ckpt, meta), model_config(ckpt, meta))
         hf.save_pretrained(tmp)
     print(f"wrote a transformers.GPT2LMHeadModel to {out}")
     return 0

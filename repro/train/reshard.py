@@ -25,7 +25,7 @@ from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import pad_vocab_rows, shard_master, to_empty_keeping_markers, unshard
 from repro.provenance import git_sha, write_atomic
 from repro.train.checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_run_id, load_file, mismatched_file,
-                                    read_meta, resolve)
+                                    model_config, read_meta, resolve)
 
 
 def partition_spec(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, int]]:
@@ -93,9 +93,11 @@ def shard_shapes(model, cfg: ModelConfig, tp: int) -> dict[str, torch.Size]:
 
 def check_shard(path: Path, state: Mapping, expected: Mapping[str, torch.Size]) -> None:
     """CheckpointError unless model file `path` (read as `state`) holds exactly `expected`'s tensors and shapes."""
-    missing, extra = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-    wrong = [f"{n} is {tuple(state[n].shape)}, not {tuple(s)}" for n, s in expected.items()
-             if n in state and state[n].shape != s]
+    if not isinstance(state, Mapping):
+        raise mismatched_file(path, f"it holds a {type(state).__name__}, not a state dict of named tensors")
+    missing, extra = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys(), key=str)
+    wrong = [f"{n} is {_shape_of(state[n])}, not {tuple(s)}" for n, s in expected.items()
+             if n in state and (not torch.is_tensor(state[n]) or state[n].shape != s)]
     problems = [f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []
     problems += [f"has unexpected {extra[:3]} ({len(extra)} in all)"] if extra else []
     problems += wrong[:3] + ([f"{len(wrong)} of the wrong shape in all"] if len(wrong) > 3 else [])
@@ -103,9 +105,14 @@ def check_shard(path: Path, state: Mapping, expected: Mapping[str, torch.Size]) 
         raise mismatched_file(path, "; ".join(problems))
 
 
+def _shape_of(value) -> str:
+    """A state dict entry's shape, or what it is instead of a tensor."""
+    return str(tuple(value.shape)) if torch.is_tensor(value) else f"a {type(value).__name__}"
+
+
 def _model_shards(ckpt: Path, meta: dict, model, mmap: bool = False) -> list[dict]:
     """Every TP rank's model file, each checked against meta-device `model` (meta.json's) at the saved TP."""
-    expected = shard_shapes(model, ModelConfig(**meta["model"]), meta["tp"])
+    expected = shard_shapes(model, model_config(ckpt, meta), meta["tp"])
     shards = []
     for rank in range(meta["tp"]):
         path = ckpt / f"model_tp{rank:02d}.pt"
@@ -120,7 +127,7 @@ class MergedModelState(Mapping):
     Shards that do not fit meta.json's model are a CheckpointError naming the file."""
 
     def __init__(self, ckpt: Path, meta: dict) -> None:
-        cfg = ModelConfig(**meta["model"])
+        cfg = model_config(ckpt, meta)
         model = _meta_model(cfg, meta.get("family", "gpt"))
         self.spec, self.vocab_size = _spec_of(model), cfg.vocab_size
         self.shards = _model_shards(ckpt, meta, model, mmap=True)
@@ -145,7 +152,7 @@ def resharded_state(ckpt: Path, meta: dict, rank: int, tp: int, padded_vocab: in
     slice, not the 33 GB fp32 model; the price is merging every tensor again for each rank.
     `padded_vocab`: the vocabulary rows to pad to, when not this project's (Megatron-LM's, say)."""
     merged = MergedModelState(ckpt, meta)
-    padded_vocab = padded_vocab or ModelConfig(**meta["model"]).padded_vocab_size(tp)
+    padded_vocab = padded_vocab or model_config(ckpt, meta).padded_vocab_size(tp)
     state = {}
     for name, full in merged.items():
         state.update(shard_state({name: full}, merged.spec, rank, tp, padded_vocab))
@@ -230,7 +237,7 @@ def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
     _check_new_dir(dst)  # before the (long) load; new_directory checks again before the rename
     src = resolve(src)
     meta = read_meta(src)
-    cfg = ModelConfig(**meta["model"])
+    cfg = model_config(src, meta)
     cfg.validate(tp)
     with new_directory(dst) as tmp:  # one output shard in memory at a time
         shards = (resharded_state(src, meta, rank, tp) for rank in range(tp))
@@ -314,7 +321,7 @@ def export_megatron(src: str | Path, dst: str | Path, tp: int = 1) -> Path:
     meta = read_meta(src)
     if meta.get("family", "gpt") != "gpt":
         raise CheckpointError(f"{src} is a {meta['family']} checkpoint: export-megatron writes GPT only")
-    cfg = ModelConfig(**meta["model"])
+    cfg = model_config(src, meta)
     cfg.validate(tp)
     rows = megatron_vocab_rows(cfg.vocab_size, tp)
     last_row = MergedModelState(src, meta)["transformer.wte.weight"][cfg.vocab_size - 1].clone()
@@ -362,7 +369,7 @@ def load_model_for_eval(ckpt: str | Path, pg: ProcessGroups, device="cpu"):
     """The checkpoint's model at this world's TP degree (resharded in memory if it differs)."""
     ckpt = resolve(ckpt)
     meta = read_meta(ckpt)
-    cfg = ModelConfig(**meta["model"])
+    cfg = model_config(ckpt, meta)
     cfg.validate(pg.tp_size)
     with torch.device("meta"):
         model = _build(cfg, meta.get("family", "gpt"), tp_group=pg.tp_group)

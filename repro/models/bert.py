@@ -187,7 +187,7 @@ class BERT(nn.Module):
         x = self.embeddings(tokens, token_types)
         for layer in self.layers:
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, attn_mask, tracker=self.rng)
+                x = checkpoint(layer, x, attn_mask, tracker=self.rng if self.cfg.attention_dropout > 0 else None)
             else:
                 x = layer(x, attn_mask)
         return self.ln_f(x) if hasattr(self, "ln_f") else x

@@ -138,7 +138,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(pos))  # (b, s, h)
         for block in self.transformer.h:
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(block, x, tracker=self.rng)
+                x = checkpoint(block, x, tracker=self.rng if self.cfg.attention_dropout > 0 else None)
             else:
                 x = block(x)
         return self.transformer.ln_f(x)

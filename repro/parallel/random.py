@@ -107,12 +107,21 @@ def checkpoint(fn: Callable, *args, tracker: RNGTracker | None = None):
 
     torch restores the default CPU/CUDA generators (`preserve_rng_state`); the context function
     restores the TP-region tracker, so dropout inside and outside TP regions replays identically.
+    Pass `tracker` only when the block draws from it (attention dropout > 0): without one, a
+    compiled caller traces the checkpoint into its graph.
     """
-    if tracker is None or torch.compiler.is_compiling():
-        # Under torch.compile the recompute is planned by the compiler, which saves random masks
-        # instead of regenerating them, so there is nothing to replay (and dynamo cannot trace
-        # context_fn).
+    if tracker is None:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    return _checkpoint_replaying(fn, *args, tracker=tracker)
+
+
+@torch.compiler.disable
+def _checkpoint_replaying(fn: Callable, *args, tracker: RNGTracker):
+    """The tracker's checkpoint, always eager, the block inside it too. Dynamo cannot trace the
+    tracker's get/set_rng_state nor a context_fn: under torch.compile it used to drop the context_fn,
+    so the backward's recompute drew the attention-dropout masks from an advanced tracker state and
+    the gradients were not those of the forward (seen: the wrong sign in a finite-difference check).
+    Recursive, so forward and recompute both draw from torch's generators, not inductor's."""
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=lambda: _replay_contexts(tracker),

@@ -82,6 +82,8 @@ def _run(args) -> int:
                         f"{SMOKE_ITERS})")
     lambada_subset = ["--max-examples", str(SMOKE_PASSAGES)] if args.smoke else []
     wikitext_subset = ["--max-lines", str(SMOKE_LINES)] if args.smoke else []
+    # where everything goes, up front: by default under the checkout, whatever the current directory
+    print(f"data:   {data_dir}\nrun:    {run_dir}\nMLflow: {_steps_tracking_uri()}", flush=True)
     _step("1/5 fetch data", "data", "fetch", *data)
     if not Path(f"{prefix}_train.idx").exists():
         text = detokenized_copy(data_dir / "wikitext" / "wikitext-2.valid.tokens", data_dir / "wt2_valid_detok.txt")
@@ -102,6 +104,14 @@ def _run(args) -> int:
     return 0
 
 
+def _steps_tracking_uri() -> str:
+    """The MLflow store the steps log to; a relative sqlite path is the checkout's (the steps run there)."""
+    uri, sqlite = default_tracking_uri(), "sqlite:///"
+    if uri.startswith(sqlite) and not Path(uri[len(sqlite):]).is_absolute():
+        return sqlite + str(project_root() / uri[len(sqlite):])
+    return uri
+
+
 def _summary(run_dir: Path, prefix: str) -> None:
     final = json.loads((run_dir / "final_metrics.json").read_text())
     entropy, unigram_held_out = unigram_baselines(f"{prefix}_train", f"{prefix}_valid")
@@ -115,10 +125,15 @@ def _summary(run_dir: Path, prefix: str) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="fetch, prepare, train GPT at TP=2 on 2 CPU processes, evaluate")
+    root = project_root()
+    p = sub.add_parser("demo", help="fetch, prepare, train GPT at TP=2 on 2 CPU processes, evaluate",
+                       description=f"Data go to $REPRO_DATA_DIR, else {root / 'data'}; runs are tracked in "
+                                   f"$MLFLOW_TRACKING_URI, else {root / 'mlruns'} (under the checkout, whatever "
+                                   "the current directory). The locations are printed first.")
     p.add_argument("--iters", type=int, default=None, help="training iterations (default 300; --smoke: 2)")
-    p.add_argument("--run-dir", default=str(project_root() / "runs" / "gpt-demo"),
-                   help="the training run's directory (default: runs/gpt-demo)")
+    p.add_argument("--run-dir", default=str(root / "runs" / "gpt-demo"),
+                   help=f"the training run's directory (default: {root / 'runs' / 'gpt-demo'}, under the "
+                        "checkout whatever the current directory)")
     p.add_argument("--smoke", action="store_true",
                    help=f"the whole pipeline in about a minute: {SMOKE_ITERS} iterations, the first "
                         f"{SMOKE_PASSAGES} LAMBADA passages and {SMOKE_LINES} WikiText lines")

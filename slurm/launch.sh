@@ -259,7 +259,7 @@ launch_train() {  # launch_train CONFIG [--smoke] [--dry-run] [--set K=V ...]
   # shellcheck disable=SC2094  # take_lock only names the lock file in its messages
   (  # one job at a time: the check creates a fresh sqlite store (the jobs of a sweep start together)
     take_lock 9 "$lock" "the config check"
-    repro slurm check --ntasks "$SLURM_NTASKS" "${TRAIN_ARGS[@]}"
+    repro slurm check --ntasks "$SLURM_NTASKS" "${TRAIN_ARGS[@]}" --require-data
   ) 9>"$lock"
   run_step train "${TRAIN_ARGS[@]}"
 }

@@ -26,6 +26,7 @@ source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
 need REPRO_BERT_CHECKPOINT "the pretrained BERT checkpoint to fine-tune (its training run directory)"
 [[ -e "$REPRO_BERT_CHECKPOINT" && "${REPRO_BERT_CHECKPOINT##*/}" != latest ]] \
   || die "REPRO_BERT_CHECKPOINT=$REPRO_BERT_CHECKPOINT: give the BERT training run directory (or a save_bert file)"
+repro slurm check-checkpoint --family bert "$REPRO_BERT_CHECKPOINT"  # a GPT run: stopped before srun
 requeue_checks "$@"  # the job requeues itself on USR1: warn if it may not; keep its arguments for the fix
 parse_flags "$@"
 ARGS=(${REPRO_RACE_SIZE:+--size "$REPRO_RACE_SIZE"} ${REPRO_RACE_TP:+--tp "$REPRO_RACE_TP"}

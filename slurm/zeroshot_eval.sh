@@ -22,6 +22,7 @@ source "${REPRO_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh"
 need REPRO_EVAL_CHECKPOINT "the GPT-2 checkpoint to evaluate (its training run directory)"
 [[ -d "$REPRO_EVAL_CHECKPOINT" ]] \
   || die "REPRO_EVAL_CHECKPOINT=$REPRO_EVAL_CHECKPOINT is not a directory: give the training run directory"
+repro slurm check-checkpoint --family gpt "$REPRO_EVAL_CHECKPOINT"  # a BERT run: stopped before srun
 parse_flags "$@"
 ARGS=(${REPRO_EVAL_TP:+--tp "$REPRO_EVAL_TP"} --file "${REPRO_EVAL_WIKITEXT_FILE:-tokens}")
 if [[ "$SMOKE" == 1 ]]; then

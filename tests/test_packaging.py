@@ -13,8 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _normalise(req: str) -> str:
-    name = re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0]
-    return name.lower().replace("_", "-")
+    """A requirement's name and extras, not its version: `mlflow[auth]>=3.0` -> `mlflow[auth]` (an extra
+    installs more packages, so a file without it installs less)."""
+    name, extras = re.match(r"\s*([\w.-]+)\s*(?:\[([^\]]*)\])?", req).groups()
+    extras = sorted(e.strip().lower() for e in (extras or "").split(",") if e.strip())
+    name = name.lower().replace("_", "-")
+    return f"{name}[{','.join(extras)}]" if extras else name
 
 
 def test_environment_yml_matches_pyproject():

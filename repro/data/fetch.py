@@ -192,11 +192,21 @@ def _fetch_one(entry: DataFile, opts: FetchOptions) -> str:
     return "replaced a bad copy" if replaced else ("copied" if opts.mirror else "downloaded")
 
 
+def _check_data_dir(data_dir: Path) -> None:
+    """A DataError when the data dir is, or is under, a file (a NotADirectoryError traceback before)."""
+    existing = next((p for p in (data_dir, *data_dir.parents) if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        raise DataError(f"data dir {data_dir} (--data-dir, else REPRO_DATA_DIR): {existing} is not a directory "
+                        "(the files go into wikitext/, lambada/ and vocab/ under it). Fix: give a directory path, "
+                        "e.g. --data-dir data, or set REPRO_DATA_DIR to one")
+
+
 def fetch(opts: FetchOptions) -> dict[str, str]:
     """Fetch the manifest's files into opts.data_dir; returns {relative path: what was done}."""
     if opts.mirror is not None and not opts.mirror.is_dir():
         raise DataError(f"{opts.mirror}: the mirror directory does not exist. Fix: set "
                         "REPRO_DATA_MIRROR (or --mirror) to the folder holding wikitext/, "
                         "lambada/ and vocab/, or unset it to download")
+    _check_data_dir(opts.data_dir)
     entries = [manifest_entry(p, opts.manifest) for p in opts.only] or list(opts.manifest)
     return {entry.path: _fetch_one(entry, opts) for entry in entries}

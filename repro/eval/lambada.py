@@ -97,17 +97,22 @@ def _score_batch(model, tp_group, batch: list[Example], limit, pad_id: int) -> l
 
 
 def score_examples(model, tp_group, examples: list[Example], batch_size: int = 16,
-                   pad_id: int = 0) -> list[ExampleScore]:
-    """Per-example scores in input order; batches group examples of similar length."""
+                   pad_id: int = 0, progress: bool = False) -> list[ExampleScore]:
+    """Per-example scores in input order; batches group examples of similar length. `progress`: a bar
+    on stderr over the examples."""
+    from tqdm import tqdm
+
     if any(not e.context or not e.target for e in examples):
         raise ValueError("every example needs a non-empty context and target (prefix an eod token)")
     limit = max_positions(model)
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].context) + len(examples[i].target))
     scores: list[ExampleScore | None] = [None] * len(examples)
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        for i, score in zip(idx, _score_batch(model, tp_group, [examples[i] for i in idx], limit, pad_id)):
-            scores[i] = score
+    with tqdm(total=len(order), desc="lambada", unit="passage", disable=not progress) as bar:
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            for i, score in zip(idx, _score_batch(model, tp_group, [examples[i] for i in idx], limit, pad_id)):
+                scores[i] = score
+            bar.update(len(idx))
     return scores  # type: ignore[return-value]
 
 
@@ -137,10 +142,11 @@ class LambadaResult:
 
 
 def evaluate_lambada(model, pg: ProcessGroups, examples: list[Example], batch_size: int = 16,
-                     pad_id: int = 0) -> LambadaResult:
-    """Accuracy and target perplexity; examples split over DP ranks, sums all-reduced in float64."""
+                     pad_id: int = 0, progress: bool = True) -> LambadaResult:
+    """Accuracy and target perplexity; examples split over DP ranks, sums all-reduced in float64.
+    `progress`: a bar on stderr over rank 0's passages."""
     mine = dp_share(examples, pg)
-    scores = score_examples(model, pg.tp_group, mine, batch_size, pad_id)
+    scores = score_examples(model, pg.tp_group, mine, batch_size, pad_id, progress=progress and pg.rank == 0)
     limit = max_positions(model)
     truncated = sum(_fit(e, limit)[1] > 0 for e in mine)
     totals = dp_sum([len(scores), sum(s.correct for s in scores), sum(s.nll for s in scores),

@@ -38,8 +38,9 @@ def wikitext_pages(raw_text: str) -> list[str]:
     return [p for p in pages if p.strip()]
 
 
-def write_local_tasks(data_dir: Path, out_dir: Path) -> Path:
+def write_local_tasks(data_dir: Path | str, out_dir: Path | str) -> Path:
     """Write the task YAMLs (data paths made absolute, quoted) and the wikitext page jsonl into out_dir."""
+    data_dir, out_dir = Path(data_dir), Path(out_dir)  # as strings too, as README.md shows the call
     pages = wikitext_pages(data_path(data_dir, WIKITEXT_RAW).read_text(encoding="utf-8"))
     lambada = data_path(data_dir, LAMBADA).resolve()  # both inputs found before out_dir is made
     out_dir.mkdir(parents=True, exist_ok=True)

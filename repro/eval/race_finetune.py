@@ -184,6 +184,7 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
     opt, sched = _optimizer(model, opts, steps_per_epoch * opts.epochs)
     scaler = DynamicLossScaler() if opts.precision == "fp16" else None  # Megatron's defaults
     losses: list[float] = []
+    total = steps_per_epoch * opts.epochs
     for epoch in range(opts.epochs):
         order = epoch_order(len(train), opts.seed, epoch)
         for step in range(steps_per_epoch):
@@ -193,12 +194,23 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
             share = _rows(train, mine, _device(model))
             losses.append(_train_step(model, opt, sched, share, pg, opts.clip_grad, len(batch),
                                       opts.precision, scaler))
-            if log is not None and len(losses) % opts.log_every == 0:
+            if len(losses) % opts.log_every == 0 or len(losses) == total:
                 extra = {"train/loss_scale": scaler.scale} if scaler else {}
-                log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0], **extra}, len(losses))
+                metrics = {"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0], **extra}
+                if pg.rank == 0:  # a seed takes hours at the paper's sizes: show it moving
+                    print(_loss_line(opts, epoch, len(losses), total, metrics), flush=True)
+                if log is not None and len(losses) % opts.log_every == 0:
+                    log(metrics, len(losses))
             if stop is not None and stop.agreed(_device(model)):
                 raise SeedStopped(opts.seed, len(losses))
     return losses
+
+
+def _loss_line(opts: FinetuneOptions, epoch: int, step: int, total: int, metrics: dict) -> str:
+    """The progress line of a step, like the trainer's: seed, epoch, step, loss, lr (loss scale in fp16)."""
+    scale = f" | loss scale {metrics['train/loss_scale']:g}" if "train/loss_scale" in metrics else ""
+    return (f" seed {opts.seed} | epoch {epoch + 1}/{opts.epochs} | step {step:6d}/{total} | "
+            f"loss {metrics['train/loss']:.4f} | lr {metrics['train/lr']:.3e}{scale}")
 
 
 def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: FinetuneOptions,

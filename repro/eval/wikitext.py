@@ -155,18 +155,24 @@ def _check_window(model, window: int) -> None:
 
 
 def evaluate_perplexity(model, pg: ProcessGroups, data: WikitextData, window: int = PAPER_WINDOW,
-                        stride: int = PAPER_STRIDE, batch_size: int = 8, pad_id: int = 0) -> PerplexityResult:
-    """Sliding-window perplexity; windows split over DP ranks, float64 sums all-reduced."""
+                        stride: int = PAPER_STRIDE, batch_size: int = 8, pad_id: int = 0,
+                        progress: bool = True) -> PerplexityResult:
+    """Sliding-window perplexity; windows split over DP ranks, float64 sums all-reduced. `progress`: a
+    bar on stderr over rank 0's windows (the paper's protocol is ~8.4k windows: hours on a small GPU)."""
+    from tqdm import tqdm
+
     _check_window(model, window)
     windows = sliding_windows(len(data.tokens), window, stride)
     mine = dp_share(windows, pg)
     device = model_device(model)
     tokens = torch.tensor(data.tokens, dtype=torch.long)
     sum_nll, count = torch.zeros((), dtype=torch.float64, device=device), 0  # summed on the device: no sync a batch
-    for i in range(0, len(mine), batch_size):
-        ids, targets, keep = _batch_tensors(tokens, mine[i:i + batch_size], pad_id)
-        nll, _ = score_positions(model, pg.tp_group, ids.to(device), targets.to(device), keep.to(device))
-        sum_nll, count = sum_nll + nll.double().sum(), count + nll.numel()
+    with tqdm(total=len(mine), desc="wikitext", unit="window", disable=not progress or pg.rank != 0) as bar:
+        for i in range(0, len(mine), batch_size):
+            ids, targets, keep = _batch_tensors(tokens, mine[i:i + batch_size], pad_id)
+            nll, _ = score_positions(model, pg.tp_group, ids.to(device), targets.to(device), keep.to(device))
+            sum_nll, count = sum_nll + nll.double().sum(), count + nll.numel()
+            bar.update(len(ids))
     sum_nll, count = dp_sum([sum_nll.item(), float(count)], pg, device)
     if int(count) != len(data.tokens) - 1:
         raise RuntimeError(f"scored {int(count)} targets, expected T - 1 = {len(data.tokens) - 1}")

@@ -63,12 +63,36 @@ def _check(args) -> int:
         raise _user_error(f"{args.config} has {_size_family(cfg).upper()} sizes ({cfg.model_size or 'model:'}) but "
                           f"family={cfg.family}: add `family: {_size_family(cfg)}` to the config "
                           f"(or pass --set family={_size_family(cfg)})")
+    if args.require_data:
+        _check_data(cfg, args.config)
     _check_interfaces(cfg)
     uri = _init_tracking(cfg)
     print(f"config ok: {cfg.name} tp={cfg.parallel.tp} dp={derived.dp} grad_accum={derived.grad_accum_steps} "
           f"on {args.ntasks} tasks; tracking {uri if cfg.tracking.enabled else 'off'}")
     print(memory_line(cfg, derived))
     return 0
+
+
+def _check_data(cfg, config: str) -> None:
+    """The splits the trainer opens are there (PREFIX.idx and .bin, as IndexedDataset asks): without
+    them `repro train` stops only once the allocation has started and every rank has loaded."""
+    from repro.data.prepare_checks import base_prefix
+
+    if not cfg.data.train_prefix:
+        raise _user_error(f"{config}: data.train_prefix is empty: the job has no corpus to train on. Fix: "
+                          "prepare one (`repro data prepare`, or slurm/prepare_data.sh) and pass "
+                          "--set data.train_prefix=PREFIX_train")
+    for key in ("train_prefix", "valid_prefix"):  # an empty valid_prefix: training without evaluation
+        prefix = getattr(cfg.data, key)
+        missing = [f"{prefix}{ext}" for ext in (".idx", ".bin") if prefix and not Path(f"{prefix}{ext}").is_file()]
+        if missing:
+            base = base_prefix(prefix)
+            raise _user_error(
+                f"{config}: data.{key} {prefix} has no {' and no '.join(missing)} (REPRO_DATA_DIR="
+                f"{os.environ.get('REPRO_DATA_DIR', '(unset)')}): the job would stop there after its allocation "
+                f"started. Fix: prepare the corpus with `repro data prepare --input CORPUS --output-prefix {base}` "
+                f"(it writes {base}_train/_valid/_test; slurm/prepare_data.sh on the cluster), or set REPRO_DATA_DIR "
+                "(the paper configs read their data from it) to where it was prepared")
 
 
 def _check_interfaces(cfg) -> None:
@@ -97,6 +121,37 @@ def _check_network(args) -> int:
 
     backend = args.backend or default_backend()
     print(f"socket interfaces ok for {backend} on {_require_interfaces(backend)}")
+    return 0
+
+
+NEEDED_FAMILY = {"gpt": "zero-shot evaluation", "bert": "RACE fine-tuning"}
+
+
+def _check_checkpoint(args) -> int:
+    """The checkpoint an evaluation job reads is of the family its step needs (meta.json's, as `repro
+    eval` and `repro finetune race` read it): they refuse another only once the allocation has started.
+    A directory with no checkpoint yet passes (a job queued behind its training job's, a sweep's dry run);
+    a save_bert file is a BERT."""
+    from repro.train.checkpoint import CheckpointError, read_meta, resolve
+
+    path = Path(args.checkpoint)
+    if path.is_file() and path.name != "latest" and args.family == "bert":
+        print(f"checkpoint ok: {path} is a file (save_bert writes BERTs only)")
+        return 0
+    try:
+        family = read_meta(resolve(path)).get("family", "gpt")
+    except CheckpointError as err:
+        if any((c / name).exists() for c in (path, path / "checkpoints") for name in ("latest", "meta.json")):
+            raise _user_error(str(err)) from None  # a broken pointer or meta.json: the step would stop on it
+        print(f"no checkpoint at {path} yet: the step looks again when it starts")
+        return 0
+    if family != args.family:
+        fix = (f"BERT is evaluated by RACE: `REPRO_BERT_CHECKPOINT={path} sbatch slurm/race_finetune.sh`"
+               if family == "bert" else "give a BERT training run directory (experiments/bert/*.yaml) or a "
+               "save_bert file")
+        raise _user_error(f"{path} is a {family.upper()} checkpoint; {NEEDED_FAMILY[args.family]} needs a "
+                          f"{args.family.upper()}. Fix: {fix}")
+    print(f"checkpoint ok: {path} is a {family.upper()} checkpoint")
     return 0
 
 
@@ -294,6 +349,9 @@ def register(sub) -> None:
     c.add_argument("config")
     c.add_argument("--ntasks", type=int, required=True)
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--require-data", action="store_true",
+                   help="also refuse a data.train_prefix/valid_prefix that is not prepared (launch.sh passes it; "
+                        "without it a config checks before its corpus exists)")
     c.set_defaults(func=_check)
     s = ssub.add_parser("submit", help="sbatch one slurm/*.sh with REPRO_PARTITION / REPRO_ACCOUNT")
     s.add_argument("script")
@@ -312,6 +370,10 @@ def register(sub) -> None:
     n.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="[nccl where a GPU is visible, else gloo]")
     n.set_defaults(func=_check_network)
+    k = ssub.add_parser("check-checkpoint", help="the checkpoint of an evaluation job is of the family it needs")
+    k.add_argument("checkpoint")
+    k.add_argument("--family", choices=sorted(NEEDED_FAMILY), required=True)
+    k.set_defaults(func=_check_checkpoint)
     t = ssub.add_parser("status", help="your queue, or the state of the given jobs")
     t.add_argument("jobs", nargs="*")
     t.set_defaults(func=_status)

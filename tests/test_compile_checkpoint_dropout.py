@@ -81,3 +81,20 @@ def test_selftest_merge_keeps_a_nan_from_any_rank():
         assert math.isnan(row["max_error"]) and not row["passed"]
     (row,) = merge([[good], [dict(good, max_error=2e-6)]])
     assert row["max_error"] == 2e-6 and row["passed"]
+
+
+def test_auto_compiles_per_layer_when_the_checkpoint_replays_the_tracker():
+    """The tracker's checkpoint is eager: in one graph its layers would not compile; per layer they do."""
+    from pathlib import Path
+
+    from repro.train.config import load_config
+    from repro.train.engine import compile_scope
+
+    tiny = str(Path(__file__).resolve().parents[1] / "experiments/tiny/gpt_tiny.yaml")
+
+    def scope(**settings) -> str:
+        return compile_scope(load_config(tiny, [f"{k}={v}" for k, v in settings.items()]), 1, 1)
+
+    assert scope(**{"model.activation_checkpointing": "true", "model.attention_dropout": 0.1}) == "blocks"
+    assert scope(**{"model.activation_checkpointing": "true", "model.attention_dropout": 0.0}) == "objective"
+    assert scope(**{"model.activation_checkpointing": "false", "model.attention_dropout": 0.1}) == "objective"

@@ -122,11 +122,13 @@ def test_deepspeed_zero_reproduces_serial_losses(serial_losses, corpus, tmp_path
         assert abs(r["optimizer_state_bytes"] / unsharded - 0.5) < 0.01, (r["optimizer_state_bytes"], unsharded)
 
 
-def test_deepspeed_zero_checkpoint_model_holds_fp32_masters(corpus, tmp_path):
+@pytest.mark.parametrize("main_grads", ["param", "fp32"])
+def test_deepspeed_zero_checkpoint_model_holds_fp32_masters(corpus, tmp_path, main_grads):
     """ZeRO-1 bf16 at DP=2: DeepSpeed's module is bf16, but model_tp00.pt (what eval, reshard and
-    export read) holds the fp32 masters gathered from both DP ranks' partitions, equal to DeepSpeed's
-    own zero_to_fp32 consolidation and not bf16-rounded; evaluation loads it, and the run resumes
-    exactly."""
+    export read) holds the fp32 masters gathered from both DP ranks' partitions, not bf16-rounded;
+    with bf16 gradients (DeepSpeed's ZeRO optimizer) equal to its own zero_to_fp32 consolidation,
+    which cannot read the BF16_Optimizer's files that fp32 gradients bring; evaluation loads it, and
+    the run resumes exactly."""
     require(importlib.util.find_spec("deepspeed") is not None, "DeepSpeed")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -135,14 +137,15 @@ def test_deepspeed_zero_checkpoint_model_holds_fp32_masters(corpus, tmp_path):
     from repro.train import reshard as rs
 
     extra = {"train.zero_stage": 1, "precision.precision": "bf16", "train.micro_batch_size": 2,
-             "train.train_iters": 2, "train.eval_iters": 1}
+             "train.train_iters": 2, "train.eval_iters": 1, "precision.main_grads": main_grads}
     _train(2, corpus, tmp_path, **extra)
     ckpt = ck.latest_checkpoint(tmp_path / "checkpoints")
     saved = torch.load(ckpt / "model_tp00.pt", weights_only=True)
-    masters = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")
-    trained = [k for k in saved if f"model.{k}" in masters]
-    assert {n for n, p in rs.load_model_for_eval(ckpt, ProcessGroups.single()).named_parameters()} <= set(trained)
-    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], masters[f"model.{k}"]) for k in trained)
+    trained = [n for n, p in rs.load_model_for_eval(ckpt, ProcessGroups.single()).named_parameters()]
+    assert all(saved[k].dtype == torch.float32 for k in trained)
+    if main_grads == "param":
+        masters = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")
+        assert all(torch.equal(saved[k], masters[f"model.{k}"]) for k in trained)
     assert any(not torch.equal(saved[k], saved[k].bfloat16().float()) for k in trained), "bf16 values, upcast"
     _train(2, corpus, tmp_path, **{**extra, "train.train_iters": 3})  # resumes (DeepSpeed's own fp32 state)
     _train(2, corpus, tmp_path / "full", **{**extra, "train.train_iters": 3})

@@ -32,6 +32,13 @@ Memory per rank, in the phases of a training step (n = parameters of one TP rank
   ZeRO-2: at most a bucket), with activations when a reduction runs inside the backward (overlap_comm or
   ZeRO-2, n above a bucket). A parameter cut by a partition boundary is copied whole into the
   partition (up to that parameter more on some ranks): not counted.
+  That is a half model summing its gradients in its own dtype (`main_grads: param`). With fp32 main
+  grads (repro.train.engine.zero_grad_dtype) DeepSpeed sums them in fp32: ZeRO-2 into its fp32
+  partition (n x 4 / dp, which the step reads; the bucket stays half and is reduced through an fp32
+  copy), fp16 ZeRO-1 into an fp32 copy of every gradient (n x 4, beside a micro batch's half p.grad)
+  through an fp32 bucket. bf16 ZeRO-1 runs on DeepSpeed's BF16_Optimizer instead: an fp32 buffer of
+  every gradient all run (n x 4), the backward's bf16 p.grad until the step (n x 2), no IPG bucket,
+  and at the boundary one all-reduce of a flat fp32 copy of every gradient (n x 4).
 Not counted: the CUDA context, NCCL's buffers and allocator fragmentation: `HEADROOM_GIB` is kept
 free for them (about what a CUDA context plus NCCL take on an H100-class GPU).
 
@@ -50,12 +57,19 @@ from repro.perf.activations import (
     bert_activation_memory,
     math_attention,
 )
-from repro.perf.memory import bert_params_per_rank, memory_per_rank, params_per_rank, zero_partition_numel
+from repro.perf.memory import (
+    MemoryEstimate,
+    bert_params_per_rank,
+    memory_per_rank,
+    params_per_rank,
+    zero_partition_numel,
+)
 from repro.perf.scaling_model import Cluster, calibrate_gemm_efficiency, iteration_time
 from repro.train.config import Derived, RunConfig, derive
 
 HEADROOM_GIB = 3.0
 GIB = 2**30
+DEEPSPEED_ALLREDUCE_NUMEL = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
 
 
 @dataclass(frozen=True)
@@ -169,20 +183,45 @@ def waiting_half_grad_bytes(cfg: RunConfig, dp: int, n: int) -> int:
 def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: ActivationMemory,
                logits_copy: int) -> MemoryPlan:
     """DeepSpeed ZeRO-1/2 on one rank (see the module's docstring)."""
-    from repro.train.engine import deepspeed_config
+    from repro.train.engine import deepspeed_config, zero_grad_dtype
 
     dp, stage = derived.dp, cfg.train.zero_stage
-    zero = memory_per_rank(cfg.model, cfg.parallel.tp, dp, stage, "half" if zero_half else "fp32", n=n)
+    fp32_grads = zero_half and zero_grad_dtype(cfg) == "fp32"
+    # zero.grads: what the micro batches are summed into (fp32 with fp32 main grads)
+    zero = memory_per_rank(cfg.model, cfg.parallel.tp, dp, stage, "half" if zero_half else "fp32",
+                           fp32_main_grads=fp32_grads, n=n)
+    accumulating = derived.grad_accum_steps > 1
+    if fp32_grads and stage == 1 and cfg.precision.precision == "bf16":
+        return _bf16_optimizer_plan(n, zero, accumulating, acts, logits_copy)
     element = 2 if zero_half else 4
     config = deepspeed_config(cfg, derived)["zero_optimization"]
     bucket, overlap = config["reduce_bucket_size"], config["overlap_comm"]
+    part = zero_partition_numel(n, dp)
     all_reduced = n if stage == 1 else min(n, bucket)  # ZeRO-1: every p.grad, then their flat copy
-    transient = (all_reduced + zero_partition_numel(n, dp)) * element
-    fp32_slice = n * 4 // dp if zero_half else 0  # the step's fp32 gradients of this rank's partition
-    return MemoryPlan(zero.params, 0, zero.optimizer, 0, zero.grads if derived.grad_accum_steps > 1 else 0,
-                      zero.grads + fp32_slice, acts, logits_copy,
-                      reduce_buckets=bucket * element * (2 if overlap else 1), reduce_transient=transient,
+    if fp32_grads and stage == 1:  # fp16: fp32 copies of the gradients, bucketed in fp32, beside the half p.grad
+        bucket_element, transient = 4, (all_reduced + part) * 4
+        forward, step = zero.grads + n * element, zero.grads + part * 4
+    elif fp32_grads:  # ZeRO-2: a half bucket reduced through an fp32 copy into the fp32 partition it steps on
+        bucket_element, transient = element, all_reduced * (element + 4) + part * 4
+        forward, step = zero.grads, zero.grads
+    else:
+        bucket_element, transient = element, (all_reduced + part) * element
+        # the step's fp32 gradients of this rank's partition
+        forward, step = zero.grads, zero.grads + (n * 4 // dp if zero_half else 0)
+    return MemoryPlan(zero.params, 0, zero.optimizer, 0, forward if accumulating else 0, step, acts, logits_copy,
+                      reduce_buckets=bucket * bucket_element * (2 if overlap else 1), reduce_transient=transient,
                       reduce_in_backward=(stage == 2 or overlap) and n > bucket)
+
+
+def _bf16_optimizer_plan(n: int, zero: MemoryEstimate, accumulating: bool, acts: ActivationMemory,
+                         logits_copy: int) -> MemoryPlan:
+    """DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradients): an fp32 buffer of every gradient all
+    run, the backward's bf16 p.grad until the step (zeroed, not freed, between micro batches), no IPG
+    bucket; the boundary all-reduce flattens the parameter groups' fp32 buffers into one copy, unless
+    the first group alone exceeds its 5e8-element bucket (here: n does)."""
+    flat_copy = n * 4 if n <= DEEPSPEED_ALLREDUCE_NUMEL else 0
+    return MemoryPlan(zero.params, 0, zero.optimizer, zero.grads, n * 2 if accumulating else 0, n * 2, acts,
+                      logits_copy, reduce_transient=n * 2 + flat_copy)
 
 
 @dataclass(frozen=True)
@@ -198,11 +237,13 @@ class TimePlan:
 
 def dp_gradient_bytes(cfg: RunConfig) -> int:
     """Bytes per gradient element the trainer reduces over DP: 2 for a half-precision model reducing in
-    its own dtype (`main_grads: param`, the paper's recipe) and for DeepSpeed ZeRO in bf16/fp16 (its
-    engine holds the half model and reduces its gradients in that dtype); fp32 main grads and fp32
+    its own dtype (`main_grads: param`, the paper's recipe; DeepSpeed ZeRO too, whose engine holds a
+    half model); fp32 main grads (DeepSpeed's too: repro.train.engine.zero_grad_dtype) and fp32
     parameters (autocast) reduce fp32."""
     if cfg.train.zero_stage > 0:
-        return 2 if cfg.precision.precision in ("bf16", "fp16") else 4
+        from repro.train.engine import zero_grad_dtype
+
+        return 4 if zero_grad_dtype(cfg) == "fp32" else 2
     return 2 if cfg.precision.params == "half" and cfg.precision.main_grads == "param" else 4
 
 

@@ -83,7 +83,8 @@ class PrecisionConfig:
     main_grads: str = "fp32"
     """With params: half, the dtype gradients are accumulated over micro batches and all-reduced
     over DP in: `fp32` (Megatron-LM's main_grad; bucketed all-reduce overlapped with backward) or
-    `param` (the 2019 fp16 recipe: torch DDP in the parameter dtype, bf16 sums keep 8 bits)."""
+    `param` (the 2019 fp16 recipe: torch DDP in the parameter dtype, bf16 sums keep 8 bits). Under
+    DeepSpeed ZeRO it sets ZeRO's gradient dtype the same way (repro.train.engine.zero_grad_dtype)."""
     initial_loss_scale: float = 2.0**32
     loss_scale_window: int = 1000
     """Iterations without overflow before the scale doubles."""
@@ -130,7 +131,8 @@ class TrainConfig:
     its backward hands every gradient over at its end, so the DP all-reduce cannot overlap it);
     blocks: each transformer layer on its own (torchtitan's way: a layer's gradients reach the DP
     all-reduce as its backward ends, overlapping the layers still to go; under torch DDP dynamo also
-    cuts each layer's graph at DDP's bucket boundaries); auto: blocks when DP > 1, else objective."""
+    cuts each layer's graph at DDP's bucket boundaries); auto: blocks when DP > 1 or with activation
+    checkpointing and attention dropout (whose checkpoint runs eagerly), else objective."""
 
 
 @dataclass
@@ -419,7 +421,18 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
     if t.zero_overlap_comm and not t.zero_stage:
         raise RunConfigError("train.zero_overlap_comm is DeepSpeed's: set train.zero_stage=1 or 2, or leave it "
                              "false (the plain trainer always overlaps its DP all-reduce with backward)")
+    _check_run_dir(cfg.run_dir)
     return Derived(dims.dp, t.global_batch_size // per_step, cfg.model.padded_vocab_size(dims.tp))
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """run_dir is, or can become, a directory: a file there or above it was a NotADirectoryError (or
+    FileExistsError) traceback from the tracker after the data had loaded. Nothing is created."""
+    path = Path(run_dir)
+    existing = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        raise RunConfigError(f"run_dir={run_dir}: {existing} is not a directory (checkpoints, metrics and logs are "
+                             "written into a directory). Fix: give a directory path, e.g. --set run_dir=runs/NAME")
 
 
 def to_yaml(cfg: RunConfig) -> str:

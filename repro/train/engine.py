@@ -73,14 +73,28 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
-    """DeepSpeed's JSON config for the run (ZeRO block, precision, batch arithmetic).
-
-    The gradient-reduction (IPG) bucket is set here, not left to DeepSpeed's defaults, because
-    repro.perf.plan counts it: torch.empty(reduce_bucket_size) in the model's dtype per rank (two
-    with overlap_comm) while contiguous_gradients is on. 5e8 elements is DeepSpeed's default.
-    allgather_bucket_size is left alone: it allocates nothing (all_gather_into_tensor)."""
+def zero_grad_dtype(cfg: RunConfig) -> str:
+    """The dtype DeepSpeed ZeRO sums gradients over micro batches and DP ranks in: fp32 for
+    `precision.main_grads: fp32` (as the plain trainer's MainGrads) and for an fp32 run, the half
+    dtype for `main_grads: param` (the 2019 recipe; DeepSpeed's default)."""
     p = cfg.precision
+    return p.precision if p.precision != "fp32" and p.main_grads == "param" else "fp32"
+
+
+def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
+    """DeepSpeed's JSON config for the run (ZeRO block, precision, gradient dtype, batch arithmetic).
+
+    The gradient dtype is set, not left to DeepSpeed, whose default (the model's bf16/fp16) silently
+    ignored `main_grads: fp32`. DeepSpeed 0.19.8 sums fp32 gradients of a half model in its ZeRO
+    optimizer (fp16 ZeRO-1/2, bf16 ZeRO-2) or, for bf16 ZeRO-1, in its BF16_Optimizer (a full fp32
+    gradient buffer, no IPG bucket); repro.perf.plan counts each.
+    The gradient-reduction (IPG) bucket is set here, not left to DeepSpeed's defaults, because
+    repro.perf.plan counts it: torch.empty(reduce_bucket_size) per rank (two with overlap_comm) while
+    contiguous_gradients is on, in the model's dtype (fp32 for fp16 ZeRO-1 summing in fp32). 5e8
+    elements is DeepSpeed's default. allgather_bucket_size is left alone: it allocates nothing
+    (all_gather_into_tensor)."""
+    p = cfg.precision
+    grad_dtype = zero_grad_dtype(cfg)
     zero = {"stage": cfg.train.zero_stage, "overlap_comm": cfg.train.zero_overlap_comm,
             "contiguous_gradients": True, "reduce_bucket_size": 500_000_000}
     return {
@@ -90,6 +104,8 @@ def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
         "gradient_clipping": cfg.optim.clip_grad,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        "data_types": {"grad_accum_dtype": grad_dtype},
+        "communication_data_type": grad_dtype,
         "bf16": {"enabled": p.precision == "bf16"},
         "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": int(round(torch.log2(torch.tensor(p.initial_loss_scale)).item())),
                  "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis,
@@ -100,13 +116,17 @@ def deepspeed_config(cfg: RunConfig, derived: Derived) -> dict:
 
 
 def compile_scope(cfg: RunConfig, dp_size: int, tp_size: int = 1, torch_version: str = torch.__version__) -> str:
-    """`train.compile_scope` with auto resolved: per block when gradients are all-reduced over DP, and
-    at TP > 1 on a torch too old to compile the whole TP step (repro.versions.WHOLE_TP_GRAPH_TORCH)."""
+    """`train.compile_scope` with auto resolved: per block when gradients are all-reduced over DP, at
+    TP > 1 on a torch too old to compile the whole TP step (repro.versions.WHOLE_TP_GRAPH_TORCH), and
+    with activation checkpointing and attention dropout: the checkpoint that replays the TP-region RNG
+    tracker runs eagerly (repro.parallel.random.checkpoint), so in one graph the layers inside it would
+    not be compiled at all; per block they are, inside it."""
     scope = cfg.train.compile_scope
     if scope != "auto":
         return scope
     old_for_tp = tp_size > 1 and release(torch_version) < WHOLE_TP_GRAPH_TORCH
-    return "blocks" if dp_size > 1 or old_for_tp else "objective"
+    eager_checkpoints = cfg.model.activation_checkpointing and cfg.model.attention_dropout > 0
+    return "blocks" if dp_size > 1 or old_for_tp or eager_checkpoints else "objective"
 
 
 def transformer_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

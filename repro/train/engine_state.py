@@ -142,11 +142,12 @@ def resume_meta(cfg: RunConfig, tp: int, world_size: int) -> tuple[Path | None, 
 
 
 def _zero_files(eng: Engine, path: Path) -> list[Path]:
-    """The DeepSpeed ZeRO files this rank's load_checkpoint reads (the optimizer partition's name has a
-    `bf16_` prefix under DeepSpeed's bf16 optimizer)."""
+    """The DeepSpeed ZeRO files this rank's load_checkpoint reads (DeepSpeed prefixes the optimizer
+    partition's name with `bf16_` in a bf16 run, whichever of its optimizers wrote it)."""
     zero, pg = path / "deepspeed" / "zero", eng.pg
     optim = f"zero_pp_rank_{pg.dp_rank}_mp_rank_{pg.tp_rank:02d}_optim_states.pt"
-    return [zero / f"mp_rank_{pg.tp_rank:02d}_model_states.pt", next(iter(zero.glob(f"*{optim}")), zero / optim)]
+    saved = zero / (("bf16_" if eng.cfg.precision.precision == "bf16" else "") + optim)  # named when missing
+    return [zero / f"mp_rank_{pg.tp_rank:02d}_model_states.pt", next(iter(zero.glob(f"*{optim}")), saved)]
 
 
 def _probe_zip(path: Path) -> None:

@@ -13,6 +13,13 @@ from pathlib import Path
 from repro.tracking.store import project_root
 
 
+def file_in_the_way(directory: Path) -> Path | None:
+    """The first thing on `directory`'s path that exists and is not a directory (it, or a file above
+    it): where writing into `directory` would fail with NotADirectoryError. None when it can be made."""
+    existing = next((p for p in (directory, *directory.parents) if p.exists() or p.is_symlink()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def _git(*args: str) -> str:
     out = subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True, timeout=30,
                          check=True)

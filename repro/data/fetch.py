@@ -194,8 +194,10 @@ def _fetch_one(entry: DataFile, opts: FetchOptions) -> str:
 
 def _check_data_dir(data_dir: Path) -> None:
     """A DataError when the data dir is, or is under, a file (a NotADirectoryError traceback before)."""
-    existing = next((p for p in (data_dir, *data_dir.parents) if p.exists() or p.is_symlink()), None)
-    if existing is not None and not existing.is_dir():
+    from repro.provenance import file_in_the_way
+
+    existing = file_in_the_way(data_dir)
+    if existing is not None:
         raise DataError(f"data dir {data_dir} (--data-dir, else REPRO_DATA_DIR): {existing} is not a directory "
                         "(the files go into wikitext/, lambada/ and vocab/ under it). Fix: give a directory path, "
                         "e.g. --data-dir data, or set REPRO_DATA_DIR to one")

@@ -283,8 +283,10 @@ def check_seeds(seeds: list[int]) -> None:
 def check_run_dir(run_dir: Path) -> None:
     """A UserError for a --run-dir that is, or is under, something other than a directory (it was a
     NotADirectoryError traceback after the data was loaded); nothing is created."""
-    existing = next((p for p in (run_dir, *run_dir.parents) if p.exists() or p.is_symlink()), None)
-    if existing is not None and not existing.is_dir():
+    from repro.provenance import file_in_the_way
+
+    existing = file_in_the_way(run_dir)
+    if existing is not None:
         raise UserError(f"--run-dir {run_dir}: {existing} is not a directory (the run's results are written "
                         "into a directory). Fix: give a directory path, e.g. --run-dir runs/race")
 

@@ -428,9 +428,10 @@ def derive(cfg: RunConfig, world_size: int) -> Derived:
 def _check_run_dir(run_dir: str) -> None:
     """run_dir is, or can become, a directory: a file there or above it was a NotADirectoryError (or
     FileExistsError) traceback from the tracker after the data had loaded. Nothing is created."""
-    path = Path(run_dir)
-    existing = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
-    if existing is not None and not existing.is_dir():
+    from repro.provenance import file_in_the_way
+
+    existing = file_in_the_way(Path(run_dir))
+    if existing is not None:
         raise RunConfigError(f"run_dir={run_dir}: {existing} is not a directory (checkpoints, metrics and logs are "
                              "written into a directory). Fix: give a directory path, e.g. --set run_dir=runs/NAME")
 

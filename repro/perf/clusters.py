@@ -42,12 +42,17 @@ def load_cluster(spec: str | Path) -> Cluster:
 
 def cluster_from_yaml(path: Path) -> Cluster:
     """Read and check a cluster file: every field of Cluster, of its type, nothing else."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from repro.train.config import yaml_error_detail
+
     try:
         raw = OmegaConf.load(path)
-    except (OSError, OmegaConfBaseException, ValueError) as err:
+    except yaml.MarkedYAMLError as err:
+        raise ClusterSpecError(f"{path}: not valid YAML ({yaml_error_detail(err)}): fix the file's syntax") from None
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as err:
         raise ClusterSpecError(f"{path}: not readable as YAML ({err})") from None
     if not OmegaConf.is_dict(raw):
         raise ClusterSpecError(f"{path}: expected a mapping of Cluster fields, found {type(raw).__name__}")
@@ -69,11 +74,17 @@ def cluster_from_yaml(path: Path) -> Cluster:
 
 
 def check_cluster(cluster: Cluster, where: Path | str) -> None:
-    """Values a cluster can have: positive finite sizes and rates, a calibration fraction in (0, 1]
-    that leaves the GEMMs an efficiency in (0, 1]."""
+    """Values a cluster can have: positive finite sizes and rates, memory above the plan's headroom, a
+    calibration fraction in (0, 1] that leaves the GEMMs an efficiency in (0, 1]."""
+    from repro.perf.plan import HEADROOM_GIB
+
     for name in POSITIVE:
         if not 0 < getattr(cluster, name) < math.inf:  # NaN fails too
             raise ClusterSpecError(f"{where}: {name}={getattr(cluster, name)} must be a positive number")
+    if cluster.memory_gib <= HEADROOM_GIB:
+        raise ClusterSpecError(f"{where}: memory_gib={cluster.memory_gib:g} must be more than the {HEADROOM_GIB:g} GiB "
+                               "the plan keeps for the CUDA context, NCCL and fragmentation: give one GPU's memory "
+                               "as torch.cuda reports it (total_memory, GiB)")
     if not all(0 <= a < math.inf for a in (cluster.alpha_intra_s, cluster.alpha_inter_s)):
         raise ClusterSpecError(f"{where}: the all-reduce latencies alpha_intra_s / alpha_inter_s must be "
                                "numbers of seconds, 0 or more")

@@ -472,6 +472,29 @@ def _refuse(parser: argparse.ArgumentParser, err: FlagError) -> None:
     raise err
 
 
+def pick_device(args, what: str) -> torch.device:
+    """`args.device` (absent or None: cuda if available, else cpu) as a device this machine has. Raises
+    FlagError for one it lacks, and for the full config on CPU unless --tiny or --device cpu asks for it."""
+    name = getattr(args, "device", None)
+    if name is None:
+        if torch.cuda.is_available() or args.tiny:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        anyway = " (--device cpu to time the full config anyway)" if hasattr(args, "device") else ""
+        raise FlagError(f"no CUDA device: {what}. Fix: run it on a GPU, or pass --tiny for a CPU smoke run{anyway}")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise FlagError(f"--device {name}: not a device this runs on; choose cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlagError(f"--device {name}: CUDA is not available here. Fix: run on a GPU, or pass --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise FlagError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                        f"choose cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
 def _checked_plan(parser: argparse.ArgumentParser, args) -> list[RunSpec]:
     try:
         return plan(args)
@@ -484,11 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     specs = _checked_plan(parser, args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu" and not args.tiny and args.device is None:
-        print("error: no CUDA device: this is the GPU benchmark of the 1.2B config (hours on a CPU). Fix: run it "
-              "on a GPU, or pass --tiny for a CPU smoke run (--device cpu to time the full config anyway)",
-              file=sys.stderr)
+    try:
+        device = pick_device(args, "this is the GPU benchmark of the 1.2B config (hours on a CPU)")
+    except FlagError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     name, cfg = _model_config(args)
     try:

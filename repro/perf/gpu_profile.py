@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from repro.models.gpt import GPT
 from repro.models.sizes import SIZES
-from repro.perf.gpu_bench import GPT_SIZES, TINY, RunSpec, at_least, timed_step
+from repro.perf.gpu_bench import GPT_SIZES, TINY, FlagError, RunSpec, at_least, pick_device, timed_step
 from repro.provenance import OutDirError, make_out_dir, write_atomic
 from repro.train.main_grads import MainGrads
 from repro.train.mixed_precision import MasterWeights
@@ -115,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        parser.error("no CUDA device: this profiles the 1.2B config on a GPU (hours on a CPU). Fix: run it on "
-                     "a GPU, or pass --tiny for a CPU smoke run")
+    try:
+        device = pick_device(args, "this profiles the 1.2B config on a GPU (hours on a CPU)")
+    except FlagError as err:
+        parser.error(str(err))
     try:
         make_out_dir(args.out, "results/bench/gpu_h200_new")
     except OutDirError as err:

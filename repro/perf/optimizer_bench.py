@@ -25,7 +25,7 @@ import torch
 
 from repro.models.sizes import SIZES
 from repro.parallel.grads import global_grad_norm
-from repro.perf.gpu_bench import GPT_SIZES, TINY, _sync, at_least, build_model
+from repro.perf.gpu_bench import GPT_SIZES, TINY, FlagError, _sync, at_least, build_model, pick_device
 from repro.provenance import OutDirError, make_out_dir, measurement_provenance, write_report
 from repro.train.flat_adamw import FlatMasterAdamW
 from repro.train.main_grads import MainGrads
@@ -121,10 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        device = pick_device(args, "this times the 1.2B config's optimizer step on a GPU "
+                             "(tens of GB of host memory on a CPU)")
+    except FlagError as err:
+        parser.error(str(err))
+    try:
         make_out_dir(args.out, "results/bench/gpu_h200_new/optimizer")
     except OutDirError as err:
         parser.error(str(err))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TINY if args.tiny else SIZES[args.size].model_config()
     model = build_model(cfg, device)
     masters = MasterWeights(model, torch.bfloat16)

@@ -190,6 +190,13 @@ class Derived:
     padded_vocab_size: int
 
 
+def yaml_error_detail(err: yaml.MarkedYAMLError) -> str:
+    """Where and what a YAML syntax error is: `line 2, column 1: found duplicate key ...`."""
+    mark = err.problem_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return f"{where}{err.problem or err.context}"
+
+
 def _read_yaml(path: Path) -> dict:
     """One YAML file as a dict; RunConfigError naming the file for anything else."""
     if path.is_dir():
@@ -198,9 +205,7 @@ def _read_yaml(path: Path) -> dict:
     try:
         raw = OmegaConf.to_container(OmegaConf.load(path))
     except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise RunConfigError(f"config {path} is not valid YAML ({where}{err.problem or err.context}): "
+        raise RunConfigError(f"config {path} is not valid YAML ({yaml_error_detail(err)}): "
                              "fix the file's syntax") from None
     except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as err:
         raise RunConfigError(f"config {path} cannot be read ({str(err).splitlines()[0] if str(err) else err!r}): "

@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
+
 import pandas as pd
 
 from repro.models.sizes import SIZES
 from repro.tracking.logger import RESUMED_PARAM_TAG
-from repro.tracking.store import all_runs
+from repro.tracking.store import all_runs, project_root
 
 FAMILY_EXPERIMENTS = ("scaling", "gpt2", "zero-shot", "bert")
 PROVENANCE_KEYS = ("device_name", "world_size", "precision", "git_sha")
@@ -32,6 +34,20 @@ def check_uri(uri: str) -> None:
     scheme = uri.split("://", 1)[0].split("+", 1)[0]
     if scheme not in SCHEMES:
         raise StoreError(f"tracking URI {uri!r} has the unknown scheme {scheme}://. Fix: {URI_FIX}")
+    if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        raise StoreError(file_store_message(uri))
+
+
+def file_store_message(uri: str) -> str:
+    """The error for a file:// store, which MLflow 3 opens only when MLFLOW_ALLOW_FILE_STORE is set
+    (it was a traceback from MlflowClient)."""
+    from urllib.parse import urlsplit
+
+    folder = Path(urlsplit(uri).path or "DIR")
+    db = folder.parent / f"{folder.name}.db"
+    return (f"tracking URI {uri} is an MLflow file store, which MLflow no longer opens. Fix: copy it into a sqlite "
+            f"store with `mlflow migrate-filestore --source {folder} --target sqlite:///{db}` and pass "
+            f"--tracking-uri sqlite:///{db}, or set MLFLOW_ALLOW_FILE_STORE=true to read it as it is")
 
 
 @contextmanager
@@ -67,8 +83,9 @@ def _sqlite_file(uri: str) -> Path | None:
 
 
 def client(uri: str):
-    """An MlflowClient for `uri` (does not create a missing sqlite file: check store_exists first);
-    an unreachable server fails after one quick retry instead of minutes of them."""
+    """An MlflowClient for `uri`; a StoreError for a sqlite file that is absent (never creates one: a
+    wrong path is not an empty store) or not an MLflow store, or a store MLflow cannot open. An
+    unreachable server fails after one quick retry instead of minutes of them."""
     from mlflow import MlflowClient
 
     from repro.tracking.logger import quiet_http_retries
@@ -76,21 +93,25 @@ def client(uri: str):
     check_uri(uri)
     check_sqlite_store(uri)
     quiet_http_retries()
-    return MlflowClient(tracking_uri=uri)
+    with store_errors(uri):
+        return MlflowClient(tracking_uri=uri)
 
 
 MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}
 
 
 def check_sqlite_store(uri: str) -> None:
-    """A StoreError for a sqlite URI naming a file that is not an MLflow store: a directory, not a
-    database, or a database of other tables (MLflow would add its own to it, from a read-only report)."""
+    """A StoreError for a sqlite URI naming a file that is not an MLflow store: absent (MLflow would
+    create an empty one, and every table would say 'not run'), a directory, not a database, or a
+    database of other tables (MLflow would add its own to it, from a read-only report)."""
     import sqlite3
 
     path = _sqlite_file(uri)
-    if path is None or not path.exists():
+    if path is None or str(path) in ("", ":memory:"):
         return
     fix = f"Fix: {URI_FIX} naming the MLflow store (the mlflow.db `repro train` logged into)"
+    if not path.exists():
+        raise StoreError(missing_store_message(uri, path, fix))
     if not path.is_file():
         raise StoreError(f"tracking URI {uri} names {path}, which is not a file. {fix}")
     try:
@@ -103,6 +124,20 @@ def check_sqlite_store(uri: str) -> None:
                          f"({', '.join(sorted(tables)[:5])}), not an MLflow store; nothing was written to it. {fix}")
 
 
+def missing_store_message(uri: str, path: Path, fix: str) -> str:
+    """The error for an absent sqlite store file: the path looked at, where a relative one is read from,
+    and, where the checkout holds that relative path, its URI (a notebook kernel's cwd is analysis/)."""
+    cwd, root = Path.cwd().resolve(), project_root().resolve()
+    try:
+        beside = root / Path(path).resolve().relative_to(cwd)
+    except ValueError:
+        beside = None
+    if beside is not None and cwd != root and beside.is_file():
+        fix = f"Fix: sqlite:///{beside} (that relative path from the checkout, where it exists)"
+    return (f"tracking URI {uri} names {path}, which does not exist (a relative sqlite path is read from the "
+            f"current directory, {cwd}; a notebook's is analysis/, not the checkout). {fix}")
+
+
 def store_exists(uri: str) -> bool:
     """False for a sqlite URI whose file is absent (opening it would create an empty store)."""
     path = _sqlite_file(uri)
@@ -110,8 +145,9 @@ def store_exists(uri: str) -> bool:
 
 
 def run_counts(uri: str, experiments: tuple[str, ...] = FAMILY_EXPERIMENTS) -> dict[str, int]:
-    """Runs per experiment name (0 when the experiment or the store does not exist); a StoreError
-    for a bad URI or an unreachable store."""
+    """Runs per experiment name (0 when the experiment or the sqlite store file does not exist: `repro
+    report` then says there are no runs and how to make them); a StoreError for a bad URI or an
+    unreachable store."""
     check_uri(uri)
     if not store_exists(uri):
         return {name: 0 for name in experiments}
@@ -141,9 +177,8 @@ def _row(run, experiment: str) -> dict:
 def load_runs(uri: str, experiment: str, finished_only: bool = True) -> pd.DataFrame:
     """One row per run of `experiment`, newest first: run_id, run_name, status, params.*, tags.*, metrics.*.
 
-    An absent experiment (or store) gives an empty frame, not an error."""
-    if not store_exists(uri):
-        return pd.DataFrame(columns=["run_id", "run_name", "status", "start_time", "experiment"])
+    An absent experiment gives an empty frame; an absent sqlite store file is a StoreError (client):
+    a notebook whose relative URI missed the store wrote tables of 'not run'."""
     mc = client(uri)
     exp = mc.get_experiment_by_name(experiment)
     runs = list(all_runs(mc, [exp.experiment_id], order_by=["attributes.start_time DESC"])) if exp else []

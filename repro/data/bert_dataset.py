@@ -175,10 +175,11 @@ class BertDataset:
 
     def __init__(self, prefix: str | Path, tokenizer: TextTokenizer,
                  opts: BertOptions = BertOptions(), cache_dir: Path | str | None = None,
-                 write_cache: bool = True) -> None:
+                 write_cache: bool = True, vocab_size: int | None = None) -> None:
         if opts.max_seq_length < 8:
             raise ValueError(f"max_seq_length={opts.max_seq_length} is too short; use >= 8")
         self.data, self.tokenizer, self.opts = IndexedDataset(prefix), tokenizer, opts
+        self._check_model_vocabulary(vocab_size)
         self.continuation = tokenizer.continuation_mask()
         special = [tokenizer.special.pad, tokenizer.special.unk, tokenizer.cls, tokenizer.sep,
                    tokenizer.mask]
@@ -226,6 +227,16 @@ class BertDataset:
         real[[0, len(a) + 1, len(tokens) - 1]] = False
         tokens, labels = self._mask(tokens, real, rng)
         return self._pad(tokens, types, labels, int(swapped))
+
+    def _check_model_vocabulary(self, vocab_size: int | None) -> None:
+        """A DataError, before any sample, when the model's vocabulary (model.vocab_size) cannot hold
+        the tokenizer's ids: samples and their random replacement tokens use them all. The per-sample
+        check (_check_vocabulary) then covers the model too."""
+        vocab = self.tokenizer.vocab_size
+        if vocab_size is not None and vocab_size < vocab:
+            raise DataError(f"{self.data.prefix}: BERT samples use the {vocab:,}-id WordPiece vocabulary, but "
+                            f"model.vocab_size={vocab_size}: the model has no embedding for ids {vocab_size:,} and "
+                            f"up. Fix: set model.vocab_size: {vocab} (the tokenizer's size)")
 
     def _check_vocabulary(self, tokens: np.ndarray, index: int) -> None:
         """A DataError when an id of the sample is not in the tokenizer's vocabulary (a corpus prepared

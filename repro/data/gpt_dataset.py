@@ -43,9 +43,10 @@ def samples_per_epoch(num_tokens: int, seq_length: int) -> int:
 
 
 def _cache_prefix(prefix: str, cache_dir: Path | str | None) -> str:
+    """Where the sample caches of `prefix` go: beside it, or in cache_dir (created by the rank that
+    writes them, when it writes: see save_npy_atomic)."""
     if cache_dir is None:
         return prefix
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     return str(Path(cache_dir) / Path(prefix).name)
 
 

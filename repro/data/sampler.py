@@ -44,11 +44,16 @@ Batch = TypeVar("Batch")
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     """np.save through a temporary file and os.replace, so readers never see a partial file. The
     temporary name is unique (mkstemp), not only per process: ranks on different nodes of a job may
-    share a pid and all write the same cache on a shared filesystem."""
+    share a pid and all write the same cache on a shared filesystem. Synced before the rename, as
+    repro.provenance.write_atomic, so a crash leaves the old file or the new one, not an empty one;
+    streamed, not through write_atomic's bytes, which would hold a second copy of a large map."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # data.cache_dir, made by the one rank that writes
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             np.save(handle, array)
+            handle.flush()
+            os.fsync(handle.fileno())
         chmod_as_created(tmp)  # mkstemp's 0600 would hide the cache from the group's jobs
         os.replace(tmp, path)
     except BaseException:
@@ -66,15 +71,15 @@ def cached_array(path: Path | None, build: Callable[[], np.ndarray],
             array = np.load(path, mmap_mode="r")
             if valid(array):
                 return array
-        except (OSError, ValueError):
-            pass  # unreadable or partial cache: rebuild it below
+        except (OSError, ValueError, EOFError):
+            pass  # unreadable, partial or empty (EOFError) cache: rebuild it below
     array = build()
     if path is not None and write:
         try:
             save_npy_atomic(path, array)
         except OSError as err:
-            warnings.warn(f"{path}: could not cache the sample index ({err}); using it in memory",
-                          stacklevel=2)
+            warnings.warn(f"{path}: could not cache the sample index ({err}); using it in memory. Fix: set "
+                          "data.cache_dir to a writable directory (default: beside the data)", stacklevel=2)
     return array
 
 

@@ -138,21 +138,37 @@ def _out_path(out: str | None, ckpt: Path) -> Path:
     return path
 
 
-def load_gpt(ckpt: Path, pg):
-    """The model and its training run id, through the trainer's checkpoint module; a UserError for a
-    checkpoint that cannot load, or cannot be split at this --tp (one not dividing the heads)."""
+def load_gpt(ckpt: Path, pg, device=None):
+    """The model and its training run id, through the trainer's checkpoint module (on `device`, by
+    default this launch's); a UserError for a checkpoint that cannot load, cannot be split at this
+    --tp (one not dividing the heads), or has too few ids for GPT-2 BPE."""
     from repro.models.config import ConfigError
     from repro.parallel.groups import discover_launch_env
     from repro.train.checkpoint import CheckpointError, checkpoint_run_id
     from repro.train.reshard import load_model_for_eval
 
-    device = discover_launch_env().device()
+    device = device or discover_launch_env().device()
     try:
-        return load_model_for_eval(ckpt, pg, device).eval(), checkpoint_run_id(ckpt)
+        model = load_model_for_eval(ckpt, pg, device).eval()
+        _check_gpt2_vocabulary(ckpt, model.cfg.vocab_size)
+        return model, checkpoint_run_id(ckpt)
     except CheckpointError as err:
         raise UserError(str(err)) from err
     except ConfigError as err:
         raise UserError(f"{ckpt} cannot load at --tp {pg.tp_size}: {err}") from None  # names the fix
+
+
+def _check_gpt2_vocabulary(ckpt: Path, vocab_size: int) -> None:
+    """A UserError for a GPT with fewer ids than GPT-2 BPE (one trained on a WordPiece corpus): its
+    embedding would reject the text's ids, or generation decode its ids as other words. Checked
+    after the load, so a damaged checkpoint is named first; a padded vocabulary (50,304, 51,200)
+    holds them all."""
+    from repro.models.sizes import GPT2_VOCAB
+
+    if vocab_size < GPT2_VOCAB:
+        raise UserError(f"checkpoint {ckpt} has model.vocab_size={vocab_size}, but zero-shot evaluation and "
+                        f"generation tokenize with GPT-2 BPE ({GPT2_VOCAB} ids). Fix: use a GPT-2-vocabulary model "
+                        f"(model.vocab_size >= {GPT2_VOCAB}, trained on data prepared with --tokenizer gpt2)")
 
 
 POSITIVE_OPTIONS = {"batch_size": "e.g. --batch-size 8", "max_lines": "or leave it out for the whole file",

@@ -20,11 +20,15 @@ window of context. `rolling_stride=S` predicts S tokens a window instead (contex
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from repro.cli import UserError
 from repro.eval.lambada import Example, score_examples
 from repro.eval.scoring import model_device, vocab_parallel_argmax
 from repro.parallel.groups import ProcessGroups
@@ -122,11 +126,11 @@ class MegatronReproLM(LM):
 def _load_checkpoint(checkpoint: str | None, device: str | None):
     if not checkpoint:
         raise ValueError("megatron-repro needs --model_args checkpoint=DIR (a training run's checkpoint)")
-    from repro.train.reshard import load_model_for_eval
+    from repro.eval.commands import load_gpt
 
     if not device or device == "auto" or (device.startswith("cuda") and not torch.cuda.is_available()):
         device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's default --device is cuda
-    return load_model_for_eval(checkpoint, ProcessGroups.single(), torch.device(device)).eval()
+    return load_gpt(Path(checkpoint), ProcessGroups.single(), torch.device(device))[0]
 
 
 def _gpt2_tokenizer(data_dir: str | None):
@@ -140,7 +144,11 @@ def main() -> None:
     """`repro-lm-eval ...`: lm-eval's own command line with the `megatron-repro` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except UserError as err:  # as `repro` prints it: the problem and its fix, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

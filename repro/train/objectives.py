@@ -92,7 +92,7 @@ def build_dataset(cfg: RunConfig, prefix: str, write_cache: bool = True):
         vocab_dir = cfg.data.vocab_dir or os.environ.get("REPRO_DATA_DIR", "data")
         tokenizer = build_tokenizer("bert", Path(vocab_dir))
         opts = BertOptions(max_seq_length=cfg.model.seq_length, seed=cfg.train.seed)
-        return BertDataset(prefix, tokenizer, opts, cache_dir=cache, write_cache=write_cache)
+        return BertDataset(prefix, tokenizer, opts, cache, write_cache, cfg.model.vocab_size)
     from repro.data.gpt_dataset import GPTDataset
 
     return GPTDataset(prefix, cfg.model.seq_length, cfg.train.seed, cache, write_cache, cfg.model.vocab_size)

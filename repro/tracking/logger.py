@@ -42,14 +42,28 @@ def recorded_run_id(run_dir: str | Path) -> str | None:
 
 def drop_partial_line(path: Path) -> None:
     """Cut the unfinished last line a killed writer left in a JSON-lines file, so that the next append
-    starts a whole line after it (metrics.jsonl on resume, zero_shot.jsonl before a new record)."""
+    starts a whole line after it (metrics.jsonl on resume, zero_shot.jsonl before a new record). A last
+    line that is whole JSON but lacks its newline (an editor's save) is kept, and the newline added."""
     data = path.read_bytes() if path.exists() else b""
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
+    if not data or data.endswith(b"\n"):
+        return
+    cut = data.rfind(b"\n") + 1
+    with open(path, "r+b") as handle:
+        if _is_json(data[cut:]):
+            handle.seek(len(data))
+            handle.write(b"\n")
+            return
         warnings.warn(f"{path}: dropped an unfinished last line ({len(data) - cut} bytes) left by a "
                       "killed writer", stacklevel=3)
-        with open(path, "r+b") as handle:
-            handle.truncate(cut)
+        handle.truncate(cut)
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:  # (JSONDecodeError and UnicodeDecodeError both are)
+        return False
+    return True
 
 
 def quiet_http_retries() -> None:
@@ -81,42 +95,57 @@ class RunLogger:
             (self.run_dir / stale).unlink(missing_ok=True)
         earlier_run_id = _set_aside_earlier_launch(self.run_dir) if starts_over else None
         drop_partial_line(self.metrics_path)
+        tags = {**tags, "experiment": experiment, "run_name": run_name}
+        if not starts_over:
+            params, tags = _resumed_launch(self.run_dir, params, tags)
         _write_text(self.run_dir / "params.json", json.dumps(params, indent=1, sort_keys=True))
-        _write_text(self.run_dir / "tags.json", json.dumps({**tags, "experiment": experiment,
-                                                           "run_name": run_name}, indent=1))
+        _write_text(self.run_dir / "tags.json", json.dumps(tags, indent=1))
         self.run_id: str | None = None
         self._client = None  # an MlflowClient while MLflow is reachable (no process-global active run)
         self._pending: list = []  # MLflow Metric rows not yet sent
         self._paused_until: float | None = None  # after a failed request: no MLflow until then
         self.logged: dict[int, set[str]] = {}
-        """step -> metrics an earlier launch logged at it (`logged_metrics`): a resumed run redoing the
+        """step -> metrics an earlier launch logged at it (`resume_at`): a resumed run redoing the
         steps after its checkpoint logs only what they lack (the final evaluation a kill cut short)."""
         self._last_flush = time.monotonic()
+        self._lacks_rows = False  # the MLflow run may lack rows of metrics.jsonl (see resume_at)
         if use_mlflow:
-            self._start(experiment, run_name, params, tags, resume_run_id, earlier_run_id)
+            self._start(params, tags, resume_run_id, earlier_run_id)
 
-    def _start(self, experiment, run_name, params, tags, resume_run_id, earlier_run_id=None) -> None:
+    def _start(self, params, tags, resume_run_id, earlier_run_id=None) -> None:
+        """Reopen or create the MLflow run with the run directory's params and tags, as sync would."""
         try:
             from mlflow import MlflowClient
 
             quiet_http_retries()
             client = MlflowClient(tracking_uri=default_tracking_uri())
-            resumed = _live_run(client, resume_run_id, self.run_dir, experiment)
+            resumed = _live_run(client, resume_run_id, self.run_dir, tags["experiment"])
             if resumed is not None:
                 self.run_id = resumed.info.run_id
+                self._lacks_rows = resumed.info.status == "RUNNING"  # its last launch was killed unclosed
                 client.update_run(self.run_id, status="RUNNING")
-                _log_param_changes(client, resumed, params)
+                _log_param_changes(client, resumed, params, tags)
             else:
-                run = client.create_run(experiment_id(client, experiment), run_name=run_name,
-                                        tags={**{k: str(v) for k, v in tags.items()},
-                                              RUN_DIR_TAG: str(self.run_dir.resolve())})
-                self.run_id = run.info.run_id
+                self.run_id = _create_run(client, self.run_dir, tags).info.run_id
+                self._lacks_rows = True  # any rows metrics.jsonl holds already: an earlier launch's
                 _log_params(client, self.run_id, params)
                 _end_dead_launch(client, earlier_run_id)
             self._client = client
             _write_text(self.run_dir / RUN_ID_FILE, self.run_id)
         except Exception as err:  # tracking must never stop training
             self._disable(err)
+
+    def resume_at(self, iteration: int) -> None:
+        """A launch resumed from its checkpoint at `iteration` redoes the steps after it: only what
+        metrics.jsonl lacks of them is logged (`logged`). MLflow gets the rows its run lacks, as from
+        `repro tracking sync`: those a hard-killed launch still had queued, or an offline one's."""
+        rows = read_metrics(self.run_dir)
+        self.logged = logged_metrics(rows, iteration)
+        if self._lacks_rows and self._live():
+            try:
+                send_missing_metrics(self._client, self.run_id, rows)
+            except Exception as err:
+                self._pause(err)
 
     def _disable(self, err: Exception) -> None:
         """No run to log into (the store could not create or reopen it): metrics.jsonl only."""
@@ -140,14 +169,15 @@ class RunLogger:
     def _live(self) -> bool:
         return self._client is not None and (self._paused_until is None or time.monotonic() >= self._paused_until)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> bool:
         """Append to metrics.jsonl now; queue for MLflow, sent in batches every `FLUSH_SECONDS`
-        (one request instead of one per step keeps tracking off the training step's hot path)."""
+        (one request instead of one per step keeps tracking off the training step's hot path).
+        Whether a row was written: not when an earlier launch logged all of them at `step` already."""
         held = self.logged.get(step, ())
         clean = {clean_metric_name(k): float(v) for k, v in metrics.items()
                  if v is not None and clean_metric_name(k) not in held}
         if not clean:
-            return
+            return False
         now = time.time()
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "time": now, **clean}) + "\n")
@@ -157,6 +187,7 @@ class RunLogger:
             self._pending += [Metric(k, v, int(now * 1000), step) for k, v in clean.items()]
             if time.monotonic() - self._last_flush > self.FLUSH_SECONDS:
                 self.flush()
+        return True
 
     def flush(self) -> None:
         """Send the queued metrics to MLflow (no-op when tracking is off or paused)."""
@@ -286,13 +317,33 @@ def _end_dead_launch(client, run_id: str | None) -> bool:
     return False
 
 
-def _log_param_changes(client, run, params: dict) -> bool:
-    """Log the params the run lacks; one whose value changed (a resume that raised train.train_iters)
-    goes in the tag resumed_with.KEY, as MLflow never changes a logged param (the analysis reads it).
-    Whether anything was sent."""
+def _resumed_launch(run_dir: Path, params: dict, tags: dict) -> tuple[dict, dict]:
+    """params.json and tags.json of a resumed launch, as its MLflow run holds them: the first launch's
+    values kept (MLflow never changes a logged param), a param this launch changed (another layout, a
+    raised train.train_iters) in the tag resumed_with.KEY, new params added."""
+    earlier, earlier_tags = _json_or_empty(run_dir / "params.json"), _json_or_empty(run_dir / "tags.json")
+    changed = {RESUMED_PARAM_TAG + k: str(v) for k, v in params.items()
+               if k in earlier and str(v) != str(earlier_tags.get(RESUMED_PARAM_TAG + k, earlier[k]))}
+    return {**params, **earlier}, {**tags, **earlier_tags, **changed}
+
+
+def _json_or_empty(path: Path) -> dict:
+    """A JSON object file's content; {} for one missing or unreadable (a new run's)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _log_param_changes(client, run, params: dict, tags: dict) -> bool:
+    """Log the params (params.json) the run lacks; a param's value since a resume changed it (tags.json's
+    resumed_with.KEY, or params.json's where the run holds another) goes in the tag resumed_with.KEY, as
+    MLflow never changes a logged param (the analysis reads it). Whether anything was sent."""
     held = run.data.params
     new = {k: v for k, v in params.items() if k not in held}
-    changed = {k: str(v) for k, v in params.items() if k in held and str(v) != _param_now(run, k)}
+    now = {k: str(tags.get(RESUMED_PARAM_TAG + k, v)) for k, v in params.items() if k in held}
+    changed = {k: v for k, v in now.items() if v != _param_now(run, k)}
     _log_params(client, run.info.run_id, new)
     for key, value in changed.items():
         client.set_tag(run.info.run_id, RESUMED_PARAM_TAG + key, value)
@@ -358,10 +409,10 @@ def _row_problem(row) -> str | None:
     return f"has non-numeric value(s) for {', '.join(bad)}" if bad else None
 
 
-def logged_metrics(run_dir: str | Path, first_step: int) -> dict[int, set[str]]:
-    """step -> the metric names metrics.jsonl holds at it, for the steps from first_step on."""
+def logged_metrics(rows: list[dict], first_step: int) -> dict[int, set[str]]:
+    """step -> the metric names metrics.jsonl's `rows` hold at it, for the steps from first_step on."""
     logged: dict[int, set[str]] = {}
-    for row in read_metrics(run_dir):
+    for row in rows:
         if row.get("step", -1) >= first_step:
             logged.setdefault(row["step"], set()).update(k for k in row if k not in ("step", "time"))
     return logged
@@ -437,11 +488,12 @@ def _existing_run(client, run_id: str | None):
     return None if run.info.lifecycle_stage == "deleted" else run
 
 
-def _create_run(client, run_dir: Path, tags: dict):
-    """A new run; its id is recorded first, so a broken sync resumes into it."""
+def _create_run(client, run_dir: Path, tags: dict, **extra: str):
+    """A new run with tags.json's tags (and `extra`); its id is recorded first, so a broken sync
+    resumes into it."""
     rest = {k: str(v) for k, v in tags.items() if k not in ("experiment", "run_name")}
     run = client.create_run(experiment_id(client, tags["experiment"]), run_name=tags["run_name"],
-                            tags={**rest, "synced_from": str(run_dir.resolve()), RUN_DIR_TAG: str(run_dir.resolve())})
+                            tags={**rest, **extra, RUN_DIR_TAG: str(run_dir.resolve())})
     _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
     return run
 
@@ -485,16 +537,23 @@ def _missing_artifacts(client, run_id: str, run_dir: Path) -> list[Path]:
             if p.name not in held or (p.is_file() and held[p.name] != p.stat().st_size)]
 
 
-def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple[int, bool]:
-    """Log the params, metric rows (a row = key, step, timestamp) and artifacts the run lacks:
-    (metric values sent, whether anything was)."""
-    run_id = run.info.run_id
-    new_params = _log_param_changes(client, run, params)
+def send_missing_metrics(client, run_id: str, rows: list[dict]) -> int:
+    """Log the metric rows (a row = key, step, timestamp) of metrics.jsonl's `rows` the run lacks;
+    how many were sent."""
     metrics = _metric_rows(rows)
     logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
               for m in client.get_metric_history(run_id, key)}
     new = [m for m in metrics if (m.key, m.step, m.timestamp) not in logged]
     send_metrics(client, run_id, new)
+    return len(new)
+
+
+def _upload(client, run, run_dir: Path, params: dict, tags: dict, rows: list[dict]) -> tuple[int, bool]:
+    """Log the params and resume tags, metric rows and artifacts the run lacks: (metric values sent,
+    whether anything was)."""
+    run_id = run.info.run_id
+    new_params = _log_param_changes(client, run, params, tags)
+    sent = send_missing_metrics(client, run_id, rows)
     artifacts = _missing_artifacts(client, run_id, run_dir)
     for path in artifacts:
         if path.is_dir():
@@ -508,7 +567,7 @@ def _upload(client, run, run_dir: Path, params: dict, rows: list[dict]) -> tuple
     finish = status is not None and run.info.status != status
     if finish:
         client.set_terminated(run_id, status)
-    return len(new), bool(new_params or new or artifacts or finish)
+    return sent, bool(new_params or sent or artifacts or finish)
 
 
 def run_dir_status(run_dir: Path, rows: list[dict] = ()) -> str | None:
@@ -571,8 +630,8 @@ def sync_run(run_dir: str | Path) -> SyncResult:
             if run is not None:
                 _write_text(run_dir / RUN_ID_FILE, run.info.run_id)
         action = "updated" if run is not None else "created"
-        run = run or _create_run(client, run_dir, tags)
-        sent, changed = _upload(client, client.get_run(run.info.run_id), run_dir, params, rows)
+        run = run or _create_run(client, run_dir, tags, synced_from=str(run_dir.resolve()))
+        sent, changed = _upload(client, client.get_run(run.info.run_id), run_dir, params, tags, rows)
         ended = [i for i in sorted({p.read_text().strip() for p in run_dir.glob(f"{RUN_ID_FILE}.before-*")})
                  if i and i != run.info.run_id and _end_dead_launch(client, i)]
         if ended:  # launches set aside whose restart ran without MLflow: nothing else ends them

@@ -21,7 +21,7 @@ from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro.provenance import git_sha, write_atomic
-from repro.tracking.logger import STOP_MARKER, RunLogger, logged_metrics, recorded_run_id, set_aside_rows_after
+from repro.tracking.logger import STOP_MARKER, RunLogger, recorded_run_id, set_aside_rows_after
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, derive, flat_params, schedule_changes, to_yaml
 from repro.train.engine import Engine, build_engine
@@ -167,7 +167,9 @@ class _Interval:
     """Accumulates step results between log lines (evaluation and checkpoint time `exclude`d). The
     first interval of each launch (a fresh start or a resume) carries its warm-up (allocator, cuDNN
     and compile autotuning, data workers) and is logged with `warmup_interval` 1, so the tables drop
-    it after every resume, not only the run's first."""
+    it after every resume, not only the run's first. The flag stays `first` until an interval's row is
+    written: a resume after a hard kill redoes steps whose rows the killed launch wrote, and the
+    analysis finds where the last launch begins by the last flag (runs.last_launch)."""
 
     def __init__(self) -> None:
         self.start, self.steps, self.first = time.perf_counter(), 0, True
@@ -185,8 +187,8 @@ class _Interval:
         tp = throughput(cfg.model, tokens, seconds, eng.pg.dims.world_size, device_name(eng.device),
                         cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak,
                         bert=cfg.family == "bert")
-        self.start, self.steps, first, self.first = time.perf_counter(), 0, self.first, False
-        return {**_step_metrics(result, eng), "warmup_interval": float(first),
+        self.start, self.steps = time.perf_counter(), 0
+        return {**_step_metrics(result, eng), "warmup_interval": float(self.first),
                 "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],
                 "tflops_per_device": tp["model_tflops_per_device"], "mfu": tp["mfu"],
                 "hw_tflops_per_device": tp["hardware_tflops_per_device"], "hfu": tp["hfu"],
@@ -235,7 +237,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data), placement,
                          starts_over=not meta) if pg.rank == 0 else None
         if logger and meta:  # a hard kill after the checkpoint: the steps it redoes are logged already
-            logger.logged = logged_metrics(cfg.run_dir, state.iteration)
+            logger.resume_at(state.iteration)
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
         interval, final = _Interval(), {}
         if "rng" in meta:
@@ -354,9 +356,9 @@ def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, st
     return logger
 
 
-def _log(logger: RunLogger | None, metrics: dict, step: int) -> None:
-    if logger:
-        logger.log_metrics(metrics, step)
+def _log(logger: RunLogger | None, metrics: dict, step: int) -> bool:
+    """Whether a row was written (not without a logger, nor where an earlier launch logged them all)."""
+    return bool(logger) and logger.log_metrics(metrics, step)
 
 
 def _after_step(eng, state, result, interval, peak, logger, valid, stop: StopSignal) -> dict:
@@ -369,7 +371,9 @@ def _after_step(eng, state, result, interval, peak, logger, valid, stop: StopSig
         metrics = interval.metrics(result, eng, peak)
         if logger:
             print(_log_line(state, cfg, metrics), flush=True)
-    _log(logger, {**metrics, "consumed_samples": state.consumed_samples}, it)
+    written = _log(logger, {**metrics, "consumed_samples": state.consumed_samples}, it)
+    if "warmup_interval" in metrics and (written or not logger):  # a row logged already: the next one is flagged
+        interval.first = False
     refuse_divergence(result, it, state.saved_at, eng)  # logged (MLflow shows it), then neither evaluated nor saved
     if valid and cfg.train.eval_interval and it % cfg.train.eval_interval == 0 and not stop.agreed(eng.device):
         began = time.perf_counter()

@@ -168,14 +168,15 @@ def _arg(args, *names: str, default=None):
 
 
 def _vocab_size(family: Family, args, rows: int, tp: int, vocab_size: int | None) -> int:
-    """The real vocabulary under Megatron's padded rows: given, else the tokenizer's (GPT: GPT-2's BPE;
-    BERT: the saved tokenizer type's WordPiece, else the one whose Megatron padding gives `rows`)."""
+    """The real vocabulary under Megatron's padded rows: given, else the tokenizer's (GPT: the saved
+    `vocab_size`, as export-megatron writes the model's, else GPT-2's BPE; BERT: the saved tokenizer
+    type's WordPiece, else the one whose Megatron padding gives `rows`)."""
     tokenizer = _arg(args, "tokenizer_type")
     if family is GPT:
         if tokenizer not in (None, "GPT2BPETokenizer"):
             raise MegatronFormatError(f"tokenizer_type={tokenizer!r}: this project reads and evaluates GPT with "
                                       f"GPT-2's BPE ({GPT2_TOKENS} tokens), so another vocabulary cannot be imported")
-        return vocab_size or GPT2_TOKENS
+        return vocab_size or _arg(args, "vocab_size") or GPT2_TOKENS
     if tokenizer is not None and tokenizer not in BERT_TOKENIZERS:
         raise MegatronFormatError(f"tokenizer_type={tokenizer!r}: a BERT here uses a WordPiece vocabulary "
                                   f"({', '.join(BERT_TOKENIZERS)})")

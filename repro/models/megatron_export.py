@@ -7,9 +7,10 @@ model_optim_rng.pt, each holding `checkpoint_version` 3.0, the model's arguments
 `model` state with megatron-core's local-spec names (`embedding`, `decoder.layers.N.input_layernorm`,
 `self_attention.linear_qkv` ...). Each rank's fused QKV rows go into Megatron's [np, 3, hn] order; the
 word embedding is padded to Megatron's multiple of 128 x tp rows with copies of its last row
-(`fill_padded_vocab`). No optimizer or RNG state is
-written: Megatron-LM loads it with --no-load-optim --no-load-rng (and --finetune to start at
-iteration 0), given the same model arguments as are saved here.
+(`fill_padded_vocab`); the model's own vocab_size goes into Megatron's `vocab_size` argument (--vocab-size,
+which only its NullTokenizer reads), so that import-megatron gives the same model back. No optimizer or
+RNG state is written: Megatron-LM loads it with --no-load-optim --no-load-rng (and --finetune to start
+at iteration 0), given the same model arguments as are saved here.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def model_arguments(cfg: ModelConfig, tp: int) -> argparse.Namespace:
         norm_epsilon=cfg.layernorm_epsilon, **_gelu_arguments(cfg.gelu),
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, tokenizer_type="GPT2BPETokenizer", make_vocab_size_divisible_by=128,
-        padded_vocab_size=megatron_vocab_rows(cfg.vocab_size, tp), tensor_model_parallel_size=tp,
+        padded_vocab_size=megatron_vocab_rows(cfg.vocab_size, tp), vocab_size=cfg.vocab_size,
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1, params_dtype=torch.float32, transformer_impl="local", ckpt_format="torch")
 
 

@@ -38,6 +38,8 @@ from repro.provenance import write_atomic
 FORMAT_VERSION = 1
 ZIP_MAGIC = b"PK\x03\x04"  # how every torch.save archive (the zip format, torch >= 1.6) begins
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+FAMILIES = ("gpt", "bert")
+"""meta.json's `family` values (a checkpoint without one is a GPT's)."""
 
 
 class CheckpointError(RuntimeError):
@@ -260,11 +262,15 @@ def read_meta(ckpt: Path) -> dict:
 
 
 def _check_meta_fields(path: Path, meta: dict) -> None:
-    """A CheckpointError unless meta.json's `tp` is a positive integer and its `model` (where given) a
-    mapping of ModelConfig's fields; fields unknown here come from a newer checkout."""
+    """A CheckpointError unless meta.json's `tp` is a positive integer, its `family` (where given: older
+    checkpoints, all GPT, have none) gpt or bert and its `model` (where given) a mapping of ModelConfig's
+    fields; fields unknown here come from a newer checkout."""
     tp, model = meta["tp"], meta.get("model", {})
     if type(tp) is not int or tp < 1:
         raise _damaged(path, ValueError(f"`tp` is {tp!r}, not a positive integer"))
+    if meta.get("family", "gpt") not in FAMILIES:
+        raise CheckpointError(f"{path}: `family` is {meta['family']!r}, not one of {FAMILIES}. Fix: set it to the "
+                              "model's family, gpt or bert (lower case), as training writes it")
     if not isinstance(model, dict):
         raise _damaged(path, ValueError(f"`model` is a {type(model).__name__}, not a mapping of model settings"))
     unknown = sorted(set(model) - MODEL_FIELDS)

@@ -231,8 +231,9 @@ def register(sub) -> None:
     m.add_argument("--num-attention-heads", type=int, default=None,
                    help="needed only when the checkpoint saved no training arguments (16 for the 345M releases)")
     m.add_argument("--vocab-size", type=int, default=None,
-                   help="the real vocabulary under Megatron's padded rows (default: the tokenizer's: 50257 for "
-                   "GPT-2's BPE; BERT's from its saved tokenizer type or its padded row count)")
+                   help="the real vocabulary under Megatron's padded rows (default: a GPT's saved vocab_size, as "
+                   "export-megatron writes it, else GPT-2's BPE: 50257; BERT's from its saved tokenizer type "
+                   "or its padded row count)")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=1024,
                    help="vocab padding unit here (Megatron's own padded rows are dropped on import)")
     m.add_argument("--gelu", choices=("tanh", "erf"), default=None,

@@ -85,15 +85,17 @@ class RunLogger:
 
     def __init__(self, run_dir: str | Path, experiment: str, run_name: str,
                  params: dict[str, str], tags: dict[str, str], use_mlflow: bool = True,
-                 resume_run_id: str | None = None, starts_over: bool = False) -> None:
+                 resume_run_id: str | None = None, starts_over: bool = False,
+                 replaces_run_id: str | None = None) -> None:
         """`starts_over`: this launch begins the run again (nothing to resume from): what an earlier
-        launch left in the directory is moved aside, not mixed into this run's rows."""
+        launch left in the directory is moved aside, not mixed into this run's rows. `replaces_run_id`:
+        an MLflow run set aside (set_aside_run_id), ended KILLED if still RUNNING once this one starts."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         for stale in (STOP_MARKER, STATUS_FILE):  # an earlier launch's stop or end, not this one's
             (self.run_dir / stale).unlink(missing_ok=True)
-        earlier_run_id = _set_aside_earlier_launch(self.run_dir) if starts_over else None
+        earlier_run_id = _set_aside_earlier_launch(self.run_dir) if starts_over else replaces_run_id
         drop_partial_line(self.metrics_path)
         tags = {**tags, "experiment": experiment, "run_name": run_name}
         if not starts_over:
@@ -267,6 +269,21 @@ def set_aside_rows_after(run_dir: Path, step: int) -> Path | None:
     aside.write_bytes(path.read_bytes())
     _write_text(path, "".join(kept))
     return aside
+
+
+def set_aside_run_id(run_dir: Path) -> str | None:
+    """Rename mlflow_run_id with a time suffix, so the next launch logs into a new MLflow run (which gets
+    metrics.jsonl's rows): one whose steps past the run's new end cannot be taken out of the old run
+    (MLflow deletes no metric value). Returns the id set aside."""
+    earlier = recorded_run_id(run_dir)
+    if earlier:
+        (run_dir / RUN_ID_FILE).rename(run_dir / f"{RUN_ID_FILE}.before-{time.strftime('%Y%m%dT%H%M%S')}")
+    return earlier
+
+
+def set_aside_run_ids(run_dir: Path) -> set[str]:
+    """The MLflow run ids of the launches set aside in `run_dir` (mlflow_run_id.before-*)."""
+    return {p.read_text().strip() for p in Path(run_dir).glob(f"{RUN_ID_FILE}.before-*")}
 
 
 def _row_step(line: str) -> float:
@@ -508,7 +525,7 @@ def _run_of_dir(client, run_dir: Path, experiment: str):
     if exp is None:
         return None
     path = str(run_dir.resolve())
-    dead = {p.read_text().strip() for p in run_dir.glob(f"{RUN_ID_FILE}.before-*")}
+    dead = set_aside_run_ids(run_dir)
     for key, value in ((RUN_DIR_TAG, path), ("synced_from", path)):
         if "'" in value:  # not expressible in a search filter
             continue

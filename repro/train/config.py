@@ -11,7 +11,7 @@ Derived values (dp, gradient-accumulation steps, padded vocab) are computed in `
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -484,11 +484,19 @@ def resume_differences(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
             if not any(key == s or (s.endswith(".") and key.startswith(s)) for s in safe)}
 
 
-def schedule_changes(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
-    """The schedule settings a resume with optim.override_schedule changes (none without it)."""
-    if not cfg.optim.override_schedule:
-        return {}
-    return {key: change for key, change in _all_differences(saved_yaml, cfg).items() if key in SCHEDULE_KEYS}
+def saved_schedule(saved_yaml: str, cfg: RunConfig) -> tuple[OptimConfig, int]:
+    """The optim config and train.train_iters a saved config's lr schedule ran with (SCHEDULE_KEYS and
+    train.train_iters from `saved_yaml`, the rest, and any key it lacks, from `cfg`)."""
+    saved = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
+    optim = {key.split(".", 1)[1]: saved[key] for key in SCHEDULE_KEYS if key in saved}
+    return replace(cfg.optim, **optim), int(saved.get("train.train_iters", cfg.train.train_iters))
+
+
+def schedule_differences(saved_yaml: str, cfg: RunConfig) -> dict[str, tuple]:
+    """`key -> (saved, new)` of the settings of the lr schedule (SCHEDULE_KEYS, train.train_iters) that
+    differ from a saved config."""
+    keys = SCHEDULE_KEYS + ("train.train_iters",)
+    return {key: change for key, change in _all_differences(saved_yaml, cfg).items() if key in keys}
 
 
 def check_resume(saved_yaml: str, cfg: RunConfig, ckpt: str) -> None:

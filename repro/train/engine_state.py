@@ -115,15 +115,33 @@ def check_same_train_data(meta: dict, size: dict[str, int], prefix: str, ckpt: P
             "was trained on, or start a new run with --set run_dir=NEW_DIR")
 
 
+def _refuse_model_only(path: Path) -> None:
+    raise ck.CheckpointError(f"{path} is a model-only (resharded) checkpoint without optimizer state: it cannot "
+                             "be resumed; train in a new run_dir (`repro train` does not start from one: use it with "
+                             "repro eval, generate or finetune)")
+
+
+def _refuse_model_only_in(run_dir: Path) -> None:
+    """A model-only checkpoint (a reshard's or import's --out) at run_dir/checkpoints or run_dir itself: not
+    a run to resume, nor one to start afresh beside it (its files would silently go unused)."""
+    for path in (run_dir / "checkpoints", run_dir):
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("model_only"):
+            _refuse_model_only(path)
+
+
 def resume_meta(cfg: RunConfig, tp: int, world_size: int) -> tuple[Path | None, dict]:
     """The run's latest checkpoint and its meta, checked against this launch (nothing is loaded)."""
     latest = ck.latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
     if latest is None:
+        _refuse_model_only_in(Path(cfg.run_dir))
         return None, {}
     meta = ck.read_meta(latest)
     if meta.get("model_only"):
-        raise ck.CheckpointError(f"{latest} is a model-only (resharded) checkpoint without optimizer state: "
-                                 "it cannot be resumed; train in a new run_dir")
+        _refuse_model_only(latest)
     if meta["tp"] != tp:
         ranks = f" on a multiple of {meta['tp']} ranks" if meta["tp"] > 1 else ""
         raise ck.CheckpointError(

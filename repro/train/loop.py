@@ -21,13 +21,15 @@ from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro.provenance import git_sha, write_atomic
-from repro.tracking.logger import STOP_MARKER, RunLogger, recorded_run_id, set_aside_rows_after
+from repro.tracking.logger import (STOP_MARKER, RunLogger, read_metrics, recorded_run_id, set_aside_rows_after,
+                                   set_aside_run_id, set_aside_run_ids)
 from repro.train import checkpoint as ck
-from repro.train.config import RunConfig, derive, flat_params, schedule_changes, to_yaml
+from repro.train.config import RunConfig, derive, flat_params, saved_schedule, schedule_differences, to_yaml
 from repro.train.engine import Engine, build_engine
 from repro.train.engine_state import (TrainState, check_same_train_data, load, optimizer_state_bytes, resume_meta,
                                       save, train_data_size)
 from repro.train.objectives import build_dataset, data_loader
+from repro.train.optim import lr_at
 from repro.train.signals import STOP_SIGNALS, PendingStop
 from repro.train.step import evaluate, refuse_divergence, train_step
 
@@ -230,12 +232,9 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         state.train_data = train_data_size(cfg.data.train_prefix)
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))
         valid = _valid_loader(cfg, pg, eng.device.type)
-        if meta and pg.rank == 0:
-            _set_aside_if_rescheduled(cfg, meta, state.iteration)
-        # a resumed run keeps its MLflow run; after `repro tracking sync` the run dir names it
-        resume_id = meta.get("mlflow_run_id") or (recorded_run_id(cfg.run_dir) if meta else None)
-        logger = _logger(cfg, eng, resume_id, tags or {}, data_params(cfg, train_data), placement,
-                         starts_over=not meta) if pg.rank == 0 else None
+        replaced = _set_aside_if_redone_differently(cfg, meta, state.iteration) if meta and pg.rank == 0 else None
+        logger = _logger(cfg, eng, _resume_run_id(cfg, meta), tags or {}, data_params(cfg, train_data), placement,
+                         starts_over=not meta, replaces_run_id=replaced) if pg.rank == 0 else None
         if logger and meta:  # a hard kill after the checkpoint: the steps it redoes are logged already
             logger.resume_at(state.iteration)
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
@@ -258,17 +257,57 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             raise
 
 
-def _set_aside_if_rescheduled(cfg: RunConfig, meta: dict, iteration: int) -> None:
-    """A resume with a new schedule (optim.override_schedule) redoes the steps after its checkpoint with
-    other values: the earlier launch's rows of those steps are moved aside, not kept in their place."""
-    changes = schedule_changes(meta["config_yaml"], cfg) if "config_yaml" in meta else {}
-    if not changes:
-        return
-    changed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
-    print(f"new schedule from iteration {iteration + 1}: {changed}", flush=True)
-    aside = set_aside_rows_after(Path(cfg.run_dir), iteration)
-    if aside:
-        print(f"the earlier launch's rows after iteration {iteration} are in {aside} only", flush=True)
+def _set_aside_if_redone_differently(cfg: RunConfig, meta: dict, iteration: int) -> str | None:
+    """A resume redoes the steps after its checkpoint. Where the earlier launch ran them at another lr (a
+    new schedule: optim.override_schedule, or a new train.train_iters with optim.lr_decay_iters unset), its
+    rows after the checkpoint are moved aside, not kept in their place; so are its rows past a shortened
+    run's end. Those cannot leave its MLflow run: the run id is set aside too and returned (this launch
+    logs into a new run), else None."""
+    saved = _previous_config(cfg, meta)
+    if saved is None:
+        return None
+    changes = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in schedule_differences(saved, cfg).items())
+    end = cfg.train.train_iters
+    if _lr_differs(saved, cfg, iteration):
+        print(f"new schedule from iteration {iteration + 1}: {changes}", flush=True)
+        keep = iteration
+    else:
+        keep = max(iteration, end)
+    last = max((row["step"] for row in read_metrics(cfg.run_dir)), default=0)
+    if last <= keep:
+        return None
+    if keep != iteration:
+        print(f"the run now ends at iteration {end} ({changes})", flush=True)
+    aside = set_aside_rows_after(Path(cfg.run_dir), keep)
+    print(f"the earlier launch's rows after iteration {keep} are in {aside} only", flush=True)
+    replaced = set_aside_run_id(Path(cfg.run_dir)) if last > end else None
+    if replaced:
+        print(f"its MLflow run {replaced} keeps its rows after iteration {end} (MLflow deletes no metric value): "
+              "this launch logs into a new run, with metrics.jsonl's rows", flush=True)
+    return replaced
+
+
+def _previous_config(cfg: RunConfig, meta: dict) -> str | None:
+    """The resolved config of the launch whose rows follow the checkpoint: the run dir's config.yaml
+    (each launch writes it before logging), else the checkpoint's."""
+    path = Path(cfg.run_dir) / "config.yaml"
+    return path.read_text() if path.is_file() else meta.get("config_yaml")
+
+
+def _lr_differs(saved_yaml: str, cfg: RunConfig, iteration: int) -> bool:
+    """Whether a step after `iteration` that the saved config also ran gets another lr now."""
+    old, old_iters = saved_schedule(saved_yaml, cfg)
+    return any(lr_at(i, old, old_iters) != lr_at(i, cfg.optim, cfg.train.train_iters)
+               for i in range(iteration, min(old_iters, cfg.train.train_iters)))
+
+
+def _resume_run_id(cfg: RunConfig, meta: dict) -> str | None:
+    """The MLflow run a resumed launch keeps (None for a run begun again): its checkpoint's, or the one
+    the run dir names (after `repro tracking sync`, or where the checkpoint's was set aside)."""
+    if not meta:
+        return None
+    saved = meta.get("mlflow_run_id")
+    return (None if saved in set_aside_run_ids(Path(cfg.run_dir)) else saved) or recorded_run_id(cfg.run_dir)
 
 
 def _stop_for_signal(eng: Engine, state: TrainState, final: dict, logger, meta: dict, stop: StopSignal) -> dict:
@@ -336,7 +375,7 @@ def placement_params(placement: Placement, eng: Engine) -> dict[str, str]:
 
 
 def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, str],
-            placement: Placement, starts_over: bool) -> RunLogger:
+            placement: Placement, starts_over: bool, replaces_run_id: str | None = None) -> RunLogger:
     all_tags = {"family": cfg.tracking.experiment, "paper_ref": cfg.tracking.paper_ref,
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), **tags}
     print(f" train data {cfg.data.train_prefix}: {int(data['data_train_tokens']):,} tokens, "
@@ -346,7 +385,7 @@ def _logger(cfg: RunConfig, eng: Engine, resume_run_id, tags, data: dict[str, st
     logger = RunLogger(cfg.run_dir, cfg.tracking.experiment, cfg.name,
                        {**run_params(cfg, eng), **data, **placement_params(placement, eng)},
                        all_tags, use_mlflow=cfg.tracking.enabled, resume_run_id=resume_run_id,
-                       starts_over=starts_over)
+                       starts_over=starts_over, replaces_run_id=replaces_run_id)
     config_path = Path(cfg.run_dir) / "config.yaml"
     write_atomic(config_path, to_yaml(cfg).encode())
     logger.log_artifact(config_path)

@@ -77,12 +77,13 @@ source_cluster_env() {  # source_cluster_env FILE: its variables, exported; for 
     [[ "$name" =~ ^REPRO_[A-Za-z0-9_]*$ && "${!name-}" != "${item#*=}" ]] || continue
     export "${item?}" 2>/dev/null || true  # (a read-only one, which the file could not change either)
   done
-  for name in REPRO_RUN_NAME REPRO_MASTER_PORT; do  # one job's, never the shared file's
+  local -A what=([REPRO_RUN_NAME]="run dir" [REPRO_MASTER_PORT]="rendezvous port" [REPRO_MASTER_ADDR]="rank-0 address")
+  for name in REPRO_RUN_NAME REPRO_MASTER_PORT REPRO_MASTER_ADDR; do  # one job's, never the shared file's
     [[ -n "${!name+x}" ]] || continue
     for item in ${saved[@]+"${saved[@]}"}; do
       [[ "$item" != "$name="* ]] || continue 2  # from the environment
     done
-    die "$name is set in $file, which every job (and every requeued piece) reads: all of them would share one $([[ $name == REPRO_RUN_NAME ]] && echo 'run dir' || echo 'rendezvous port'). It belongs to one job: remove the line and give it at submit time, e.g. $name=${!name} sbatch slurm/SCRIPT.sh"
+    die "$name is set in $file, which every job (and every requeued piece) reads: all of them would share one ${what[$name]}. It belongs to one job: remove the line and give it at submit time, e.g. $name=${!name} sbatch slurm/SCRIPT.sh"
   done
 }
 
@@ -109,8 +110,8 @@ setup_job() {
   local hosts nodelist="${SLURM_JOB_NODELIST:-$(hostname -s)}"
   hosts="$(scontrol show hostnames "$nodelist")" \
     || die "\`scontrol show hostnames $nodelist\` failed (its error is above): no rank-0 host for MASTER_ADDR"
-  export MASTER_ADDR="${hosts%%$'\n'*}"
-  [[ -n "$MASTER_ADDR" ]] || die "\`scontrol show hostnames $nodelist\` printed no host: no rank-0 host for MASTER_ADDR"
+  [[ -n "${hosts%%$'\n'*}" ]] || die "\`scontrol show hostnames $nodelist\` printed no host: no rank-0 host for MASTER_ADDR"
+  pick_master_addr "${hosts%%$'\n'*}"
   pick_master_port
   note "rank-0 rendezvous $MASTER_ADDR:$MASTER_PORT"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}" TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
@@ -118,6 +119,36 @@ setup_job() {
   export REPRO_DATA_DIR REPRO_RUN_DIR
   set_cpus_per_task
   cd "$REPRO_ROOT"
+}
+
+resolves() {  # resolves HOST: getaddrinfo finds HOST here (DNS, /etc/hosts; an IP address always), as the ranks' will
+  getent ahosts "$1" >/dev/null 2>&1
+}
+
+node_addr() {  # node_addr NODE: its NodeAddr in `scontrol show node` (the address slurmctld reaches it by), else nothing
+  local record
+  record="$(scontrol show node -o "$1" 2>/dev/null)" || return 0
+  [[ ! "$record" =~ (^|[[:space:]])NodeAddr=([^[:space:]]+) ]] || echo "${BASH_REMATCH[2]}"
+}
+
+pick_master_addr() {  # pick_master_addr NODE: MASTER_ADDR: REPRO_MASTER_ADDR (given at submit time), else the
+  # first node's Slurm name when it resolves here, else its NodeAddr. Slurm does not need NodeName to be
+  # a host name (cloud nodes: NodeName=cloud1 NodeAddr=10.0.0.5); the ranks would retry it until timeout.
+  local node="$1" addr
+  if [[ -n "${REPRO_MASTER_ADDR:-}" ]]; then
+    export MASTER_ADDR="$REPRO_MASTER_ADDR"
+    return 0
+  fi
+  export MASTER_ADDR="$node"
+  resolves "$node" && return 0
+  addr="$(node_addr "$node")"
+  [[ "$addr" != "$node" ]] || addr=""  # (Slurm's default NodeAddr is the NodeName)
+  if [[ -n "$addr" ]] && resolves "$addr"; then
+    note "the first node's Slurm name $node does not resolve on $(hostname -s): MASTER_ADDR is its NodeAddr $addr"
+    export MASTER_ADDR="$addr"
+    return 0
+  fi
+  die "MASTER_ADDR=$node (the first node's Slurm name) does not resolve on $(hostname -s)${addr:+, nor does its NodeAddr $addr}: give an address of that node with REPRO_MASTER_ADDR=ADDR sbatch ..., or fix DNS"
 }
 
 port_in_use() {  # port_in_use PORT: something on this host listens on TCP PORT

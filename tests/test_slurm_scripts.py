@@ -121,6 +121,10 @@ case "$1 $2" in
     [[ "${FAKE_REQUEUE_FAILS:-0}" == 0 ]] || { echo "scontrol: error: Requested operation is presently disabled" >&2; exit 1; } ;;
 esac
 """
+FAKE_GETENT = """#!/bin/bash
+# a fake getent: the fake nodes (node001, node002) resolve, as a cluster's do
+echo "10.0.0.1        STREAM $2"
+"""
 FAKE_SRUN = """#!/bin/bash
 # a fake srun: logs its arguments and SRUN_CPUS_PER_TASK; with FAKE_STEP=stop it stops as the trainer
 # does for a signal (marker, exit 0); with FAKE_STEP=wait it waits for a signal and logs which came
@@ -143,7 +147,7 @@ def _job_env(tmp_path: Path, wikitext: bool = True, cluster_env: str | None = No
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in {"repro": FAKE_REPRO, "scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN}.items():
+    for name, text in {"repro": FAKE_REPRO, "scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN, "getent": FAKE_GETENT}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     if wikitext:
@@ -327,9 +331,9 @@ def test_cluster_env_may_extend_a_library_path_the_job_does_not_have(tmp_path, m
     assert cluster_settings(tmp_path / "cluster.env")["LD_LIBRARY_PATH"] == "/opt/nccl/lib:"
 
 
-@pytest.mark.parametrize("line", ["REPRO_RUN_NAME=shared", "REPRO_MASTER_PORT=23456"])
+@pytest.mark.parametrize("line", ["REPRO_RUN_NAME=shared", "REPRO_MASTER_PORT=23456", "REPRO_MASTER_ADDR=10.0.0.7"])
 def test_a_per_job_variable_in_cluster_env_is_refused(tmp_path, line):
-    """C2/C3: the shared file is read by every job: one run dir or one port for all of them."""
+    """C2/C3: the shared file is read by every job: one run dir, one port or one rank-0 address for all."""
     env = _job_env(tmp_path, cluster_env=f"REPRO_RUNS_DIR={tmp_path}/runs\nREPRO_DATA_DIR={tmp_path}/data\n{line}\n")
     out, log, _ = _run_job(tmp_path, env, "--smoke", "--dry-run")
     name = line.split("=")[0]

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "experiments" / "tiny" / "gpt_tiny.yaml")
 FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
-  "show hostnames") echo node001 ;;
+  "show hostnames") echo localhost ;;  # a name that resolves, as a node's does
   "show job") echo "JobId=$3 JobName=x Requeue=1 Command=/x.sh WorkDir=/w" ;;
 esac
 """
@@ -48,7 +48,7 @@ def _job(tmp_path: Path, script: str, *args: str, **extra: str) -> tuple[int, st
            if not k.startswith(("SLURM_", "REPRO_", "NCCL_SOCKET", "GLOO_SOCKET", "MLFLOW_"))}
     env.update(PATH=f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
                REPRO_ROOT=str(ROOT), REPRO_CLUSTER_ENV=str(tmp_path / "cluster.env"), SLURM_JOB_ID="42",
-               SLURM_NTASKS="8", SLURM_JOB_NAME=Path(script).stem, SLURM_JOB_NODELIST="node001",
+               SLURM_NTASKS="8", SLURM_JOB_NAME=Path(script).stem, SLURM_JOB_NODELIST="localhost",
                MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", OMP_NUM_THREADS="1", **extra)
     out = subprocess.run(["bash", str(ROOT / "slurm" / script), *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)

@@ -78,7 +78,7 @@ class ClusterEnvError(ValueError):
     """A cluster.env that launch.sh would refuse; the message names the file and the fix."""
 
 
-PER_JOB = {"REPRO_RUN_NAME": "run dir", "REPRO_MASTER_PORT": "rendezvous port"}
+PER_JOB = {"REPRO_RUN_NAME": "run dir", "REPRO_MASTER_PORT": "rendezvous port", "REPRO_MASTER_ADDR": "rank-0 address"}
 
 
 def cluster_settings(env_file: Path | None = None) -> dict[str, str]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import socket
 import subprocess
 import warnings
 from dataclasses import dataclass
@@ -196,7 +198,38 @@ def _first_slurm_host() -> str:
         raise RuntimeError(f"MASTER_ADDR is not set and `scontrol show hostnames {nodelist}` failed ({problem}): "
                            "launch through slurm/launch.sh (it exports MASTER_ADDR/MASTER_PORT), or export "
                            "MASTER_ADDR=<first node> yourself")
-    return out.stdout.split()[0]
+    return _rendezvous_host(out.stdout.split()[0])
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return True
+
+
+def _node_addr(node: str) -> str:
+    """The node's NodeAddr in `scontrol show node` (the address slurmctld reaches it by); "" when none."""
+    try:
+        record = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+    found = re.search(r"(?:^|\s)NodeAddr=(\S+)", record)
+    return found.group(1) if found else ""
+
+
+def _rendezvous_host(node: str) -> str:
+    """launch.sh's rule: the node's Slurm name when it resolves here, else its NodeAddr (Slurm does not
+    need NodeName to be a host name: cloud nodes); an error rather than ranks retrying it until timeout."""
+    if _resolves(node):
+        return node
+    addr = _node_addr(node)
+    if addr and _resolves(addr):
+        return addr
+    nor = f", nor does its NodeAddr {addr}" if addr and addr != node else ""
+    raise RuntimeError(f"MASTER_ADDR is not set and the first node's Slurm name {node} does not resolve on "
+                       f"{socket.gethostname()}{nor}: export MASTER_ADDR=<an address of that node> or fix DNS")
 
 
 def _slurm_port(env) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
-from repro.parallel.groups import discover_launch_env
+from repro.parallel.groups import _resolves, discover_launch_env
 from slurm_cluster import SlurmCluster, job_site, require_slurm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,14 +30,6 @@ class CloudNodeCluster(SlurmCluster):
     def _node_lines(self, mem: int) -> list[str]:
         return [f"NodeName={NAME} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()} "
                 f"CPUs={os.cpu_count()} RealMemory={mem}"]
-
-
-def _resolves(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")

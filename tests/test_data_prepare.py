@@ -690,3 +690,28 @@ def test_a_worker_that_dies_is_a_data_error_that_names_the_fix():
     docs = ["fine"] * 50 + ["poison"] + ["fine"] * 50
     with pytest.raises(DataError, match="--workers process died.*Fix: rerun with fewer --workers"):
         list(process_documents(iter(docs), _dies_on_poison, workers=2, chunk_docs=4))
+
+
+def test_eval_sets_chooses_which_test_sets_are_filtered(data_dir, tmp_path, capsys):
+    """--eval-sets wikitext is the paper's filter (WikiText-103 test articles only): a LAMBADA passage stays."""
+    lambada = [json.loads(x) for x in (data_dir / "lambada" / "lambada_openai.test.jsonl").read_text().splitlines()]
+    lambada_docs = [f"{r['context']} {r['continuation']}" * 3 for r in lambada[:3]]
+    wiki_docs = _paragraphs(data_dir / "wikitext" / "wiki.test.raw", 150)[:2]
+    other = _paragraphs(data_dir / "wikitext" / "wikitext-2.valid.tokens", 150)[:1]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lambada_docs + wiki_docs + other))
+    base = ["data", "prepare", "--input", str(path), "--split", "1,0,0", "--data-dir", str(data_dir),
+            "--min-tokens", "0", "--no-dedup", "--no-progress", "--workers", "1"]
+    kept = {}
+    for sets in ("wikitext", "lambada", "wikitext,lambada"):
+        prefix = tmp_path / sets.replace(",", "_")
+        assert main([*base, "--output-prefix", str(prefix), "--eval-sets", sets]) == 0
+        record = json.loads((tmp_path / f"{prefix.name}_prepare.json").read_text())
+        kept[sets] = record["report"]["kept"]
+        assert len(record["filters"]["eval_files"]) == sets.count(",") + 1
+    assert kept == {"wikitext": 4, "lambada": 3, "wikitext,lambada": 1}
+    capsys.readouterr()
+    assert main([*base, "--output-prefix", str(tmp_path / "bad"), "--eval-sets", "wikitext,lambda"]) == 2
+    err = capsys.readouterr().err
+    assert "'lambda' is none" in err and "wikitext, lambada" in err and "--no-eval-filter" in err
+    assert not list(tmp_path.glob("bad*"))

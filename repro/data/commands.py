@@ -22,6 +22,20 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_files(names: str) -> tuple[str, ...]:
+    """The eval-set files of --eval-sets' comma-separated names."""
+    from repro.cli import UserError
+    from repro.data.filters import EVAL_SETS
+
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in EVAL_SETS]
+    if unknown or not chosen:
+        raise UserError(f"--eval-sets {names!r} names no eval set{f' ({unknown[0]!r} is none)' if unknown else ''}. "
+                        f"Fix: a comma-separated list of {', '.join(EVAL_SETS)} (wikitext alone is the "
+                        "paper's filter), or --no-eval-filter to keep overlaps")
+    return tuple(EVAL_SETS[n] for n in dict.fromkeys(chosen))
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from repro.data.fetch import data_dir_from_env
     from repro.data.filters import FilterOptions
@@ -39,7 +53,8 @@ def _prepare(args: argparse.Namespace) -> int:
                         "Fix: a count of at least 1 (default 10), or --no-eval-filter to keep overlaps")
     filters = FilterOptions(min_tokens=args.min_tokens, dedup=not args.no_dedup,
                             dedup_threshold=args.dedup_threshold,
-                            eval_overlap=not args.no_eval_filter, min_matches=args.eval_min_matches)
+                            eval_overlap=not args.no_eval_filter, min_matches=args.eval_min_matches,
+                            eval_files=_eval_files(args.eval_sets))
     opts = PrepareOptions(
         input=tuple(Path(x) for x in args.input), output_prefix=args.output_prefix, tokenizer=args.tokenizer,
         data_dir=Path(args.data_dir) if args.data_dir else data_dir_from_env(),
@@ -100,6 +115,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-dedup", action="store_true", help="skip MinHash LSH near-dup removal")
     p.add_argument("--dedup-threshold", type=float, default=0.7)
     p.add_argument("--no-eval-filter", action="store_true", help="keep eval-set overlaps")
+    p.add_argument("--eval-sets", default="wikitext,lambada",
+                   help="eval test sets whose overlaps are dropped: wikitext (the paper's WikiText-103 test "
+                        "articles) and lambada (this project's addition)")
     p.add_argument("--eval-min-matches", type=int, default=10,
                    help="shared 8-grams that make a document overlap an eval set")
     p.add_argument("--no-progress", action="store_true")

@@ -17,7 +17,9 @@ compared by its own words, not by the few Latin ones it holds.
   A document with fewer words than a shingle (symbols, a table of numbers: rare past min_tokens)
   has no shingle and is never a near-duplicate: it is kept, and nothing is compared with it.
 - Eval overlap: a document that shares at least `min_matches` distinct word 8-grams with an evaluation set
-  (WikiText test, LAMBADA test) is dropped, as the paper removed the WikiText-103 test articles.
+  (WikiText test, LAMBADA test) is dropped. The paper removed the WikiText-103 test articles from its
+  Wikipedia; LAMBADA is this project's addition (its passages come from books, which the corpus has
+  too), and `eval_files` with WikiText alone (`--eval-sets wikitext`) is the paper's rule.
   The default is 10, not 1: with 1, 5 of the 60 WikiText-2 validation articles went for one or
   three stock phrases ("by the recording industry association of america riaa"), while a copied
   test article shares thousands of 8-grams and a copied LAMBADA passage about 70.
@@ -44,7 +46,8 @@ _NO_SPACES = "\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _WORD = re.compile(rf"[{_NO_SPACES}]|[^\W_{_NO_SPACES}]+")  # one character each, or a run of letters/digits
 _PRIME = np.uint64(1099511628211)  # FNV-64 prime, a good odd multiplier for the rolling hash
 NO_SHINGLES = 2**32 - 1  # every min-hash of an empty shingle set (affine32)
-EVAL_FILES = ("wikitext/wiki.test.raw", "lambada/lambada_openai.test.jsonl")
+EVAL_SETS = {"wikitext": "wikitext/wiki.test.raw", "lambada": "lambada/lambada_openai.test.jsonl"}
+EVAL_FILES = tuple(EVAL_SETS.values())  # the default: the paper's WikiText-103 test, and LAMBADA's
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,8 @@ def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
 
 @dataclass
 class DynamicLossScaler:
-    """fp16 dynamic loss scaling (paper recipe: start 2^32, window 1000, hysteresis 2, minimum 1).
+    """fp16 dynamic loss scaling (Megatron-LM's defaults, as the paper states none: start 2^32, window 1000,
+    hysteresis 2, minimum 1).
 
     An overflow skips the step. The `hysteresis`-th overflow halves the scale, and so does every
     overflow after it until `window` clean iterations double the scale, which restores the hysteresis.

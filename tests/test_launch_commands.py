@@ -180,7 +180,7 @@ def test_submit_without_sbatch_names_the_fix(sbatch, capsys, monkeypatch):
 def test_an_evaluation_job_without_its_checkpoint_is_not_queued(sbatch, capsys, monkeypatch, script, variable):
     monkeypatch.delenv(variable, raising=False)
     assert main(["slurm", "submit", str(ROOT / "slurm" / script)]) == 2
-    assert f"{variable}=RUNS/<run dir> repro slurm submit {script}" in capsys.readouterr().err and _calls(sbatch) == []
+    assert f"{variable}=RUNS/<run dir> repro slurm submit slurm/{script}" in capsys.readouterr().err and _calls(sbatch) == []
     monkeypatch.setenv(variable, "/shared/runs/x-1")
     assert main(["slurm", "submit", str(ROOT / "slurm" / script)]) == 0 and len(_calls(sbatch)) == 1
 
@@ -222,3 +222,20 @@ def test_scontrol_fields_keep_values_with_spaces_and_equals_signs():
         "scale 1b", "/home/me/my jobs/x.sh --smoke", "cpu=1,mem=1G,node=1")
     assert (fields["Socks/Node"], fields["NtasksPerN:B:S:C"], fields["Power"]) == ("*", "0:0:*:*", "")
     assert list(fields)[:3] == ["JobId", "JobName", "UserId"] and len(fields) == 13
+
+
+def test_the_fix_for_an_unset_checkpoint_is_a_command_that_works(sbatch, capsys, monkeypatch, tmp_path):
+    """table3's hint named `repro slurm submit zeroshot_eval.sh`, which then failed: 'does not exist'.
+    The hint names slurm/zeroshot_eval.sh, and a bare name of a script in slurm/ is found there."""
+    monkeypatch.delenv("REPRO_EVAL_CHECKPOINT", raising=False)
+    assert main(["slurm", "sweep", "table3", "--dry-run"]) == 2
+    fix = capsys.readouterr().err.split("Fix: `", 1)[1].split("`", 1)[0]
+    assert fix == "REPRO_EVAL_CHECKPOINT=RUNS/<run dir> repro slurm submit slurm/zeroshot_eval.sh"
+    monkeypatch.setenv("REPRO_EVAL_CHECKPOINT", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # not the checkout: the bare name is slurm/'s
+    for name in ("slurm/zeroshot_eval.sh", "zeroshot_eval.sh"):
+        arg = str(ROOT / name) if name.startswith("slurm/") else name
+        assert main(["slurm", "submit", "--dry-run", arg]) == 0
+        assert capsys.readouterr().out.strip().endswith(f"{ROOT}/slurm/zeroshot_eval.sh")
+    assert main(["slurm", "submit", "--dry-run", "nonesuch.sh"]) == 2
+    assert "does not exist: see `ls slurm/`" in capsys.readouterr().err

@@ -203,7 +203,7 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
     needed = NEEDS.get(script.stem)
     if needed and not settings.get(needed):
         raise _user_error(f"{script.name} evaluates the checkpoint {needed} names, and it is not set: the job would "
-                          f"stop as soon as it starts. Fix: `{needed}=RUNS/<run dir> repro slurm submit {script.name}` "
+                          f"stop as soon as it starts. Fix: `{needed}=RUNS/<run dir> repro slurm submit slurm/{script.name}` "
                           "(one job per checkpoint)")
     cmd = sbatch_command(script, extra, settings)
     print(shlex.join(cmd))  # pasteable: an account or a checkout path with a space stays one word
@@ -219,8 +219,16 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
     return out.stdout.strip().split(";")[0]
 
 
+def _script_path(name: str) -> Path:
+    """The job script a submit names: a path, or a bare name of one in slurm/ (`zeroshot_eval.sh`)."""
+    path = Path(name)
+    if not path.exists() and path.parent == Path(".") and (slurm_dir() / path).exists():
+        return slurm_dir() / path
+    return path.resolve()
+
+
 def _submit(args) -> int:
-    job = submit(Path(args.script).resolve(), args.args, args.dry_run)
+    job = submit(_script_path(args.script), args.args, args.dry_run)
     if job:
         print(f"submitted job {job}")
     return 0
@@ -354,7 +362,7 @@ def register(sub) -> None:
                         "without it a config checks before its corpus exists)")
     c.set_defaults(func=_check)
     s = ssub.add_parser("submit", help="sbatch one slurm/*.sh with REPRO_PARTITION / REPRO_ACCOUNT")
-    s.add_argument("script")
+    s.add_argument("script", help="a job script: slurm/scale_8b.sh, or a name in slurm/ such as scale_8b.sh")
     s.add_argument("args", nargs="*", help="passed to the script, after `--` (argparse takes options "
                    "before it as its own): e.g. `-- --smoke --set train.train_iters=100`")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch command only")

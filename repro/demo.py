@@ -128,8 +128,9 @@ def register(sub) -> None:
     root = project_root()
     p = sub.add_parser("demo", help="fetch, prepare, train GPT at TP=2 on 2 CPU processes, evaluate",
                        description=f"Data go to $REPRO_DATA_DIR, else {root / 'data'}; runs are tracked in "
-                                   f"$MLFLOW_TRACKING_URI, else {root / 'mlruns'} (under the checkout, whatever "
-                                   "the current directory). The locations are printed first.")
+                                   f"$MLFLOW_TRACKING_URI, else the store slurm/cluster.env (or $REPRO_CLUSTER_ENV) "
+                                   f"names for the cluster's jobs, else {root / 'mlruns'} (under the checkout, "
+                                   "whatever the current directory). The locations are printed first.")
     p.add_argument("--iters", type=int, default=None, help="training iterations (default 300; --smoke: 2)")
     p.add_argument("--run-dir", default=str(root / "runs" / "gpt-demo"),
                    help=f"the training run's directory (default: {root / 'runs' / 'gpt-demo'}, under the "

@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from repro.provenance import write_atomic
+from repro.provenance import measurement_provenance, write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_BERT = ROOT / "experiments" / "bert" / "tiny_cpu.yaml"
@@ -119,8 +120,9 @@ def plot(curves: dict[str, list[dict]], path: Path, size: str = "4 layers, h=128
     write_atomic(path, buf.getvalue())
 
 
-def run_ablation(opts: AblationOptions, out: Path) -> dict[str, dict]:
-    """Both orders, then OUT.png (the MLM curves) and OUT.json (options, run ids, curves)."""
+def run_ablation(opts: AblationOptions, out: Path, argv: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Both orders, then OUT.png (the MLM curves) and OUT.json (options, run ids, curves, and where and
+    how they were measured: device, versions, commit, `argv`)."""
     runs = {order: train_order(order, opts) for order in ORDERS}
     size = f"{opts.num_layers} layers, h={opts.hidden_size}, seq {opts.seq_length}, batch {opts.batch}"
     plot({o: r["curve"] for o, r in runs.items()}, out.with_suffix(".png"), size)
@@ -129,7 +131,9 @@ def run_ablation(opts: AblationOptions, out: Path) -> dict[str, dict]:
               "runs": {o: {k: r[k] for k in ("run_dir", "mlflow_run_id")} for o, r in runs.items()},
               "final_mlm_loss_last20": {o: tail_mean(r["curve"]) for o, r in runs.items()},
               "valid": {o: {k: v for k, v in r["final"].items() if k.startswith("valid_")} for o, r in runs.items()},
-              "curves": {o: r["curve"] for o, r in runs.items()}}
+              "curves": {o: r["curve"] for o, r in runs.items()},
+              "provenance": measurement_provenance(torch.device("cpu"), list(argv),
+                                                   prog="python -m repro.models.bert_ablation")}
     write_atomic(out.with_suffix(".json"), json.dumps(record, indent=1).encode())
     return runs
 
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = AblationOptions(args.data_prefix, str(args.data_dir or data_dir_from_env()), args.valid_prefix,
                            args.run_dir or f"runs/bert_fig7_cpu/{time.strftime('%Y%m%d-%H%M%S')}", args.iters,
                            args.batch, args.lr, args.seq_length, args.seed, tracking=not args.no_tracking)
-    runs = run_ablation(opts, Path(args.out))
+    runs = run_ablation(opts, Path(args.out), tuple(sys.argv[1:] if argv is None else argv))
     for order, run in runs.items():
         print(f"{order}: final MLM loss (mean of last 20 steps) {tail_mean(run['curve']):.3f}; "
               f"run dir {run['run_dir']}, MLflow run {run['mlflow_run_id']}")

@@ -35,7 +35,7 @@ data: setup
 # module per worker at a time, so a module's fixtures are built once (tests/conftest.py).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: setup data slurm-deps
-	REPRO_DATA_MIRROR="$${REPRO_DATA_MIRROR:-$(REPRO_DATA_DIR)}" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	REPRO_DATA_MIRROR="$${REPRO_DATA_MIRROR:-$(REPRO_DATA_DIR)}" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=30
 
 # The Slurm tests start a real single-node cluster (tests/slurm_cluster.py) and a two-node one whose
 # nodes live in network namespaces (tests/slurm_multinode.py, iproute2's `ip`): Debian packages, root.

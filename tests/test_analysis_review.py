@@ -184,6 +184,10 @@ def test_repro_report_refuses_a_broken_bench_json_with_exit_2(uri, tmp_path, mon
 
     _scaling(uri, "scaling", "scaling-1.2b", 1, 1, [20, 100, 100], [1, 0, 0])
     path = _broken_bench(tmp_path)
+    # modules that bind project_root by name at import must bind the real one: main() imports every
+    # command module, and one first imported under the patch (repro.launch.scripts) kept tmp_path as the
+    # checkout for the rest of the process (a later module's `slurm sweep` found no slurm/ scripts)
+    import repro.analysis.notebook, repro.analysis.runs, repro.demo, repro.launch.scripts, repro.provenance  # noqa: E401,F401
     monkeypatch.setattr("repro.tracking.store.project_root", lambda: tmp_path)
     assert main(["report", "--tracking-uri", uri, "--out", str(tmp_path / "out")]) == 2
     captured = capsys.readouterr()
@@ -191,25 +195,40 @@ def test_repro_report_refuses_a_broken_bench_json_with_exit_2(uri, tmp_path, mon
     assert "executing" not in captured.out and not (tmp_path / "out").exists()
 
 
+def _notebook(path, *sources: str) -> None:
+    """A notebook whose first cell is tagged `parameters` (as analysis/*.ipynb), then `sources`."""
+    import nbformat
+
+    cells = [nbformat.v4.new_code_cell("tracking_uri = out_dir = bench_dir = None", metadata={"tags": ["parameters"]})]
+    nb = nbformat.v4.new_notebook(cells=cells + [nbformat.v4.new_code_cell(src) for src in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
 def test_a_failing_notebook_leaves_the_report_folder_as_it_was(tmp_path, monkeypatch):
     """The notebooks write into a staging folder moved into --out at the end: the scaling tables of a
-    report whose zero-shot notebook failed do not replace the last report's."""
+    report whose zero-shot notebook failed do not replace the last report's. Real executions (nbclient,
+    a kernel) of two small notebooks in place of analysis/'s, which take ~15 s each here (the scaling
+    one would run twice): each writes its table into the injected out_dir, the zero-shot one then
+    raises in a cell."""
     from repro.analysis import commands, notebook
 
-    def fake_execute(path, params, failed_copy=None):
-        name = path.stem
-        (tmp_path / params["out_dir"] / notebook.TABLES[name][0]).write_text(f"new {name}")
-        if name == "zero_shot":
-            raise notebook.NotebookError("zero_shot.ipynb failed")
-
-    monkeypatch.setattr(notebook, "execute", fake_execute)
+    root = tmp_path / "checkout"
+    write = "from pathlib import Path\nPath(out_dir, {table!r}).write_text({text!r})"
+    _notebook(root / "analysis" / "scaling.ipynb", write.format(table="scaling_table.md", text="new scaling"))
+    _notebook(root / "analysis" / "zero_shot.ipynb", write.format(table="zero_shot_table.md", text="new zero_shot"),
+              "raise ValueError('no zero-shot runs (injected)')")
+    monkeypatch.setattr(notebook, "project_root", lambda: root)
     out = tmp_path / "out"
     out.mkdir()
     (out / "scaling_table.md").write_text("old")
-    with pytest.raises(notebook.NotebookError):
+    with pytest.raises(notebook.NotebookError, match=r"(?s)zero_shot.ipynb failed.*no zero-shot runs \(injected\)"):
         commands.run_report("sqlite:///x.db", out, ("scaling", "zero_shot"))
-    assert sorted(p.name for p in out.iterdir()) == ["scaling_table.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["failed", "scaling_table.md"]  # no new table, no staging
     assert (out / "scaling_table.md").read_text() == "old"
+    assert [p.name for p in (out / "failed").iterdir()] == ["zero_shot.ipynb"]  # its executed copy, kept
+    assert "no zero-shot runs (injected)" in (out / "failed" / "zero_shot.ipynb").read_text()
     assert commands.run_report("sqlite:///x.db", out, ("scaling",)) == [out / "scaling_table.md"]
     assert (out / "scaling_table.md").read_text() == "new scaling"
-    assert sorted(p.name for p in out.iterdir()) == ["scaling_table.md"]  # no staging folder left
+    assert sorted(p.name for p in out.iterdir()) == ["failed", "scaling_table.md"]  # no staging folder left

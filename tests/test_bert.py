@@ -35,7 +35,12 @@ def tp2_dp2_rows() -> list[dict]:
     return [row for rows in run_ranks(run_bert_checks, 4, [(2, 2)], timeout=240) for row in rows]
 
 
-def test_serial_matches_itself():
+def test_single_process_layout_builds_the_serial_bert_deterministically():
+    """The equivalence check at tp=1 dp=1 (ProcessGroups.single(), no process group): a second BERT
+    from the same seed has the same logits, losses and gradients. This checks deterministic init and
+    forward and the check's own plumbing, not correctness: the serial model is checked against an
+    independent implementation in test_original_order_equals_huggingface_bert_for_pretraining and
+    against hand-computed blocks below."""
     rows = [c.as_dict() for c in check_bert_equivalence(ProcessGroups.single(), "post", torch.float64)]
     assert not _failures(rows), rows
 
@@ -171,6 +176,9 @@ def test_fig7_ablation_trains_both_orders_through_the_trainer(bert_corpus, data_
     assert out.with_suffix(".png").stat().st_size > 10_000
     record = json.loads(out.with_suffix(".json").read_text())
     assert set(record["curves"]) == {"pre", "post"} and record["options"]["iters"] == 20
+    provenance = record["provenance"]  # where and how, as every measured result file says
+    assert provenance["device"].startswith("cpu") and provenance["torch"] == torch.__version__
+    assert provenance["git_sha"] and provenance["command"].startswith("python -m repro.models.bert_ablation")
 
 
 def test_a_bert_without_pretraining_heads_points_to_encode_and_pooled():

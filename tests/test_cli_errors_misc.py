@@ -29,6 +29,26 @@ def _snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+"""What repro.tracking.logger.quiet_http_retries puts in force (MLflow reads both at every request):
+one retry, 10 s per request, against MLflow's default 7 retries backing off to 120 s each (minutes)."""
+
+
+def _unset_retry_settings(monkeypatch) -> None:
+    """Neither MLflow retry setting set (as on a fresh login), restored after the test: the command
+    under test must put its own in force. (A plain delenv of an absent variable would not undo what
+    the command sets.)"""
+    for name in FAIL_FAST:
+        monkeypatch.setenv(name, "unset by the test")
+        monkeypatch.delenv(name)
+
+
+def _retry_settings() -> dict[str, str | None]:
+    import os
+
+    return {name: os.environ.get(name) for name in FAIL_FAST}
+
+
 # --- repro tracking sync ---------------------------------------------------------------------------
 
 @pytest.fixture
@@ -146,23 +166,29 @@ def test_sync_names_a_missing_file(tmp_path, store, capsys, missing, needle):
 
 
 def test_sync_to_an_unreachable_server_names_the_uri(tmp_path, monkeypatch, capsys):
+    """Fails fast (one quick retry, not MLflow's minutes of them: the settings in force are the
+    mechanism, not a wall-clock bound a loaded runner could break) and changes nothing."""
     run_dir = _offline_run(tmp_path / "run")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
-    before, start = _snapshot(run_dir), time.monotonic()
+    _unset_retry_settings(monkeypatch)
+    before = _snapshot(run_dir)
     rc, _, err = _cli(capsys, "tracking", "sync", str(run_dir))
     assert rc == 2 and UNREACHABLE in err and "rerun `repro tracking sync" in err
-    assert _snapshot(run_dir) == before and time.monotonic() - start < 20
+    assert _snapshot(run_dir) == before and _retry_settings() == FAIL_FAST
 
 
 # --- repro report ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("uri, needle", [(UNREACHABLE, "could not be read"), ("foo://bar", "unknown scheme foo://"),
                                          ("mlruns/mlflow.db", "is a path, not a URI")])
-def test_report_names_a_bad_or_unreachable_store(tmp_path, capsys, uri, needle):
-    start = time.monotonic()
-    rc, _, err = _cli(capsys, "report", "--tracking-uri", uri, "--out", str(tmp_path / "out"))
+def test_report_names_a_bad_or_unreachable_store(tmp_path, capsys, monkeypatch, uri, needle):
+    """Refused before any notebook runs (no --out folder); the unreachable server after one quick
+    retry (the settings in force), a bad URI before any request (none in force)."""
+    _unset_retry_settings(monkeypatch)
+    rc, out, err = _cli(capsys, "report", "--tracking-uri", uri, "--out", str(tmp_path / "out"))
     assert rc == 2 and needle in err and uri in err and "Fix:" in err and "Traceback" not in err
-    assert time.monotonic() - start < 15 and not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and "executing" not in out
+    assert _retry_settings() == (FAIL_FAST if uri == UNREACHABLE else dict.fromkeys(FAIL_FAST))
 
 
 # --- repro data prepare ----------------------------------------------------------------------------
@@ -274,14 +300,28 @@ def test_plan_paper_names_an_out_that_is_a_file(tmp_path, capsys, below):
 
 @pytest.mark.parametrize("command", [["bench", "--tiny", "--no-zero"], ["comm-bench", "--sizes", "8", "--iters", "1"]])
 @pytest.mark.parametrize("below", ["", "sub"])
-def test_bench_and_comm_bench_refuse_an_out_that_is_a_file_before_measuring(tmp_path, capsys, command, below):
-    """Before, FileExistsError / NotADirectoryError tracebacks (comm-bench's after the whole measurement)."""
+def test_bench_and_comm_bench_refuse_an_out_that_is_a_file_before_measuring(tmp_path, capsys, monkeypatch,
+                                                                           command, below):
+    """Before, FileExistsError / NotADirectoryError tracebacks (comm-bench's after the whole measurement).
+    "Before measuring": neither measurement (bench's run_bench, comm-bench's ranks) is started."""
+    from repro.parallel import spawn
+    from repro.perf import bench, comm_bench
+
+    started = []
+
+    def measuring(name: str):
+        def started_it(*args, **kwargs):
+            started.append(name)
+            raise AssertionError(f"{name} started before --out was checked")
+        return started_it
+
+    for module, name in ((bench, "run_bench"), (spawn, "run_ranks"), (comm_bench, "rank_main")):
+        monkeypatch.setattr(module, name, measuring(name))
     mine = tmp_path / "afile"
     mine.write_text("mine")
-    started = time.monotonic()
     rc, out, err = _cli(capsys, *command, "--out", str(mine / below if below else mine))
     assert rc == 2 and f"{mine} is a file, not a directory" in err and "Fix:" in err, err
-    assert "Traceback" not in err and mine.read_text() == "mine" and time.monotonic() - started < 10
+    assert "Traceback" not in err and mine.read_text() == "mine" and started == []
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -354,14 +394,14 @@ def test_eval_default_out_is_the_run_dir_and_a_bad_out_fails_first(tmp_path, cap
 def test_eval_with_mlflow_unreachable_keeps_the_results_warns_and_says_how_to_retry(tmp_path, monkeypatch, capsys):
     run = _gpt_checkpoint(tmp_path / "g5")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
-    start = time.monotonic()
+    _unset_retry_settings(monkeypatch)
     rc, _, err = _eval(capsys, run, "--out", str(tmp_path / "eval.jsonl"))
     # the evaluation is done and saved: exit 0 with a warning (it exited 2, and slurm/zeroshot_eval.sh
     # then stopped before its LAMBADA step)
     assert rc == 0 and "warning:" in err and UNREACHABLE in err and "--no-mlflow" in err
     assert f"`repro tracking sync {tmp_path / 'eval.jsonl'}` uploads them" in err
     assert json.loads((tmp_path / "eval.jsonl").read_text())["task"] == "lambada"
-    assert time.monotonic() - start < 30
+    assert _retry_settings() == FAIL_FAST  # one quick retry, not MLflow's minutes of them
 
 
 def test_eval_records_sync_once_into_the_store_at_their_time(tmp_path, monkeypatch, capsys):

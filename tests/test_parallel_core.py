@@ -38,7 +38,11 @@ def _named(rows, fragment):
     return picked
 
 
-def test_serial_tp1_matches_itself_exactly():
+def test_single_process_layout_builds_the_serial_model_deterministically():
+    """The equivalence check at tp=1 dp=1 (ProcessGroups.single(), no process group): a second model
+    from the same seed has the same logits, loss and gradients. This checks deterministic init and
+    forward and the check's own plumbing, not correctness: the serial model is checked against an
+    independent implementation in test_serial_gradients_equal_huggingface_gpt2."""
     rows = [c.as_dict() for dt in (torch.float32, torch.float64)
             for c in checks.check_equivalence(ProcessGroups.single(), dt)]
     assert not _failures(rows), rows
@@ -156,6 +160,44 @@ def test_dropout_rng_scheme(two_ranks, four_ranks, fragment):
 def test_matches_huggingface_gpt2():
     rows = [c.as_dict() for c in checks.check_huggingface()]
     assert not _failures(rows), rows
+
+
+def test_serial_gradients_equal_huggingface_gpt2():
+    """The serial GPT's loss and gradients equal transformers.GPT2LMHeadModel's on the same weights
+    (mapped by repro.models.hf.to_hf_state_dict, the export path) and the same batch, in float64 with
+    dropout off. Every gradient is compared, the tied embedding's (input lookup plus output layer)
+    first: a detached output-layer weight in our model (the serial and TP models alike) would leave
+    it the lookup's share only. Tolerance 1e-10 relative: the two compute the same sums in another
+    order (fused qkv vs Conv1D, their own softmax and layer norm), ~1e-15 each in float64."""
+    import torch.nn.functional as F
+
+    from repro.models.gpt import GPT
+    from repro.models.hf import to_hf_gpt2, to_hf_state_dict
+
+    cfg = checks.TINY
+    assert cfg.hidden_dropout == cfg.attention_dropout == 0.0
+    ours = GPT(cfg, seed=5)
+    theirs = to_hf_gpt2(ours).double().eval()
+    ours = ours.double().eval()
+    ids, labels = checks.random_batch(cfg, 2, "cpu", seed=11)
+
+    loss = ours.loss(ids, labels).mean()
+    loss.backward()
+    logits = theirs(ids).logits
+    hf_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    hf_loss.backward()
+    assert logits.dtype == torch.float64 and logits.shape[-1] == cfg.vocab_size
+    assert checks.rel_error(loss.detach(), hf_loss.detach()) < 1e-10
+
+    grads = to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, cfg)  # HF names and layout
+    hf_grads = {n: p.grad for n, p in theirs.named_parameters()}
+    del grads["lm_head.weight"]  # tied: HF accumulates the head's share into transformer.wte.weight
+    assert sorted(grads) == sorted(hf_grads) and "transformer.wte.weight" in grads
+    errors = {n: checks.rel_error(grads[n], hf_grads[n]) for n in grads}
+    assert errors["transformer.wte.weight"] < 1e-10, errors["transformer.wte.weight"]
+    assert max(errors.values()) < 1e-10, {n: e for n, e in errors.items() if e >= 1e-10}
+    padded = ours.transformer.wte.weight.grad[cfg.vocab_size:]
+    assert padded.shape[0] > 0 and not padded.any()  # padded vocab rows: never looked up, never predicted
 
 
 def _forward_counts_with_and_without_an_extra_all_reduce() -> tuple[bool, bool]:

@@ -316,11 +316,12 @@ def _unpicklable_result() -> object:
 
 
 def test_a_result_that_cannot_be_sent_back_fails_at_once_naming_the_rank():
-    """Before, the queue's feeder thread dropped it and the caller waited out the whole timeout."""
-    start = time.monotonic()
+    """Before, the queue's feeder thread dropped it and the caller waited out the whole timeout. The
+    rank's own pickling error, reported as its failure, is the mechanism: a wait for the result ends
+    in TimeoutError (or, the rank gone, 'ended without a result'), neither of which matches. The
+    timeout only guards against a hang."""
     with pytest.raises(RuntimeError, match=r"(?s)rank 0 failed in _unpicklable_result.*Can.t pickle"):
         run_ranks(_unpicklable_result, 1, timeout=120)
-    assert time.monotonic() - start < 60
 
 
 def _join_then_fail(failing_rank: int, backend: str, store: str, rank: int, world_size: int) -> None:
@@ -409,11 +410,12 @@ def _end_without_a_result(rank_to_die: int) -> int:
 
 
 def test_a_rank_that_dies_without_a_result_fails_at_once_naming_it():
-    """Killed, out of memory, os._exit: before, the caller waited out the whole timeout."""
-    start = time.monotonic()
+    """Killed, out of memory, os._exit: before, the caller waited out the whole timeout. The surviving
+    rank returns after 5 s, so without the dead rank's detection the launch could only end in
+    TimeoutError: the RuntimeError naming rank 1 and its exit code is the mechanism, and the timeout
+    only guards against a hang."""
     with pytest.raises(RuntimeError, match=r"rank 1 of _end_without_a_result ended without a result \(exit code 3\)"):
         run_ranks(_end_without_a_result, 2, 1, timeout=120)
-    assert time.monotonic() - start < 20
 
 
 def _stop_the_fork_server_then(pid_dir: str, then_sleep: float) -> int:

@@ -115,8 +115,37 @@ def test_device_name_matching(name, entry, bf16):
     assert peaks.match_device("Some Other GPU") is None and peaks.mfu(1.0, "Some Other GPU") is None
 
 
-def test_cpu_peak_is_measured():
-    assert 0 < peaks.measure_cpu_peak(size=128, repeats=2) < 50
+def _matmul_tflops(size: int, repeats: int) -> float:
+    """An independent measurement: the best of `repeats` timings of a (size x size) @ (size x size)
+    float32 matmul, whose 2 size^3 FLOPs (a multiply and an add per term) are known."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def test_cpu_peak_is_the_measured_matmul_rate():
+    """measure_cpu_peak agrees with an independent timing of a matmul of known FLOPs, taken in the
+    same test with the same thread count: a ratio, not an absolute speed. Both are bests of 20 runs
+    of a ~2 ms matmul; the band (0.7, 1.43) tolerates a loaded runner's noise in either, and a
+    measurement that is again out of it on all of 3 tries is a wrong FLOP count or unit (a missing
+    factor 2 gives 0.5, TFLOP/s read as GFLOP/s 1000)."""
+    ratios = []
+    for _ in range(3):
+        reference = _matmul_tflops(256, 20)
+        measured = peaks.measure_cpu_peak(size=256, repeats=20)
+        reference = max(reference, _matmul_tflops(256, 20))  # before and after: the better of the two
+        ratios.append(measured / reference)
+        if 0.7 < ratios[-1] < 1 / 0.7:
+            return
+    pytest.fail(f"measure_cpu_peak / an independent matmul timing = {ratios}, outside (0.7, 1.43) on every try")
 
 
 def test_params_per_rank_matches_the_model():

@@ -134,7 +134,22 @@ def test_a_seed_out_of_range_is_refused_before_any_work(tmp_path, vocab, capsys,
 
 
 def test_the_largest_seed_runs(tmp_path, vocab):
-    assert main(_tiny(vocab, tmp_path / "run", "--seeds", str(MAX_SEED))) == 0
+    """2**63-1 is accepted and runs to the end: its seed file, results.json and metrics name that seed
+    exactly (JSON keeps the integer; a float would round it to 2**63), with its 2 steps' losses."""
+    import math
+
+    run = tmp_path / "run"
+    assert main(_tiny(vocab, run, "--seeds", str(MAX_SEED))) == 0
+    saved = json.loads((run / "seeds" / f"seed_{MAX_SEED}.json").read_text())
+    assert saved["seed"] == MAX_SEED and isinstance(saved["seed"], int)
+    assert len(saved["losses"]) == 2 and all(math.isfinite(x) and x > 0 for x in saved["losses"])
+    results = json.loads((run / "results.json").read_text())
+    assert results["median_seed"] == MAX_SEED and [r["seed"] for r in results["seeds"]] == [MAX_SEED]
+    assert results["median"] == saved["accuracy"] and results["seeds"][0]["final_loss"] == saved["losses"][-1]
+    assert set(saved["accuracy"]) == {"dev", "test"}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(f"seed{MAX_SEED}/dev/acc_total" in r for r in rows)
+    assert not (run / "seeds" / "stopped.json").exists()
 
 
 @pytest.mark.parametrize("under", ["", "sub/run"], ids=["is-a-file", "under-a-file"])

@@ -20,6 +20,18 @@ def file_in_the_way(directory: Path) -> Path | None:
     return existing if existing is not None and not existing.is_dir() else None
 
 
+def unwritable_ancestor(path: Path) -> Path | None:
+    """The existing directory in which creating `path` (and its missing parents) starts, when this
+    process cannot create a file there (permissions, a read-only or virtual file system such as /proc:
+    tried with a nameless temporary file, as root too); None when it can."""
+    base = next(p for p in Path(path).absolute().parents if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            return None
+    except OSError:
+        return base
+
+
 def _git(*args: str) -> str:
     out = subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True, timeout=30,
                          check=True)

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -126,6 +125,8 @@ def gpt_checkpoint(path: Path, purpose: str = "zero-shot eval") -> Path:
 
 def _out_path(out: str | None, ckpt: Path) -> Path:
     """--out, else zero_shot.jsonl in the training run's directory; checked before evaluating."""
+    from repro.provenance import unwritable_ancestor
+
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
     path = Path(out) if out else run_dir / "zero_shot.jsonl"
     if path.is_dir():
@@ -133,8 +134,9 @@ def _out_path(out: str | None, ckpt: Path) -> Path:
     parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
     if parent != path.absolute() and not parent.is_dir():
         raise UserError(f"--out {path}: {parent} is a file, not a directory. Fix: give a path in a directory")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--out {path}: {parent} is not writable. Fix: give a writable path")
+    blocked = unwritable_ancestor(path)
+    if blocked is not None:
+        raise UserError(f"--out {path}: {blocked} is not writable. Fix: give a writable path")
     return path
 
 

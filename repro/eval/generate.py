@@ -96,14 +96,16 @@ def next_token_logits(model, ids: torch.Tensor, tp_group) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tp_group, prompt: list[int], sampling: Sampling, eod: int,
-             generator: torch.Generator) -> list[int]:
+             generator: torch.Generator, vocab_size: int | None = None) -> list[int]:
     """New token ids after `prompt` (empty: after end-of-text), stopping at end-of-text (not
-    returned) or after sampling.max_new_tokens. The context is the last seq_length tokens."""
+    returned) or after sampling.max_new_tokens. The context is the last seq_length tokens.
+    `vocab_size`: the tokenizer's; ids at or above it (a model's extra rows: 50,304 for GPT-2's
+    50,257) are never drawn, as if their logits were -inf, since they would decode to nothing."""
     ids, device, window = list(prompt) or [eod], model_device(model), model.cfg.seq_length
     new: list[int] = []
     while len(new) < sampling.max_new_tokens:
         context = torch.tensor([(ids + new)[-window:]], device=device)
-        token = choose(next_token_logits(model, context, tp_group), sampling, generator)
+        token = choose(next_token_logits(model, context, tp_group)[:vocab_size], sampling, generator)
         if token == eod:
             break
         new.append(token)
@@ -133,6 +135,9 @@ def _prompt(args) -> str:
 
 
 def _out_path(out: str | None) -> Path | None:
+    """--out, checked before loading and sampling: a file this process can create."""
+    from repro.provenance import unwritable_ancestor
+
     if out is None:
         return None
     path = Path(out)
@@ -140,6 +145,9 @@ def _out_path(out: str | None) -> Path | None:
         raise UserError(f"--out {path} is a directory: give a file, e.g. --out {path / 'samples.json'}")
     if not path.absolute().parent.is_dir():
         raise UserError(f"--out {path}: {path.absolute().parent} is not a directory. Fix: create it first")
+    blocked = unwritable_ancestor(path)
+    if blocked is not None:
+        raise UserError(f"--out {path}: {blocked} is not writable. Fix: give a writable path")
     return path
 
 
@@ -171,7 +179,8 @@ def _handle(args) -> int:
     model, run_id = load_gpt(ckpt, pg)
     generator, samples = torch.Generator().manual_seed(sampling.seed), []
     for i in range(args.num_samples):
-        tokens = generate(model, pg.tp_group, tokenizer.encode(prompt), sampling, tokenizer.eod, generator)
+        tokens = generate(model, pg.tp_group, tokenizer.encode(prompt), sampling, tokenizer.eod, generator,
+                          tokenizer.vocab_size)
         text = tokenizer.decode(tokens)
         stop = "max_new_tokens" if len(tokens) == sampling.max_new_tokens else "end_of_text"
         samples.append({"text": text, "tokens": tokens, "stopped_at": stop})
@@ -179,7 +188,11 @@ def _handle(args) -> int:
             print(f"=== sample {i + 1}/{args.num_samples} ({len(tokens)} tokens, stopped at {stop}) ===")
             print(prompt + text, flush=True)
     if pg.rank == 0 and out is not None:
-        write_atomic(out, json.dumps(_record(ckpt, run_id, sampling, pg.tp_size, prompt, samples), indent=2))
+        try:
+            write_atomic(out, json.dumps(_record(ckpt, run_id, sampling, pg.tp_size, prompt, samples), indent=2))
+        except OSError as err:  # checked before sampling; changed since
+            raise UserError(f"--out {out}: cannot write it ({err.strerror or err}); the samples are printed "
+                            "above. Fix: give a writable path") from None
         print(f"wrote {out}")
     return 0
 

@@ -11,10 +11,19 @@ from collections.abc import Mapping
 import torch
 
 from repro.models.config import ModelConfig
+from repro.models.sizes import GPT2_VOCAB as GPT2_VOCAB_SIZE
 
 HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}
 """Our GeLU form -> transformers' activation name (`gelu_pytorch_tanh` is the tanh form too)."""
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+GPT2_END_OF_TEXT = GPT2_VOCAB_SIZE - 1
+"""<|endoftext|>: the last id of GPT-2's BPE (50256), whatever rows a padded vocabulary adds after it."""
+
+
+def end_of_text_id(vocab_size: int) -> int:
+    """The end-of-text id of a GPT with `vocab_size` ids: GPT-2 BPE's for a GPT-2 vocabulary (padded
+    too: 50,304 rows), else the last id (a vocabulary this project did not tokenize with GPT-2 BPE)."""
+    return GPT2_END_OF_TEXT if vocab_size >= GPT2_VOCAB_SIZE else vocab_size - 1
 
 
 def hf_gpt2_config(cfg: ModelConfig):
@@ -27,7 +36,7 @@ def hf_gpt2_config(cfg: ModelConfig):
         activation_function=HF_ACTIVATION[cfg.gelu], resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
         attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
         initializer_range=cfg.init_method_std, tie_word_embeddings=True,
-        bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
+        bos_token_id=end_of_text_id(cfg.vocab_size), eos_token_id=end_of_text_id(cfg.vocab_size),
     )
 
 
@@ -80,7 +89,6 @@ def hf_gpt2_for_export(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> "
 
 # ---- import: transformers.GPT2LMHeadModel -> our model ---------------------------------------------
 
-GPT2_VOCAB_SIZE = 50257
 _GELU_OF = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
 _SUPPORTED = {"activation_function": tuple(_GELU_OF), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),

@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import json
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -23,7 +24,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import pad_vocab_rows, shard_master, to_empty_keeping_markers, unshard
-from repro.provenance import git_sha, write_atomic
+from repro.provenance import git_sha, unwritable_ancestor, write_atomic
 from repro.train.checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_run_id, load_file, mismatched_file,
                                     model_config, read_meta, resolve)
 
@@ -169,7 +170,7 @@ def load_full_model_state(ckpt: Path) -> tuple[dict, dict]:
 
 def _check_new_dir(dst: Path) -> None:
     """Refuse an output directory that holds anything (a run, a checkpoint, user files), that names no
-    directory of its own (`.`), or that lies under a file."""
+    directory of its own (`.`), that lies under a file, or that this process cannot create."""
     if dst.name in ("", ".", ".."):
         raise CheckpointError(f"--out {dst} names no new directory: give the path of one to create, "
                               "e.g. --out runs/gpt_tp1 (nothing was written)")
@@ -177,10 +178,12 @@ def _check_new_dir(dst: Path) -> None:
     if blocking is not None:
         raise CheckpointError(f"--out {dst}: {blocking} is a file, not a directory: choose an --out whose "
                               "parents are directories (nothing was written)")
-    if dst.is_dir() and not any(dst.iterdir()):
-        return
-    if dst.exists():
+    if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())):
         raise CheckpointError(f"--out {dst} already exists: choose a new directory (nothing was written)")
+    blocked = unwritable_ancestor(dst)
+    if blocked is not None:
+        raise CheckpointError(f"--out {dst}: {blocked} is not writable. Fix: give a writable path "
+                              "(nothing was written)")
 
 
 @contextmanager
@@ -188,10 +191,14 @@ def new_directory(dst: Path):
     """Yield a temporary sibling of the new (absent or empty) directory `dst`; rename it into place
     when the block completes, remove it when the block fails. An occupied `dst` is refused."""
     _check_new_dir(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_siblings(dst)
     tmp = _tmp_sibling(dst, os.getpid())
-    tmp.mkdir()
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_siblings(dst)
+        tmp.mkdir()
+    except OSError as err:
+        raise CheckpointError(f"--out {dst}: cannot create {err.filename or tmp} ({err.strerror or err}). "
+                              "Fix: give a writable path (nothing was written)") from None
     try:
         yield tmp
         _check_new_dir(dst)  # nothing appeared meanwhile
@@ -256,34 +263,87 @@ def _write_model_only(tmp: Path, shards: Iterable[dict], meta: dict, tp: int) ->
 
 
 def import_hf(source: str, dst: str | Path, tp: int = 1, make_vocab_size_divisible_by: int = 1024) -> Path:
-    """Write a transformers GPT2LMHeadModel (a save_pretrained directory, or a hub name where the hub
-    is reachable) as a model-only GPT checkpoint at TP degree `tp` into the new directory `dst`."""
+    """Write a transformers GPT2LMHeadModel (a save_pretrained directory, or a hub name: from the local
+    cache when it is there, else from the hub) as a model-only GPT checkpoint at TP degree `tp` into
+    the new directory `dst`."""
     from transformers import GPT2Config
 
     from repro.models.hf import config_from_hf
 
     dst = Path(dst)
     _check_new_dir(dst)
-    _check_hf_source(source)
+    options = _hf_source_options(source)
     try:
-        cfg = config_from_hf(GPT2Config.from_pretrained(source), make_vocab_size_divisible_by)
+        cfg = config_from_hf(GPT2Config.from_pretrained(source, **options), make_vocab_size_divisible_by)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
     cfg.validate(tp)
     imported_from = str(Path(source).resolve()) if Path(source).exists() else str(source)
-    return _write_imported(_hf_weights(source), cfg, dst, tp, {"imported_from": imported_from,
-                                                                "imported_with": "import-hf"})
+    return _write_imported(_hf_weights(source, options), cfg, dst, tp, {"imported_from": imported_from,
+                                                                         "imported_with": "import-hf"})
 
 
 HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")  # gpt2-medium, openai-community/gpt2
+_SAVE_PRETRAINED = "give the directory transformers' save_pretrained wrote (with config.json)"
 
 
-def _check_hf_source(source: str) -> None:
-    """A CheckpointError for a source that is neither a directory here nor a hub name."""
-    if Path(source).exists() or (HUB_NAME.fullmatch(source) and not source.startswith(".")):
-        return
-    raise CheckpointError(f"{source}: no such directory. Fix: give a directory written by transformers' "
-                          "save_pretrained (with config.json), or a hub name such as gpt2-medium")
+def _hf_source_options(source: str) -> dict:
+    """from_pretrained's options for `source`, once it is known to name a model: a local directory
+    must hold config.json; a name that looks like a local path must be a directory; a hub name loads
+    from the local cache where it is there (no network), else from the hub, which must be reachable.
+    A CheckpointError names the problem otherwise (before transformers' defaults or retries)."""
+    path = Path(source)
+    if path.is_file():
+        raise CheckpointError(f"{source} is a file: {_SAVE_PRETRAINED}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{source} holds no config.json: {_SAVE_PRETRAINED}")
+        return {}
+    if _looks_like_a_path(source):
+        raise CheckpointError(f"{source}: no such directory. Fix: give a directory written by transformers' "
+                              "save_pretrained (with config.json), or a hub name such as gpt2-medium")
+    if _in_hf_cache(source):
+        return {"local_files_only": True}
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise CheckpointError(f"no local directory {source}, and the Hugging Face hub could not be reached to "
+                              f"download it ({unreachable}). Fix: {_SAVE_PRETRAINED}, or run where the hub "
+                              "is reachable")
+    return {}
+
+
+def _looks_like_a_path(source: str) -> bool:
+    """`source` names a local path rather than a hub model: not of the form `name` or `org/name`,
+    starting with `.` or `~`, or under a directory that exists here (runs/gpt2_typo)."""
+    parent = Path(source).parent
+    return (not HUB_NAME.fullmatch(source) or source.startswith((".", "~"))
+            or (parent != Path(".") and parent.is_dir()))
+
+
+def _in_hf_cache(name: str) -> bool:
+    """The local Hugging Face cache holds hub model `name`'s config (read without the network)."""
+    from transformers import GPT2Config
+
+    try:
+        GPT2Config.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _hub_unreachable(timeout: float = 10.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached (offline mode, no connection), in one try without
+    transformers' retries; None when it answers."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as err:  # the HTTP client's (requests or httpx) connection and timeout errors
+        return f"{constants.ENDPOINT}: {(str(err).strip() or type(err).__name__).splitlines()[0]}"
+    return None
 
 
 def import_megatron(source: str | Path, dst: str | Path, tp: int = 1, options=None) -> Path:
@@ -346,21 +406,24 @@ def _write_imported(full: dict, cfg: ModelConfig, dst: Path, tp: int, provenance
     return dst
 
 
-def _hf_weights(source: str) -> dict:
-    """Our TP=1 state dict of a GPT2LMHeadModel; a CheckpointError for unreadable or missing weights
-    (transformers would fill missing ones with random values and only warn)."""
+def _hf_weights(source: str, options: dict | None = None) -> dict:
+    """Our TP=1 state dict of a GPT2LMHeadModel (`options`: from_pretrained's); a CheckpointError for
+    unreadable or missing weights (transformers would fill missing ones with random values and only warn)."""
     from safetensors import SafetensorError
     from transformers import GPT2LMHeadModel
 
     from repro.models.hf import from_hf_state_dict
 
     try:
-        hf, info = GPT2LMHeadModel.from_pretrained(source, output_loading_info=True)
+        hf, info = GPT2LMHeadModel.from_pretrained(source, output_loading_info=True, **(options or {}))
         missing = [k for k in info.get("missing_keys", []) if not k.endswith((".attn.bias", ".attn.masked_bias"))]
         wrong = [str(k) for k in info.get("mismatched_keys", [])]
         if missing or wrong:
             raise ValueError(f"weights missing {missing[:5]} or of the wrong shape {wrong[:5]}")
         return from_hf_state_dict(hf.state_dict())
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{source}: cannot import (its PyTorch weights file cannot be read: damaged, or "
+                              "not a state dict). Fix: save the model again with save_pretrained") from None
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise CheckpointError(f"{source}: cannot import ({str(err).strip().splitlines()[0]})") from None
 

@@ -50,10 +50,23 @@ def uninterrupted(corpus, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_stop_and_resume_is_bit_identical(uninterrupted, corpus, tmp_path):
+@pytest.fixture(scope="module")
+def fifteen_iterations(corpus, tmp_path_factory):
+    """A copier: copy(run_dir) fills run_dir with `uninterrupted`'s first 15 iterations, trained once
+    as their own launch (train_iters=15, the schedule still over 40: optim.lr_decay_iters) and copied
+    per test (each resumes or damages its copy)."""
+    import shutil
+
+    made = tmp_path_factory.mktemp("fifteen")
+    run_ranks(train_rank, 2, TINY, tiny_overrides(corpus, made, **{"parallel.tp": 2, **WITH_DROPOUT,
+                                                                   "train.train_iters": 15}))
+    return lambda run_dir: shutil.copytree(made, run_dir, dirs_exist_ok=True)
+
+
+def test_stop_and_resume_is_bit_identical(uninterrupted, fifteen_iterations, corpus, tmp_path):
     """TP=2 with dropout: 15 iterations, a new launch to 40 == one launch of 40, bit for bit."""
     over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT})
-    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=15"])
+    fifteen_iterations(tmp_path)
     run_ranks(train_rank, 2, TINY, over + ["train.train_iters=40"])
     assert _losses(tmp_path) == _losses(uninterrupted)
     want, got = _final_weights(uninterrupted), _final_weights(tmp_path)
@@ -81,13 +94,14 @@ def test_tp2_dp2_resume_is_bit_identical(corpus, tmp_path, params):
     assert all(torch.equal(want[n], got[n]) for n in want)
 
 
-def test_a_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(uninterrupted, corpus, tmp_path):
+def test_a_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(uninterrupted, fifteen_iterations,
+                                                                            corpus, tmp_path):
     """`checkpoints/latest` gone (a kill between the first save's rename and its pointer, or only the
     iter_* directories copied): the relaunch resumes from the newest complete iter_* with a warning,
     == one launch of 40, every step logged once. Before, it trained again from iteration 0 and
     overwrote the earlier checkpoints."""
     over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT})
-    run_ranks(train_rank, 2, TINY, over + ["train.train_iters=15"])
+    fifteen_iterations(tmp_path)
     (tmp_path / "checkpoints" / "latest").unlink()
     with pytest.warns(UserWarning, match="latest is missing but .*iter_0000015 is a complete checkpoint"):
         assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000015"
@@ -203,28 +217,60 @@ def test_replicated_load_sends_views_whole_and_keeps_state_dict_metadata(tmp_pat
         assert type(got) is OrderedDict and got._metadata == state._metadata
 
 
+# A sitecustomize.py for `repro train --nproc 2`: every process imports it at startup, the fork server
+# the ranks fork from too, so each rank holds in its third training step until the test, having sent
+# its signals, creates `go`. The signal then lands during step 3 whatever the machine's load (sent
+# when 3 metrics rows had appeared, it raced the run to its last step, and a slow start to a deadline).
+_HOLD_IN_STEP_3 = """
+import os, time, warnings
+from pathlib import Path
+
+if os.environ.get("HOLD_DIR"):
+    # runpy's note when `-m repro.cli` (or the fork server's copy of it) runs after this imported it
+    warnings.filterwarnings("ignore", message="'repro.cli' found in sys.modules")
+    from repro.train import loop
+
+    step, hold, calls = loop.train_step, Path(os.environ["HOLD_DIR"]), []
+
+    def held_step(eng, batches):
+        calls.append(None)
+        if len(calls) == 3:
+            (hold / f"rank{eng.pg.rank}").touch()
+            while not (hold / "go").exists():
+                time.sleep(0.01)
+        return step(eng, batches)
+
+    loop.train_step = held_step
+"""
+
+
 @pytest.mark.parametrize("signame, workers", [("SIGTERM", 0), ("SIGTERM", 2), ("SIGUSR1", 2)])
 def test_a_stop_signal_saves_and_resumes(uninterrupted, corpus, tmp_path, signame, workers):
     """SIGTERM, or Slurm's USR1 warning, to every process (srun delivers USR1 to every process of the
-    step, loader workers too; a batch step's TERM reaches them all): checkpoint, clean exit (0); the
-    next launch finishes identically. With
-    workers, this run's samples come from 2 loader processes per rank, the uninterrupted run's from
-    none: the same losses."""
-    over = tiny_overrides(corpus, tmp_path, **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40,
-                                                 "data.num_workers": workers})
-    proc = _cli("train", TINY, "--nproc", "2", *sum((["--set", o] for o in over), []))
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 120
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+    step, loader workers too; a batch step's TERM reaches them all) during step 3: a checkpoint at 3,
+    clean exit (0); the next launch finishes identically. With workers, this run's samples come from
+    2 loader processes per rank, the uninterrupted run's from none: the same losses."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(_HOLD_IN_STEP_3)
+    pythonpath = os.pathsep.join(p for p in (str(hold), os.environ.get("PYTHONPATH")) if p)
+    over = tiny_overrides(corpus, tmp_path / "run", **{"parallel.tp": 2, **WITH_DROPOUT, "train.train_iters": 40,
+                                                          "data.num_workers": workers})
+    proc = _cli("train", TINY, "--nproc", "2", *sum((["--set", o] for o in over), []),
+                env_extra={"HOLD_DIR": str(hold), "PYTHONPATH": pythonpath})
+    deadline = time.time() + 240
+    while not all((hold / f"rank{r}").exists() for r in (0, 1)) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
+    assert proc.poll() is None and time.time() < deadline, "the ranks never reached step 3"
     for child in _children(proc.pid):
         os.kill(child, getattr(signal, signame))  # every process: ranks (and their loader workers)
+    (hold / "go").touch()
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    stopped_at = int(ck.latest_checkpoint(tmp_path / "checkpoints").name.split("_")[1])
-    assert 3 <= stopped_at < 40, out
+    assert ck.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "iter_0000003", out
+    assert (tmp_path / "run" / "stopped_by_signal").read_text() == "3"
     run_ranks(train_rank, 2, TINY, over)
-    assert _losses(tmp_path) == _losses(uninterrupted)
+    assert _losses(tmp_path / "run") == _losses(uninterrupted)
 
 
 

@@ -214,3 +214,38 @@ def test_to_hf_bert_takes_a_size_one_group_and_names_each_problem_apart():
     assert pre.startswith("layernorm_order='pre'") and "TP" not in pre
     split = run_ranks(_to_hf_bert_in_a_world_of, 2, "post")[0]
     assert "split over 2 TP ranks" in split and "layernorm_order" not in split
+
+
+def test_original_order_gradients_equal_huggingface_bert_for_pretraining():
+    """The serial BERT's gradients equal transformers.BertForPreTraining's on the same weights and batch
+    (float64, dropout off), the tied word embedding's (lookup plus MLM decoder) first: a detached
+    decoder weight would leave it the lookup's share only, which the logit and loss checks cannot see.
+    Tolerance 1e-10 relative: the same sums in another order (fused vs split QKV), ~1e-15 each."""
+    from repro.models.bert_checks import TINY_BERT, random_bert_batch, rel_error
+    from repro.models.bert_hf import to_hf_bert
+
+    cfg = BertConfig(**{**TINY_BERT.__dict__, "layernorm_order": "post"})
+    assert cfg.hidden_dropout == cfg.attention_dropout == 0.0
+    ours = BERT(cfg, seed=21)
+    theirs = to_hf_bert(ours).double().eval()
+    ours = ours.double().eval()
+    batch = random_bert_batch(cfg, 3)
+    ours.losses(batch)["total"].backward()
+    theirs(input_ids=batch["tokens"], token_type_ids=batch["token_types"], attention_mask=batch["padding_mask"],
+           labels=batch["mlm_labels"], next_sentence_label=batch["sop_label"]).loss.backward()
+    mine, hf = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    v = cfg.vocab_size
+    pairs = {"word embedding (tied)": (mine["embeddings.word.weight"].grad[:v],
+                                       hf["bert.embeddings.word_embeddings.weight"].grad),
+             "MLM bias": (mine["lm_head.bias"].grad[:v], hf["cls.predictions.bias"].grad),
+             "MLM transform": (mine["lm_head.dense.weight"].grad, hf["cls.predictions.transform.dense.weight"].grad),
+             "pooler": (mine["pooler.weight"].grad, hf["bert.pooler.dense.weight"].grad),
+             "SOP head": (mine["sop_head.weight"].grad, hf["cls.seq_relationship.weight"].grad),
+             "position embedding": (mine["embeddings.position.weight"].grad,
+                                    hf["bert.embeddings.position_embeddings.weight"].grad)}
+    for i, part in enumerate(("query", "key", "value")):
+        pairs[f"layer 0 {part}"] = (mine["layers.0.attn.c_attn.weight"].grad.chunk(3)[i],
+                                    hf[f"bert.encoder.layer.0.attention.self.{part}.weight"].grad)
+    errors = {name: rel_error(a, b) for name, (a, b) in pairs.items()}
+    assert max(errors.values()) < 1e-10, errors
+    assert not mine["embeddings.word.weight"].grad[v:].any()  # padded rows: never looked up, never predicted

@@ -217,5 +217,6 @@ class BERT(nn.Module):
         per_token = vocab_parallel_cross_entropy(out.mlm_logits, labels.clamp_min(0), self.tp_group,
                                                  vocab_size=self.cfg.vocab_size)
         mlm = (per_token * predict).sum() / predict.sum().clamp_min(1.0)
-        sop = F.cross_entropy(out.sop_logits.float(), batch["sop_label"])
+        sop_logits = out.sop_logits  # half upcast to fp32 for the loss; fp32/fp64 as they are
+        sop = F.cross_entropy(sop_logits.float() if sop_logits.element_size() < 4 else sop_logits, batch["sop_label"])
         return {"mlm": mlm, "sop": sop, "total": mlm + sop}

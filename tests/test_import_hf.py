@@ -82,14 +82,35 @@ def test_imported_gpt2_gives_hugging_faces_logits_at_tp1_and_tp2(hf_dir, tmp_pat
 
 
 def test_import_then_export_is_bit_identical(hf_dir, tmp_path):
+    """...and the export carries GPT-2 BPE as its tokenizer (AutoTokenizer loads it, tokenizing as our
+    data and evaluation do, <|endoftext|> = 50256, the model's sequence length as its maximum)."""
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from repro.data.tokenizers import build_tokenizer
 
     rs.import_hf(str(hf_dir), tmp_path / "ck", tp=2)
-    proc = _cli("checkpoint", "export-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back"))
+    proc = _cli("checkpoint", "export-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back"),
+                "--data-dir", str(mirror()))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "and its tokenizer" in proc.stdout
     original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) for k in original)
+    theirs, ours = AutoTokenizer.from_pretrained(tmp_path / "back"), build_tokenizer("gpt2", mirror())
+    text = "Hello world, it's 1,000 km\u2014caf\u00e9 \U0001F600. Ende."
+    assert theirs(text).input_ids == ours.encode(text)
+    assert (theirs.eos_token_id, theirs.model_max_length) == (ours.eod, 64) == (50256, 64)
+
+
+def test_export_without_the_vocabulary_writes_the_model_and_says_so(hf_dir, tmp_path):
+    rs.import_hf(str(hf_dir), tmp_path / "ck", tp=1)
+    (tmp_path / "empty").mkdir()
+    proc = _cli("checkpoint", "export-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back"),
+                "--data-dir", str(tmp_path / "empty"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: no tokenizer written" in proc.stdout and "repro data fetch" in proc.stdout
+    assert (tmp_path / "back" / "model.safetensors").is_file() and not (tmp_path / "back" / "tokenizer.json").exists()
 
 
 @pytest.mark.parametrize("overrides, named", [

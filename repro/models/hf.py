@@ -87,6 +87,19 @@ def hf_gpt2_for_export(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> "
     return hf.eval()
 
 
+def hf_gpt2_tokenizer(data_dir, max_length: int):
+    """transformers' fast tokenizer for GPT-2 BPE, from the vocabulary files in `data_dir` (the same
+    backend our data and evaluation use), so `AutoTokenizer.from_pretrained` loads an export."""
+    from transformers import PreTrainedTokenizerFast
+
+    from repro.data.tokenizers import build_tokenizer
+
+    eot = "<|endoftext|>"
+    backend = build_tokenizer("gpt2", data_dir).backend
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=eot, eos_token=eot, unk_token=eot,
+                                   model_max_length=max_length)
+
+
 # ---- import: transformers.GPT2LMHeadModel -> our model ---------------------------------------------
 
 _GELU_OF = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}

@@ -124,6 +124,25 @@ def _reshard(args) -> int:
     return 0
 
 
+def _export_tokenizer(cfg, data_dir: str | None):
+    """GPT-2 BPE as a transformers tokenizer for an export, or None (a note says why) where the
+    vocabulary files are not in the data directory or the model's vocabulary is not GPT-2's."""
+    from repro.data.errors import DataError
+    from repro.data.fetch import data_dir_from_env
+    from repro.models.hf import GPT2_VOCAB_SIZE, hf_gpt2_tokenizer
+
+    if cfg.vocab_size < GPT2_VOCAB_SIZE:
+        print(f"note: no tokenizer written: a vocabulary of {cfg.vocab_size} ids is not GPT-2 BPE's")
+        return None
+    directory = Path(data_dir) if data_dir else data_dir_from_env()
+    try:
+        return hf_gpt2_tokenizer(directory, cfg.seq_length)
+    except (DataError, OSError) as err:
+        print(f"note: no tokenizer written ({str(err).splitlines()[0]}); `repro data fetch` or --data-dir "
+              "gives it, else load GPT-2's tokenizer beside the model")
+        return None
+
+
 def _export_hf(args) -> int:
     from repro.models.hf import hf_gpt2_for_export
     from repro.train.checkpoint import CheckpointError, model_config, read_meta, resolve
@@ -134,10 +153,13 @@ def _export_hf(args) -> int:
     if meta.get("family", "gpt") != "gpt":
         raise CheckpointError(f"{args.checkpoint} is a {meta['family']} checkpoint: export-hf writes GPT-2 only")
     with new_directory(out) as tmp:  # an occupied --out is refused before loading; a failure leaves nothing
+        cfg = model_config(ckpt, meta)
         # merged tensor by tensor into the exported model: one copy of the weights in memory
-        hf = hf_gpt2_for_export(MergedModelState(ckpt, meta), model_config(ckpt, meta))
-        hf.save_pretrained(tmp)
-    print(f"wrote a transformers.GPT2LMHeadModel to {out}")
+        hf_gpt2_for_export(MergedModelState(ckpt, meta), cfg).save_pretrained(tmp)
+        tokenizer = _export_tokenizer(cfg, args.data_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    print(f"wrote a transformers.GPT2LMHeadModel{' and its tokenizer' if tokenizer else ''} to {out}")
     return 0
 
 
@@ -213,6 +235,8 @@ def register(sub) -> None:
     e = csub.add_parser("export-hf", help="merge to TP=1 and write a transformers GPT2LMHeadModel")
     e.add_argument("checkpoint")
     e.add_argument("--out", required=True)
+    e.add_argument("--data-dir", default=None, help="where the GPT-2 vocabulary is, written beside the model as "
+                   "its tokenizer (default: $REPRO_DATA_DIR or ./data)")
     e.set_defaults(func=_stoppable(_export_hf))
     i = csub.add_parser("import-hf", help="write a transformers GPT2LMHeadModel (e.g. OpenAI's GPT-2) as a "
                         "model-only checkpoint at a TP degree that divides its heads")

@@ -51,8 +51,20 @@ def _race_model(run) -> str:
 
 
 def _off_paper_recipe(run) -> str:
-    """'' for a RACE run of a paper size at the paper's batch size and lr (or one that logged neither:
-    runs before they were params); else what it ran at, e.g. `batch 64, lr 0.0001 (not the paper's 32, 2e-05)`."""
+    """'' for a RACE run at the paper's protocol as far as it logged it; else what it ran at, e.g.
+    `batch 64, lr 0.0001 (not the paper's 32, 2e-05); epochs 1 (not the paper's 3)`. Checked: batch and
+    lr (of a paper size), epochs, max_qa_tokens, and training on all of RACE's training questions; a
+    param a run did not log (runs before it was one) is not held against it."""
+    from repro.eval.race import PAPER_EPOCHS, PAPER_MAX_QA_TOKENS, RACE_TRAIN_QUESTIONS
+
+    checks = (_off_batch_lr(run), _off_number(run, "epochs", "epochs", PAPER_EPOCHS),
+              _off_number(run, "max_qa_tokens", "max QA tokens", PAPER_MAX_QA_TOKENS),
+              _off_number(run, "train_questions", "training questions", RACE_TRAIN_QUESTIONS, "RACE's"))
+    return "; ".join(c for c in checks if c)
+
+
+def _off_batch_lr(run) -> str:
+    """'' at the paper's batch size and lr of its size (or a size without one, or neither logged)."""
     from repro.eval.race_finetune import PAPER_BATCH_LR
 
     paper, batch, lr = PAPER_BATCH_LR.get(R.size_name(run)), R.get(run, "params.batch_size"), R.get(run, "params.lr")
@@ -65,10 +77,22 @@ def _off_paper_recipe(run) -> str:
     return "" if same else f"batch {batch}, lr {lr} (not the paper's {paper[0]}, {paper[1]})"
 
 
+def _off_number(run, param: str, what: str, paper: int, whose: str = "the paper's") -> str:
+    """'' when `param` is `paper` or not logged; else e.g. `epochs 1 (not the paper's 3)`."""
+    value = R.get(run, f"params.{param}")
+    if value is None:
+        return ""
+    try:
+        same = float(value) == paper
+    except ValueError:
+        same = False
+    return "" if same else f"{what} {value} (not {whose} {paper:,})"
+
+
 def race_runs(runs: pd.DataFrame) -> list[dict]:
     """Per model (a paper size only when the logged shape is that size's), the RACE run at the paper's
-    batch size and lr (any, when none is) with the most seeds (the paper reports the median of 5), the
-    newest of those: test accuracy per level, label (naming a batch/lr off the paper's), provenance."""
+    protocol (_off_paper_recipe; any, when none is) with the most seeds (the paper reports the median of
+    5), the newest of those: test accuracy per level, label (naming what is off the paper's), provenance."""
     if runs.empty or "params.task" not in runs:
         return []
     race = runs[runs["params.task"] == "race"]  # newest first
@@ -232,13 +256,17 @@ def layernorm_curves(tracking_uri: str, experiment: str = "bert") -> dict[str, p
 def report(tracking_uri: str, out_dir: str | Path, experiment: str = "bert") -> str:
     """Write bert_table.{csv,md} and fig7_layernorm_order.png; return the Markdown."""
     from repro.analysis.figures import plot_curves
+    from repro.eval.race import PAPER_EPOCHS, PAPER_MAX_QA_TOKENS, RACE_TRAIN_QUESTIONS
 
     out_dir = Path(out_dir)
     notes = ["RACE: test-set accuracy (%) of the run's median seed by dev accuracy. Paper MLM perplexity is on a 3% held-out "
              "set; 'not logged' means the run has no MLM validation metric. A RACE row's MLM perplexity is its "
              "pretraining run's (tag training_run_id), with that run's status when not FINISHED.",
              "Rows labelled reduced size / random init are pipeline checks on the hand-written RACE fixture "
-             "(tests/fixtures/race), not the RACE dataset: not comparable to the paper."]
+             "(tests/fixtures/race), not the RACE dataset: not comparable to the paper.",
+             f"A RACE label naming a batch/lr, epochs, max QA tokens or a training set other than the paper's "
+             f"({PAPER_EPOCHS} epochs, {PAPER_MAX_QA_TOKENS} QA tokens, all {RACE_TRAIN_QUESTIONS:,} RACE training "
+             "questions) marks a run off the paper's protocol: it fills a row only when no run of that model is on it."]
     table = build(tracking_uri, experiment)
     text = write_table(display(table), table, out_dir, "bert_table", "BERT: RACE and MLM validation perplexity",
                        notes, tracking_uri)

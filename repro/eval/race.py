@@ -139,12 +139,16 @@ def question_with_option(question: str, option: str) -> str:
     return question.replace("_", option) if "_" in question else f"{question} {option}"
 
 
+PAPER_EPOCHS = 3
+PAPER_MAX_QA_TOKENS = 128  # question+option tokens of an input (paper §5)
+RACE_TRAIN_QUESTIONS = 87_866  # the official RACE release's training split (middle and high)
+
 INPUT_DTYPES = {"tokens": np.int32, "token_types": np.uint8, "padding_mask": np.uint8}
 """How a split is held (6 bytes a position, not int64's 24: the 87,866 training questions at s=512 take
 1.1 GB a rank, not 4.3); a batch is made int64 as it goes to the model (race_finetune._rows)."""
 
 
-def build_choice_inputs(q: RaceQuestion, tokenizer, seq_length: int, max_qa_tokens: int = 128,
+def build_choice_inputs(q: RaceQuestion, tokenizer, seq_length: int, max_qa_tokens: int = PAPER_MAX_QA_TOKENS,
                         article_ids: list[int] | None = None) -> dict[str, np.ndarray]:
     """tokens, token_types, padding_mask, each (4, seq_length): one row per option."""
     if seq_length < 8:
@@ -177,7 +181,7 @@ class RaceTensors:
 
 
 def encode_race(questions: list[RaceQuestion], tokenizer, seq_length: int,
-                max_qa_tokens: int = 128) -> RaceTensors:
+                max_qa_tokens: int = PAPER_MAX_QA_TOKENS) -> RaceTensors:
     """Tokenize every question's 4 samples (each article encoded once)."""
     import torch
 
@@ -234,11 +238,11 @@ def register(sub) -> None:
                    "includes apply) or a YAML with only a model: block (e.g. experiments/bert/tiny_cpu.yaml)")
     p.add_argument("--data-dir", help="holds vocab/bert-large-uncased-vocab.txt (REPRO_DATA_DIR)")
     p.add_argument("--vocab", help="a WordPiece vocab.txt to use instead of the data dir's")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=PAPER_EPOCHS)
     p.add_argument("--batch-size", type=int, help="questions per batch (paper: 32, 16 for 1.3B)")
     p.add_argument("--lr", type=float, help="peak learning rate (paper: 2e-5, 1e-5 for 1.3B)")
     p.add_argument("--seq-length", type=int, default=512)
-    p.add_argument("--max-qa-tokens", type=int, default=128)
+    p.add_argument("--max-qa-tokens", type=int, default=PAPER_MAX_QA_TOKENS)
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236, 1237, 1238],
                    help="one run per seed; reported: the seed with the median dev accuracy (paper: 5 seeds)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (launch with torchrun; the rest is DP). "

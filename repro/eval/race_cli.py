@@ -127,10 +127,16 @@ def _bert_sizes() -> dict:
     return {n: s for n, s in SIZES.items() if s.family == "bert"}
 
 
+def canonical_size(name: str) -> str:
+    """A paper BERT size matched case-insensitively, as the paper names it (`bert-1.3B` -> `bert-1.3b`);
+    any other name as given."""
+    return next((n for n in _bert_sizes() if n.lower() == name.lower()), name)
+
+
 def _bert_size(name: str):
-    """The named BERT size, or a UserError listing them (--size builds the model only without
+    """The named BERT size (any case), or a UserError listing them (--size builds the model only without
     --checkpoint and --model-config; otherwise it names the model's size: see size_label)."""
-    berts = _bert_sizes()
+    berts, name = _bert_sizes(), canonical_size(name)
     if name not in berts:
         raise UserError(f"--size {name} is not a BERT size. Fix: choose one of {', '.join(berts)}, "
                         "or give --checkpoint or --model-config for another model")
@@ -146,18 +152,42 @@ def _shape_text(model) -> str:
 
 
 def size_label(name: str | None, cfg: BertConfig) -> str:
-    """The size to log and to pick the paper's batch/lr by: --size if given, else the paper BERT size
-    of exactly the model's shape (layers, hidden, heads, positions), else "custom". A paper size
-    given for a model of another shape is a UserError (the run would be reported as that size)."""
+    """The size to log and to pick the paper's batch/lr by: --size if given (a paper size in any case,
+    named as the paper does), else the paper BERT size of exactly the model's shape (layers, hidden,
+    heads, positions), else "custom". A UserError for a paper size given for a model of another shape
+    (the run would be reported as that size) and for an unknown name that would run at the default
+    batch/lr in its place (see _check_label)."""
     sizes = _bert_sizes()
     inferred = next((n for n, s in sizes.items() if _shape(s) == _shape(cfg)), None)
     if name is None:
         return inferred or "custom"
+    name = canonical_size(name)
     if name in sizes and name != inferred:
         raise UserError(f"--size {name} is the paper's {_shape_text(sizes[name])}, but the model is "
                         f"{_shape_text(cfg)} ({inferred or 'not a paper size'}). Fix: leave out --size (the "
                         "size is inferred from the model's shape), or give a checkpoint of that size")
+    if name not in sizes:
+        _check_label(name, inferred, cfg)
     return name
+
+
+TYPO_CUTOFF = 0.75  # difflib similarity: bert-13b, bert-1.3, bert1.3b are typos; bert-tiny-cpu, bert-base are not
+
+
+def _check_label(name: str, inferred: str | None, cfg: BertConfig) -> None:
+    """A UserError for an unknown --size that would run at the default batch/lr under a wrong name: a
+    paper size mistyped (e.g. bert-13b), or any label for a model of a paper shape. Other labels name
+    models of other shapes (`smoke` in slurm/race_finetune.sh, `bert-tiny-cpu` in scripts/cpu_results.sh)."""
+    import difflib
+
+    sizes = _bert_sizes()
+    if inferred:
+        raise UserError(f"--size {name} is not a BERT size, and the model is the paper's {inferred} "
+                        f"({_shape_text(cfg)}). Fix: leave out --size, or give --size {inferred}")
+    close = difflib.get_close_matches(name.lower(), list(sizes), 1, TYPO_CUTOFF)
+    if close:
+        raise UserError(f"--size {name} is not a BERT size (did you mean {close[0]}?). Fix: give one of "
+                        f"{', '.join(sizes)} (any case) for a model of that shape, or leave out --size")
 
 
 def shorten(cfg: BertConfig, state: Mapping | None, seq_length: int) -> tuple[BertConfig, Mapping | None]:
@@ -232,9 +262,10 @@ RECIPE = ("batch_size", "lr", "max_qa_tokens", "warmup_fraction", "weight_decay"
 """The settings logged as params too: a run off the paper's batch/lr is told apart (repro/analysis/bert.py)."""
 
 
-def _settings(args, size: str, cfg: BertConfig, train_questions: int, identity: dict) -> dict:
+def _settings(args, size: str, cfg: BertConfig, train_questions: int, identity: dict, data: dict) -> dict:
     """What a seed's numbers depend on besides the seed (a restart skips only seeds finished with these):
-    the model's full config, the checkpoint (its path and `identity`), the vocab, the schedule, the data."""
+    the model's full config, the checkpoint (its path and `identity`), the vocab, the schedule, the data
+    (`data`: race_dir, named in a refusal but not compared, and race_data: race_data_identity)."""
     from repro.eval.race_finetune import options_for
 
     opts = options_for(size, args.batch_size, args.lr, args.epochs, 0, args.precision)
@@ -243,7 +274,27 @@ def _settings(args, size: str, cfg: BertConfig, train_questions: int, identity: 
             "batch_size": opts.batch_size, "lr": opts.lr, "warmup_fraction": opts.warmup_fraction,
             "weight_decay": opts.weight_decay, "clip_grad": opts.clip_grad, "precision": opts.precision,
             "seq_length": cfg.seq_length, "max_qa_tokens": args.max_qa_tokens,
-            "train_questions": train_questions, "eval_train": bool(args.eval_train)}
+            "train_questions": train_questions, "eval_train": bool(args.eval_train), **data}
+
+
+def race_data_identity(raw: dict[str, list]) -> dict[str, dict]:
+    """Per split: files (with questions), questions and a sha256 of what the loader read, in its order
+    (each file's article, then each question's level, text, options and answer). Other RACE data, or its
+    files edited, differ; a copy elsewhere (cp without -p: other paths and mtimes) does not. Hashing the
+    parsed questions reads no file again: about as much as the 100 MB the loading parsed."""
+    import hashlib
+    import json
+
+    out = {}
+    for split, questions in raw.items():
+        digest, source, files = hashlib.sha256(), None, 0
+        for q in questions:
+            if q.source != source:
+                source, files = q.source, files + 1
+                digest.update(json.dumps(["article", q.article]).encode())
+            digest.update(json.dumps([q.level, q.question, q.options, q.label]).encode())
+        out[split] = {"files": files, "questions": len(questions), "sha256": digest.hexdigest()}
+    return out
 
 
 MIN_SEQ_LENGTH = 8  # [CLS] qa [SEP] article [SEP] with a few tokens of each
@@ -314,7 +365,7 @@ def run(args) -> int:
     settings skips it (a requeued Slurm job). A stop signal (TERM, USR1: Slurm's warning before the time
     limit), agreed by all ranks after a step, ends the current seed unfinished: RUN_DIR/stopped_by_signal,
     exit 0, so slurm/launch.sh requeues the job; the restart redoes that seed from its start."""
-    from repro.eval.race_finetune import finished_seeds, read_stopped_seed, write_results
+    from repro.eval.race_finetune import finished_seeds, race_data_text, read_stopped_seed, write_results
     from repro.models.bert_checkpoint import checkpoint_identity
     from repro.train.checkpoint import CheckpointError
 
@@ -334,7 +385,8 @@ def run(args) -> int:
     except CheckpointError as err:
         hint = "" if "Fix:" in str(err) else " (fine-tuning needs a BERT `repro train` run)"
         raise UserError(f"--checkpoint {args.checkpoint}: {err}{hint}") from None
-    settings = _settings(args, size, cfg, len(splits["train"]), identity)
+    data = {"race_dir": str(root.resolve()), "race_data": race_data_identity(raw)}
+    settings = _settings(args, size, cfg, len(splits["train"]), identity, data)
     try:
         done = finished_seeds(Path(args.run_dir), args.seeds, settings)
         logged = read_stopped_seed(Path(args.run_dir), settings)  # launch.sh removes stopped_by_signal first
@@ -357,7 +409,8 @@ def run(args) -> int:
               "dp": pg.dp_size, "epochs": args.epochs, "seeds": " ".join(map(str, args.seeds)),
               "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_attention_heads, "seq_length": cfg.seq_length,
-              "train_questions": len(splits["train"]), **{k: settings[k] for k in RECIPE}}
+              "train_questions": len(splits["train"]), **{k: settings[k] for k in RECIPE},
+              "race_dir": data["race_dir"], "race_data": race_data_text(data["race_data"])}
     pretrained = _pretraining(args.checkpoint)
     params.update({k: v for k, v in pretrained.items() if k != "training_run_id"})  # iteration or import source
     tags = {"task": "race", **{k: v for k, v in pretrained.items() if k == "training_run_id"}}

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repro.eval.race import RaceTensors, accuracy_by_level, format_accuracy
+from repro.eval.race import PAPER_EPOCHS, RaceTensors, accuracy_by_level, format_accuracy
 from repro.models.bert import BERT, BertConfig
 from repro.parallel.grads import all_reduce_gradients
 from repro.parallel.groups import ProcessGroups
@@ -53,7 +53,7 @@ class MultipleChoiceBert(nn.Module):
 class FinetuneOptions:
     """One fine-tuning run (one seed)."""
 
-    epochs: int = 3
+    epochs: int = PAPER_EPOCHS
     batch_size: int = 32  # questions per global batch (each question is 4 sequences)
     lr: float = 2e-5
     warmup_fraction: float = 0.06
@@ -194,12 +194,12 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
             share = _rows(train, mine, _device(model))
             losses.append(_train_step(model, opt, sched, share, pg, opts.clip_grad, len(batch),
                                       opts.precision, scaler))
-            if len(losses) % opts.log_every == 0 or len(losses) == total:
+            if len(losses) % opts.log_every == 0 or len(losses) == total:  # the last step too
                 extra = {"train/loss_scale": scaler.scale} if scaler else {}
                 metrics = {"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0], **extra}
                 if pg.rank == 0:  # a seed takes hours at the paper's sizes: show it moving
                     print(_loss_line(opts, epoch, len(losses), total, metrics), flush=True)
-                if log is not None and len(losses) % opts.log_every == 0:
+                if log is not None:
                     log(metrics, len(losses))
             if stop is not None and stop.agreed(_device(model)):
                 raise SeedStopped(opts.seed, len(losses))
@@ -319,22 +319,38 @@ def read_stopped_seed(run_dir: Path, settings: dict | None = None) -> dict[int, 
     changed = changed_settings(record["settings"], settings) if settings is not None else []
     if changed:
         raise other_settings_error(stopped_seed_path(run_dir), record["seed"], changed,
-                                   f"stopped at step {record['step']}")
+                                   f"stopped at step {record['step']}", record["settings"], settings)
     return {record["seed"]: record["step"]}
 
 
-def other_settings_error(path: Path, seed: int, changed: list[str], state: str = "finished") -> ValueError:
-    """The refusal of a run dir whose seed `seed` (saved in `path`) ran with other settings."""
+def other_settings_error(path: Path, seed: int, changed: list[str], state: str = "finished",
+                         saved: dict | None = None, settings: dict | None = None) -> ValueError:
+    """The refusal of a run dir whose seed `seed` (saved in `path`) ran with other settings; other RACE
+    data is named then and now (directory and identity)."""
+    data = ""
+    if any(k.startswith("race_data.") for k in changed) and saved and settings:
+        data = (f"; RACE data then: {saved.get('race_dir', '?')} ({race_data_text(saved['race_data'])}), "
+                f"now: {settings.get('race_dir', '?')} ({race_data_text(settings['race_data'])})")
     return ValueError(f"{path} holds seed {seed} ({state}) fine-tuned with other settings ({', '.join(changed)} "
-                      f"differ). Fix: give a new --run-dir, or the original inputs and options, or delete "
+                      f"differ{data}). Fix: give a new --run-dir, or the original inputs and options, or delete "
                       f"{path.parent} to start over")
+
+
+def race_data_text(identity: dict) -> str:
+    """`train 8 files, 32 questions, sha256 1a2b3c4d; dev ...`: a settings' race_data, short."""
+    return "; ".join(f"{split} {d.get('files')} files, {d.get('questions')} questions, sha256 "
+                     f"{str(d.get('sha256'))[:8]}" for split, d in identity.items() if isinstance(d, dict))
+
+
+NOT_COMPARED = ("race_dir",)
+"""Settings recorded to be named, not compared: RACE data copied elsewhere resumes (race_data decides)."""
 
 
 def changed_settings(saved: dict, settings: dict, prefix: str = "") -> list[str]:
     """The (dotted) keys whose values differ, among those both have: a seed saved before a key was
-    recorded is compared on the keys it has."""
+    recorded is compared on the keys it has (see finished_seeds' warning)."""
     changed = []
-    for key in sorted(saved.keys() & settings.keys()):
+    for key in sorted((saved.keys() & settings.keys()) - set(() if prefix else NOT_COMPARED)):
         old, new = saved[key], settings[key]
         if isinstance(old, dict) and isinstance(new, dict):
             changed += changed_settings(old, new, f"{prefix}{key}.")
@@ -345,19 +361,28 @@ def changed_settings(saved: dict, settings: dict, prefix: str = "") -> list[str]
 
 def finished_seeds(run_dir: Path, seeds: list[int], settings: dict) -> dict[int, FinetuneResult]:
     """The seeds of `seeds` that an earlier run in `run_dir` finished with the same settings; a seed
-    finished with other settings (another model, checkpoint, vocab, schedule) is a ValueError: its
-    numbers would be mixed into this run's median."""
+    finished with other settings (another model, checkpoint, vocab, schedule, RACE data) is a ValueError:
+    its numbers would be mixed into this run's median. A seed saved before a setting was recorded is
+    reused with a warning naming what went unchecked."""
     done = {}
     for seed in seeds:
         path = seed_path(run_dir, seed)
         if not path.is_file():
             continue
         record = json.loads(path.read_text())
-        changed = changed_settings(record.get("settings", {}), settings)
+        saved = record.get("settings", {})
+        changed = changed_settings(saved, settings)
         if changed:
-            raise other_settings_error(path, seed, changed)
+            raise other_settings_error(path, seed, changed, saved=saved, settings=settings)
+        _warn_unrecorded(path, seed, sorted(settings.keys() - saved.keys() - set(NOT_COMPARED)))
         done[seed] = FinetuneResult(seed, record["accuracy"], record["losses"])
     return done
+
+
+def _warn_unrecorded(path: Path, seed: int, keys: list[str]) -> None:
+    if keys:
+        print(f"warning: {path} was saved before {', '.join(keys)} were recorded: seed {seed} is reused "
+              "without checking them. Fix: give a new --run-dir to redo it with these inputs", flush=True)
 
 
 def write_results(run_dir: Path, results: list[FinetuneResult], chosen: FinetuneResult) -> Path:

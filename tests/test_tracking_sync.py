@@ -128,7 +128,8 @@ def test_sync_sets_the_status_the_run_directory_shows(tmp_path, store, monkeypat
 
 def test_a_failed_request_pauses_mlflow_and_the_run_still_ends_finished(tmp_path, store, monkeypatch):
     """One failed batch (a locked sqlite store, a server restart) used to turn MLflow off for the rest
-    of the run, which then stayed RUNNING; now rows wait RETRY_SECONDS and close() still sets FINISHED."""
+    of the run, which then stayed RUNNING; now rows wait RETRY_SECONDS, the run gets every row it lacks
+    once MLflow answers again, and close() still sets FINISHED."""
     from repro.tracking import logger as L
 
     run_dir = tmp_path / "run"
@@ -147,9 +148,8 @@ def test_a_failed_request_pauses_mlflow_and_the_run_still_ends_finished(tmp_path
     logger._paused_until = 0.0  # the retry time has come
     _log(logger, (4,))
     logger.close()
-    assert _steps(store, logger.run_id) == [4] and _status(store, logger.run_id) == "FINISHED"
-    sync_run(run_dir)
-    assert _steps(store, logger.run_id) == [1, 2, 3, 4]
+    assert _steps(store, logger.run_id) == [1, 2, 3, 4] and _status(store, logger.run_id) == "FINISHED"
+    assert sync_run(run_dir).action == "up to date"
 
 
 def _write(path: Path, text: str) -> Path:
@@ -241,7 +241,7 @@ def test_a_server_with_authentication_gets_its_credentials_from_the_environment(
 def test_a_tracking_server_restarted_mid_run_costs_no_row(tmp_path, monkeypatch):
     """A real `mlflow server` stopped mid-run (a login-node restart) and started again on its store and
     port: the logger's failed batch pauses MLflow, the rows go on into metrics.jsonl, the first batch
-    after the pause reaches the restarted server, close() sets FINISHED, and sync fills the gap."""
+    after the pause sends the restarted server every row it lacks, and close() sets FINISHED."""
     from mlflow_server import MlflowServer
 
     server = MlflowServer(tmp_path / "server").start()
@@ -259,10 +259,9 @@ def test_a_tracking_server_restarted_mid_run_costs_no_row(tmp_path, monkeypatch)
         logger._paused_until = 0.0  # the retry time has come
         _log(logger, (5,))
         logger.close()
-        assert _steps(server.local_uri, logger.run_id) == [1, 2, 5]
-        assert _status(server.local_uri, logger.run_id) == "FINISHED"
-        sync_run(run_dir)
         assert _steps(server.local_uri, logger.run_id) == [1, 2, 3, 4, 5]
+        assert _status(server.local_uri, logger.run_id) == "FINISHED"
+        assert sync_run(run_dir).action == "up to date"
     finally:
         server.stop()
 

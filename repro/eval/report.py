@@ -51,13 +51,35 @@ def _fmt(value: float) -> str:
 
 def write_json(record: EvalRecord, path: Path) -> None:
     """Append the record as one JSON line (the copy that survives a tracking server outage), after
-    cutting a killed write's partial last line, which the record would otherwise run on from."""
+    cutting a killed write's partial last line, which the record would otherwise run on from. A failed
+    append (a full disk) is cut back to the earlier records and raised as a UserError."""
+    from repro.cli import UserError
     from repro.tracking.logger import drop_partial_line
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    drop_partial_line(path)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record.__dict__, sort_keys=True) + "\n")
+    line, size = json.dumps(record.__dict__, sort_keys=True) + "\n", None
+    try:
+        drop_partial_line(path)
+        size = path.stat().st_size if path.exists() else 0
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(line)
+    except OSError as err:
+        _cut_back(path, size)
+        raise UserError(f"{path}: {err.strerror}: this evaluation's record (printed above) was not appended; the "
+                        "earlier records are intact. Fix: free space there, or give --out on another disk, "
+                        "then rerun the evaluation") from None
+
+
+def _cut_back(path: Path, size: int | None) -> None:
+    """Truncate `path` back to `size` bytes (what it held before a failed append), where known."""
+    import os
+
+    if size is None:
+        return
+    try:
+        os.truncate(path, size)
+    except OSError:
+        pass
 
 
 def read_records(path: Path) -> list[EvalRecord]:
@@ -198,14 +220,12 @@ def _tracking_errors(uri: str, retry: str):
 
 
 def _client(tracking_uri: str | None):
-    from mlflow import MlflowClient
-
     from repro.tracking.logger import quiet_http_retries
-    from repro.tracking.store import default_tracking_uri
+    from repro.tracking.store import default_tracking_uri, tracking_client
 
     quiet_http_retries()
     uri = tracking_uri or default_tracking_uri()
-    return MlflowClient(tracking_uri=uri), uri
+    return tracking_client(uri), uri  # (a new sqlite store is created under its lock)
 
 
 def log_to_mlflow(record: EvalRecord, tracking_uri: str | None = None) -> str:

@@ -37,13 +37,11 @@ def _size_family(cfg) -> str:
 def _init_tracking(cfg) -> str:
     """Create a fresh sqlite MLflow store once, here, before the ranks start (two at once fail); ask a
     tracking server once, warning (not failing: training does not need it) when it does not answer."""
-    from repro.tracking.store import default_tracking_uri, probe_tracking_server
+    from repro.tracking.store import default_tracking_uri, probe_tracking_server, tracking_client
 
     uri = default_tracking_uri()
     if cfg.tracking.enabled and uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
-        import mlflow
-
-        mlflow.MlflowClient(uri).search_experiments()
+        tracking_client(uri).search_experiments()  # (under the store's lock: another job may create it too)
     if cfg.tracking.enabled and (problem := probe_tracking_server(uri)):
         print(f"WARNING: {problem}", flush=True)
     return uri

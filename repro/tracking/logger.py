@@ -8,6 +8,7 @@ directory (params.json, tags.json, metrics.jsonl, artifacts/) afterwards, losing
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import warnings
@@ -15,13 +16,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.tracking.store import default_tracking_uri, experiment_id, tracking_hint
+from repro.tracking.store import default_tracking_uri, experiment_id, file_lock, tracking_client, tracking_hint
 
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
 STOP_MARKER = "stopped_by_signal"  # the last launch stopped for a signal (launch.sh requeues the job)
 STATUS_FILE = "run_status"  # the last launch ended FAILED or KILLED (close() writes it, MLflow up or not)
 RESUMED_PARAM_TAG = "resumed_with."  # + a param key: its value since a resume changed it (params are fixed)
 RUN_DIR_TAG = "run_dir"  # the run directory's absolute path: sync finds its run in a store again by it
+SYNC_LOCK = ".sync.lock"  # held by `repro tracking sync RUN_DIR` (not by training): one sync of a directory at a time
+SYNC_LOCK_SECONDS = 600.0  # the longest a sync waits for another sync of its directory
 
 
 class TrackingError(RuntimeError):
@@ -29,9 +32,13 @@ class TrackingError(RuntimeError):
 
 
 def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, text.encode())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
     from repro.provenance import write_atomic
 
-    write_atomic(path, text.encode())
+    write_atomic(path, data)
 
 
 def recorded_run_id(run_dir: str | Path) -> str | None:
@@ -72,6 +79,20 @@ def quiet_http_retries() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
+@contextmanager
+def quiet_store_errors():
+    """MLflow's sqlite store logs each failed request as an ERROR with its whole SQLAlchemy traceback
+    (about 60 lines) before raising it; the logger warns once itself and retries, so inside this block
+    those logs are dropped instead of flooding the training log."""
+    store_log = logging.getLogger("mlflow.store")
+    level = store_log.level
+    store_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        store_log.setLevel(level)
+
+
 def clean_metric_name(name: str) -> str:
     """MLflow rejects ',' in metric names (lm-eval's `acc,none`)."""
     return name.replace(",", "_")
@@ -81,7 +102,9 @@ class RunLogger:
     """JSONL always; MLflow best-effort. Use as a context manager around training."""
 
     FLUSH_SECONDS = 10.0
-    RETRY_SECONDS = 120.0
+    RETRY_SECONDS = 120.0  # no MLflow request for this long after a failed one; doubled after each failed retry
+    MAX_RETRY_SECONDS = 960.0  # (a store down for hours stalls a training step for its timeout this rarely)
+    CLOSE_RETRY_SECONDS = 60.0  # close() retries this long (plus one request's timeout) for the run's final status
 
     def __init__(self, run_dir: str | Path, experiment: str, run_name: str,
                  params: dict[str, str], tags: dict[str, str], use_mlflow: bool = True,
@@ -106,21 +129,22 @@ class RunLogger:
         self._client = None  # an MlflowClient while MLflow is reachable (no process-global active run)
         self._pending: list = []  # MLflow Metric rows not yet sent
         self._paused_until: float | None = None  # after a failed request: no MLflow until then
+        self._failures = 0  # failed requests since MLflow last answered
+        self._behind = False  # a request failed: the run lacks rows of metrics.jsonl until a catch-up
+        self._unsent: list[Path] = []  # artifacts not uploaded yet (MLflow paused or failing)
         self.logged: dict[int, set[str]] = {}
         """step -> metrics an earlier launch logged at it (`resume_at`): a resumed run redoing the
         steps after its checkpoint logs only what they lack (the final evaluation a kill cut short)."""
-        self._last_flush = time.monotonic()
         self._lacks_rows = False  # the MLflow run may lack rows of metrics.jsonl (see resume_at)
         if use_mlflow:
             self._start(params, tags, resume_run_id, earlier_run_id)
+        self._last_flush = time.monotonic()  # (after _start: MLflow's import and store opening take seconds)
 
     def _start(self, params, tags, resume_run_id, earlier_run_id=None) -> None:
         """Reopen or create the MLflow run with the run directory's params and tags, as sync would."""
         try:
-            from mlflow import MlflowClient
-
             quiet_http_retries()
-            client = MlflowClient(tracking_uri=default_tracking_uri())
+            client = tracking_client(default_tracking_uri())
             resumed = _live_run(client, resume_run_id, self.run_dir, tags["experiment"])
             if resumed is not None:
                 self.run_id = resumed.info.run_id
@@ -158,15 +182,16 @@ class RunLogger:
         self._client = None
 
     def _pause(self, err: Exception) -> None:
-        """A request of a live run failed (a locked sqlite store, a server restart): drop the queued
-        rows (metrics.jsonl keeps them for `repro tracking sync`) and try again RETRY_SECONDS later,
-        so a blip costs minutes of MLflow rows, not the rest of the run and its final status."""
+        """A request of a live run failed (a locked sqlite store, a server restart): no request for
+        RETRY_SECONDS (doubled after each failed retry, up to MAX_RETRY_SECONDS); then, or at close(),
+        MLflow gets every row of metrics.jsonl its run lacks (the queued ones included)."""
+        pause = min(self.RETRY_SECONDS * 2 ** self._failures, self.MAX_RETRY_SECONDS)
         if self._paused_until is None:
             warnings.warn(f"MLflow request failed ({type(err).__name__}: {str(err)[:200]}); retrying in "
-                          f"{self.RETRY_SECONDS:.0f} s. Rows until then are only in {self.metrics_path}: "
-                          f"`repro tracking sync {self.run_dir}` uploads them", stacklevel=3)
-        self._paused_until = time.monotonic() + self.RETRY_SECONDS
-        self._pending = []
+                          f"{pause:.0f} s. Rows go on into {self.metrics_path}; the run gets those it "
+                          "lacks once MLflow answers again", stacklevel=3)
+        self._paused_until, self._failures = time.monotonic() + pause, self._failures + 1
+        self._pending, self._behind = [], True
 
     def _live(self) -> bool:
         return self._client is not None and (self._paused_until is None or time.monotonic() >= self._paused_until)
@@ -192,14 +217,30 @@ class RunLogger:
         return True
 
     def flush(self) -> None:
-        """Send the queued metrics to MLflow (no-op when tracking is off or paused)."""
-        if self._live() and self._pending:
+        """Send the queued metrics to MLflow, after a pause every row it lacks (no-op when tracking is
+        off or paused)."""
+        if self._live() and (self._pending or self._behind):
             try:
-                send_metrics(self._client, self.run_id, self._pending)
-                self._paused_until = None
+                with quiet_store_errors():
+                    self._send()
             except Exception as err:
                 self._pause(err)
         self._pending, self._last_flush = [], time.monotonic()
+
+    def _send(self) -> None:
+        """Send the queued rows; after a failed request, the rows of metrics.jsonl and the artifacts the
+        run lacks instead (as `repro tracking sync` would). Ends a pause."""
+        if self._behind:
+            send_missing_metrics(self._client, self.run_id, read_metrics(self.run_dir))
+            self._send_artifacts()
+        else:
+            send_metrics(self._client, self.run_id, self._pending)
+        self._pending, self._behind, self._paused_until, self._failures = [], False, None, 0
+
+    def _send_artifacts(self) -> None:
+        while self._unsent:
+            self._client.log_artifact(self.run_id, str(self._unsent[0]))
+            self._unsent.pop(0)
 
     def log_artifact(self, path: str | Path) -> None:
         """Copy into run_dir/artifacts (kept for sync) and upload when MLflow is up."""
@@ -207,17 +248,21 @@ class RunLogger:
         kept = self.run_dir / "artifacts" / path.name
         kept.parent.mkdir(exist_ok=True)
         if path.resolve() != kept.resolve():
-            kept.write_bytes(path.read_bytes())
+            _write_bytes(kept, path.read_bytes())  # never a half copy for sync to upload
+        if self._client is None:
+            return
+        self._unsent.append(kept)  # (uploaded after the pause, or by close(), when MLflow is paused now)
         if self._live():
             try:
-                self._client.log_artifact(self.run_id, str(kept))
+                with quiet_store_errors():
+                    self._send_artifacts()
             except Exception as err:
                 self._pause(err)
 
     def close(self, status: str = "FINISHED") -> None:
-        """Send what is queued and set the run's final status (tried even while paused: the status
-        is what the analysis filters on). A status other than FINISHED also goes to run_status in the
-        run directory, for sync: MLflow may be off or down now."""
+        """Send what MLflow lacks and set the run's final status (tried even while paused: the status
+        is what the analysis filters on; see _finish). A status other than FINISHED also goes to
+        run_status in the run directory, for sync: MLflow may be off or down now."""
         try:
             if status == "FINISHED":
                 (self.run_dir / STATUS_FILE).unlink(missing_ok=True)
@@ -225,12 +270,37 @@ class RunLogger:
                 _write_text(self.run_dir / STATUS_FILE, status)
         except OSError as err:
             warnings.warn(f"could not record status {status} in {self.run_dir / STATUS_FILE}: {err}", stacklevel=2)
-        self.flush()
         if self._client is not None:
+            self._finish(status)
+
+    def _finish(self, status: str) -> None:
+        """Send what the run lacks and set `status`, retried 1, 2, 4, .. 16 s apart while the store does
+        not answer (a locked sqlite store, a server restart), for CLOSE_RETRY_SECONDS; then one warning
+        with the sync that completes the run. A run stopped by a signal or failed tries once: Slurm's
+        warning before a kill leaves time for the checkpoint, and the requeued launch catches up."""
+        retry_s = self.CLOSE_RETRY_SECONDS if status == "FINISHED" else 0.0  # a stop signal's grace is the checkpoint's
+        deadline, delay = time.monotonic() + retry_s, 1.0
+        while True:
             try:
-                self._client.set_terminated(self.run_id, status)
+                with quiet_store_errors():
+                    self._send()
+                    self._client.set_terminated(self.run_id, status)
+                return
             except Exception as err:
-                self._disable(err)
+                self._behind = True  # (a batch may have failed halfway)
+                if time.monotonic() + delay > deadline:
+                    return self._give_up(err, status)
+            time.sleep(delay)
+            delay = min(2 * delay, 16.0)
+
+    def _give_up(self, err: Exception, status: str) -> None:
+        """close() could not complete the MLflow run: say what it lacks and the command that adds it."""
+        hint = tracking_hint(err, default_tracking_uri())
+        warnings.warn(f"MLflow did not answer at the end of the run "
+                      f"({type(err).__name__}: {str(err)[:200]}).{hint} Its run {self.run_id} may lack rows of "
+                      f"{self.metrics_path} and is left RUNNING, not {status}. Fix: once the store answers, run "
+                      f"`repro tracking sync {self.run_dir}`", stacklevel=4)
+        self._client = None
 
     def __enter__(self) -> "RunLogger":
         return self
@@ -620,6 +690,20 @@ def _rows_after(rows: list[dict], ended: int) -> bool:
     return any(row.get("step", 0) > ended for row in rows)
 
 
+@contextmanager
+def _sync_lock(run_dir: Path):
+    """Hold RUN_DIR/.sync.lock: two syncs of a directory at once (two shells, a cron sync overlapping a
+    manual one) each found no run and created one. A training run does not take it (sync while it runs)."""
+    path = run_dir / SYNC_LOCK
+    try:
+        path.touch()
+    except OSError:  # a directory this user may only read (a colleague's run): it cannot record a run id
+        yield        # either, so there is nothing for a lock to keep consistent
+        return
+    with file_lock(path, SYNC_LOCK_SECONDS, f"for `repro tracking sync {run_dir}`", TrackingError):
+        yield
+
+
 def sync_run(run_dir: str | Path) -> SyncResult:
     """Upload what MLflow lacks of a run directory: one logged while MLflow was unreachable or with
     tracking off, whose logger was killed with metrics still queued, or that was synced while it trained.
@@ -633,12 +717,11 @@ def sync_run(run_dir: str | Path) -> SyncResult:
     into it. The run directory is read and checked completely before MLflow is contacted."""
     run_dir = Path(run_dir)
     params, tags, rows = _read_run_dir(run_dir)
-    uri, named = default_tracking_uri(), recorded_run_id(run_dir)
+    uri = default_tracking_uri()
     quiet_http_retries()
-    with _tracking_errors(uri, run_dir):
-        from mlflow import MlflowClient
-
-        client = MlflowClient(tracking_uri=uri)
+    with _sync_lock(run_dir), _tracking_errors(uri, run_dir):
+        named = recorded_run_id(run_dir)  # read under the lock: a sync that held it may have created the run
+        client = tracking_client(uri)
         run, note = _existing_run(client, named), ""
         if named and run is None:  # (without an id, its tagged runs are launches set aside: begun again offline)
             run = _run_of_dir(client, run_dir, tags["experiment"])

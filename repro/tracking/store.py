@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+STORE_LOCK_SECONDS = 120.0  # the longest a job waits for another to create or open a new sqlite store
 
 
 def project_root() -> Path:
@@ -83,12 +86,61 @@ def probe_tracking_server(uri: str) -> str | None:
     return None
 
 
+def tracking_client(uri: str | None = None):
+    """An MlflowClient for `uri` (default_tracking_uri()). The first client of a new sqlite store creates
+    and migrates its tables: jobs starting together on one did so at once, and all but one lost MLflow
+    ("duplicate column name: step"). A sqlite store is therefore opened under `<db>.lock` beside it."""
+    from mlflow import MlflowClient
+
+    uri = uri or default_tracking_uri()
+    lock = sqlite_lock_path(uri)
+    if lock is None:
+        return MlflowClient(tracking_uri=uri)
+    with file_lock(lock, STORE_LOCK_SECONDS, f"while it opens (or creates) the MLflow store {uri}"):
+        return MlflowClient(tracking_uri=uri)  # (MLflow keeps the opened store for the process's later clients)
+
+
+def sqlite_lock_path(uri: str) -> Path | None:
+    """`<db>.lock` beside a sqlite store's database file; None for a server or an in-memory store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    return Path(db + ".lock") if db and db != ":memory:" else None
+
+
+@contextmanager
+def file_lock(path: Path, timeout: float, why: str, error: type[Exception] = TimeoutError):
+    """Hold the file lock `path` (the filelock package: flock, or a lock file where the filesystem has
+    no flock); `error` naming the lock, why it is held and the fix after `timeout` seconds."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(path, timeout=timeout)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise error(f"{path} is still locked after {timeout:.0f} s: another process holds it {why}. "
+                    f"Fix: wait for that process to end and retry (delete {path} only if none is running)") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def experiment_id(client, name: str) -> str:
-    """The id of experiment `name` in the client's store, created (artifacts as below) when absent."""
+    """The id of experiment `name` in the client's store, created (artifacts as below) when absent. Two
+    jobs may both find it absent: the one whose create is refused (it exists now) takes the other's."""
+    from mlflow.exceptions import MlflowException
+
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    return client.create_experiment(name, artifact_location=default_artifact_location(name, client.tracking_uri))
+    try:
+        return client.create_experiment(name, artifact_location=default_artifact_location(name, client.tracking_uri))
+    except MlflowException:
+        found = client.get_experiment_by_name(name)  # created by another job since: use it
+        if found is None:
+            raise
+        return found.experiment_id
 
 
 def default_artifact_location(experiment: str, uri: str) -> str | None:

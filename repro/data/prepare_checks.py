@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
+import socket
 import tempfile
 import warnings
 from collections.abc import Iterable
@@ -17,6 +19,7 @@ from tqdm import tqdm
 
 from repro.data.documents import JSON_SUFFIXES, TEXT_SUFFIXES, check_gzip, detect_format, is_gzip, read_documents
 from repro.data.errors import DataError
+from repro.run_lock import LockHeld, acquire, release
 
 if TYPE_CHECKING:
     from repro.data.preprocess import PrepareOptions
@@ -130,15 +133,39 @@ def check_inputs(opts: PrepareOptions, files: list[Path]) -> list[str]:
     return formats
 
 
+@contextlib.contextmanager
+def output_prefix_locked(prefix: str):
+    """Hold PREFIX.lock (repro.run_lock) while inside: a DataError at once, naming the holder, when
+    another prepare of PREFIX holds it. Waiting instead would only end in check_outputs' refusal or,
+    with --overwrite, in replacing a dataset just written: a second prepare of one prefix is a mistake."""
+    path = Path(f"{prefix}.lock")
+    try:
+        held = acquire(path)
+    except LockHeld as other:
+        raise DataError(f"--output-prefix {prefix}: another `repro data prepare` is writing this dataset "
+                        f"({other.holder}; lock file {path}). Fix: wait for it to end (then --overwrite replaces "
+                        "its dataset), or choose another --output-prefix") from None
+    try:
+        yield
+    finally:
+        release(held)
+
+
+def temporary_tag() -> str:
+    """What makes this process's temporary names unique: host and pid (jobs on two nodes may share a pid)."""
+    return f"{socket.gethostname().replace(os.sep, '-')}-{os.getpid()}"
+
+
 def warn_stale_temporaries(prefix: str) -> None:
-    """A prepare killed outright (OOM, SIGKILL) leaves its temporary files; say so, with their size."""
+    """A prepare killed outright (OOM, SIGKILL) leaves its temporary files; say so, with their size.
+    Call it holding PREFIX.lock: no other prepare of PREFIX is running then."""
     path = Path(prefix)
     stale = sorted({*path.parent.glob(f"{path.name}.unsplit-tmp*"), *path.parent.glob(f"{path.name}.tmp*")})
     if stale:
         size = sum(p.stat().st_size for p in stale if p.is_file())
         warnings.warn(f"{len(stale)} temporary files of an earlier `prepare` of {prefix} ({size / 2**30:.1f} GiB, e.g. "
-                      f"{stale[0].name}) are still there; unless another prepare of this prefix is running, remove "
-                      f"them: rm {prefix}.unsplit-tmp* {prefix}.tmp*", stacklevel=3)
+                      f"{stale[0].name}) are still there (no prepare of this prefix is running: this one holds "
+                      f"{prefix}.lock); remove them: rm {prefix}.unsplit-tmp* {prefix}.tmp*", stacklevel=3)
 
 
 def check_outputs(opts: PrepareOptions) -> None:

@@ -49,7 +49,7 @@ from repro.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, be
                                         copy_document_runs, document_runs, move_leading_documents)
 from repro.data.prepare_checks import (SPLIT_NAMES, check_inputs, check_output_dir, check_outputs, check_split,
                                        describe_inputs, input_files, make_output_dir, output_files,
-                                       warn_stale_temporaries)
+                                       output_prefix_locked, temporary_tag, warn_stale_temporaries)
 from repro.data.tokenizers import TextTokenizer, build_tokenizer
 from repro.data.verify import digests
 
@@ -339,17 +339,27 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
     """Tokenize, filter and split opts.input into PREFIX_{train,valid,test}.{bin,idx}.
 
     Everything is written under temporary names and renamed into place at the end, so a failure
-    leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite)."""
+    leaves an existing dataset at PREFIX untouched (replaced only with opts.overwrite). PREFIX.lock is
+    held throughout: a second prepare of PREFIX meanwhile is refused."""
     weights = check_split(opts)  # --split, --split-order, --split-seed
     files = input_files(opts.input)
     formats = check_inputs(opts, files)  # input errors first
     check_outputs(opts)
     check_output_dir(opts.output_prefix)
-    warn_stale_temporaries(opts.output_prefix)
     tokenizer = build_tokenizer(opts.tokenizer, opts.data_dir)
     make_output_dir(opts.output_prefix)
-    tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{os.getpid()}"
-    staged = f"{opts.output_prefix}.tmp{os.getpid()}"
+    with output_prefix_locked(opts.output_prefix):  # the whole prepare: one at a time per prefix
+        check_outputs(opts)  # again: one that held the lock may have just finished
+        warn_stale_temporaries(opts.output_prefix)
+        return _prepare_locked(opts, weights, files, formats, tokenizer)
+
+
+def _prepare_locked(opts: PrepareOptions, weights, files: list[Path], formats: list[str],
+                    tokenizer: TextTokenizer) -> PrepareReport:
+    """`prepare`'s work, holding PREFIX.lock: tokenize into temporary files, split, publish."""
+    tag = temporary_tag()
+    tmp_prefix = f"{opts.output_prefix}.unsplit-tmp{tag}"
+    staged = f"{opts.output_prefix}.tmp{tag}"
     try:
         report = _tokenize_all(opts, files, formats, tokenizer, tmp_prefix)
         _check_kept(opts, files, report)
@@ -365,6 +375,7 @@ def prepare(opts: PrepareOptions) -> PrepareReport:
             move_leading_documents(tmp_prefix, runs[0][0][1], f"{staged}_train")
         report.sha256 = digests(staged, opts.progress)  # one more read of the outputs: a copy can be verified
         _write_report(opts, report, Path(f"{staged}_prepare.json"))
+        check_outputs(opts)  # a dataset that came meanwhile (not through this lock) is replaced only with --overwrite
         with stop_signals_deferred():  # a stop waits for the whole dataset: never old and new files mixed
             for src, dst in zip(output_files(staged), output_files(opts.output_prefix)):
                 os.replace(src, dst)

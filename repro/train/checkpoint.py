@@ -23,6 +23,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import warnings
 import zipfile
@@ -38,6 +39,8 @@ from repro.provenance import write_atomic
 FORMAT_VERSION = 1
 ZIP_MAGIC = b"PK\x03\x04"  # how every torch.save archive (the zip format, torch >= 1.6) begins
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+POINTER_NAME = re.compile(r"iter_[0-9]{7,}")
+"""What `latest` holds: iter_name's form (7 digits, more past iteration 9,999,999)."""
 FAMILIES = ("gpt", "bert")
 """meta.json's `family` values (a checkpoint without one is a GPT's)."""
 
@@ -111,7 +114,8 @@ def fsync_tree(root: Path) -> None:
 
 def remove_unfinished(root: Path) -> list[Path]:
     """Remove the iter_*.tmp and iter_*.old directories a kill left under `root` (once a newer save
-    is complete nothing reads them: a resume starts from `latest`); returns what was removed."""
+    is complete nothing reads them: a resume starts from `latest`); returns what was removed. No other
+    job's save can be under way there: `train` holds the run dir's lock (loop.RUN_LOCK)."""
     stale = [p for p in Path(root).glob("iter_*") if p.is_dir() and p.suffix in (".tmp", ".old")]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
@@ -163,14 +167,43 @@ def latest_checkpoint(root: Path) -> Path | None:
                           stacklevel=2)
             return complete[-1]
         return None
-    path = Path(root) / pointer.read_text().strip()
+    name = read_pointer(pointer)
+    path = Path(root) / name
     aside = path.with_name(f"{path.name}.old")
     if not (path / "meta.json").exists() and (aside / "meta.json").exists():
         return aside  # killed between finish_save's two renames: the complete earlier copy
     if not (path / "meta.json").exists():
-        raise CheckpointError(f"{pointer} names {path.name}, which has no meta.json: remove the "
-                              "broken directory and point `latest` at an earlier one")
+        raise CheckpointError(f"{pointer} names {name}, which has no meta.json (not a complete checkpoint): "
+                              f"{_repoint(pointer)}")
     return path
+
+
+def read_pointer(pointer: Path) -> str:
+    """The checkpoint name a `latest` file holds (what finish_save writes: iter_name's form); a
+    CheckpointError naming the complete checkpoints present and the fix for an empty, binary or
+    otherwise damaged one (never a path outside the checkpoints root: an empty name is the root itself)."""
+    try:
+        raw = pointer.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{pointer} cannot be read ({err.strerror or err}): {_repoint(pointer)}") from None
+    name = raw.strip().decode("ascii", errors="replace")
+    if not POINTER_NAME.fullmatch(name):
+        shown = repr(raw[:40]) + ("..." if len(raw) > 40 else "")
+        raise CheckpointError(f"{pointer} is damaged: it holds {shown}, not a checkpoint name like "
+                              f"{iter_name(0)}: {_repoint(pointer)}")
+    return name
+
+
+def _repoint(pointer: Path) -> str:
+    """The complete checkpoints beside `pointer` (newest first) and the command that points it at the
+    newest; where there is none, that the run starts again (in a new run_dir, or once `pointer` is gone)."""
+    complete = [p.name for p in reversed(_complete_iterations(pointer.parent))]
+    if not complete:
+        return (f"no complete checkpoint (an iter_XXXXXXX directory with meta.json) is in {pointer.parent}. "
+                f"Fix: start again in a new run_dir (or delete the file {pointer} only, to train this run_dir "
+                "from iteration 0)")
+    return (f"the complete checkpoints there, newest first: {', '.join(complete)}. "
+            f"Fix: `echo {complete[0]} > {pointer}`")
 
 
 def resolve(path: str | Path) -> Path:

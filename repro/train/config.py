@@ -273,9 +273,16 @@ def _dotted(overrides: list[str]) -> dict:
     except OmegaConfBaseException as err:
         raise RunConfigError(f"--set {' '.join(overrides)}: {str(err).splitlines()[0]}: "
                              "give each as KEY=VALUE, e.g. --set train.train_iters=10") from None
-    for item in overrides:
+    for item in _last_per_key(overrides):
         _check_text_kept(item, parsed)
     return OmegaConf.to_container(parsed)
+
+
+def _last_per_key(overrides: list[str]) -> list[str]:
+    """The last override of each key: of a key given twice the last wins (as in OmegaConf's dotlist and
+    most CLIs; slurm/launch.sh's smoke mode sets data.cache_dir before the user's own --set)."""
+    last = {item.partition("=")[0].strip(): item for item in overrides}
+    return list(last.values())
 
 
 def _check_text_kept(item: str, parsed) -> None:

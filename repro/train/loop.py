@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,11 +21,13 @@ from repro.parallel.groups import ProcessGroups
 from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
+from repro import run_lock
 from repro.provenance import git_sha, write_atomic
 from repro.tracking.logger import (STOP_MARKER, RunLogger, read_metrics, recorded_run_id, set_aside_rows_after,
                                    set_aside_run_id, set_aside_run_ids)
 from repro.train import checkpoint as ck
-from repro.train.config import RunConfig, derive, flat_params, saved_schedule, schedule_differences, to_yaml
+from repro.train.config import (RunConfig, RunConfigError, derive, flat_params, saved_schedule, schedule_differences,
+                                to_yaml)
 from repro.train.engine import Engine, build_engine
 from repro.train.engine_state import (TrainState, check_same_train_data, load, optimizer_state_bytes, resume_meta,
                                       save, train_data_size)
@@ -35,6 +38,8 @@ from repro.train.step import evaluate, refuse_divergence, train_step
 
 FLOP_FORMULA = "Narayanan et al. 2021: 72 B s l h^2 (1 + s/6h + V/12lh), no recompute counted"
 BERT_HEADS_FLOPS = " + BERT's heads, 3 (2Bsh^2 + 2Bh^2 + 4Bh), never recomputed"
+RUN_LOCK = ".lock"
+"""The run dir's lock file: there while rank 0 of the job training in it holds it (repro.run_lock)."""
 HW_FLOP_FORMULA = ("Narayanan et al. 2021: 96 B s l h^2 (1 + s/6h + V/16lh) with activation checkpointing "
                    "(the forward recomputed), else the 72 form")
 
@@ -204,6 +209,51 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
         raise ck.CheckpointError("data.train_prefix is empty: run `repro data prepare` and set it, e.g. "
                                  "--set data.train_prefix=data/wt2_gpt_train (the WikiText-2 split `make demo` "
                                  "prepares)")
+    with _run_dir_locked(cfg.run_dir, pg):  # before anything is read from or written to the run dir
+        return _train_locked(cfg, pg, derived, local_rank, tags)
+
+
+@contextmanager
+def _run_dir_locked(run_dir: str, pg: ProcessGroups):
+    """Rank 0 holds RUN_DIR/.lock while inside; every rank raises RunConfigError at once when another
+    job holds it (or it cannot be made), so two jobs never write one run dir together."""
+    held, refusal = None, None
+    if pg.rank == 0:
+        try:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            held = run_lock.acquire(Path(run_dir) / RUN_LOCK)
+        except run_lock.LockHeld as other:
+            refusal = _run_dir_in_use(run_dir, other.holder)
+        except OSError as err:
+            refusal = (f"run_dir {run_dir}: cannot create its lock file {RUN_LOCK} ({err.strerror or err}). "
+                       "Fix: set run_dir to a directory you can write")
+    refusal = _from_rank0(refusal, pg.world_group)
+    if refusal:
+        raise RunConfigError(refusal)
+    try:
+        yield
+    finally:
+        run_lock.release(held)
+
+
+def _run_dir_in_use(run_dir: str, holder: str) -> str:
+    return (f"run_dir {run_dir} is in use by another training job ({holder}; lock file {Path(run_dir) / RUN_LOCK}): "
+            "two jobs in one run dir overwrite each other's checkpoints and metrics. Fix: wait for that job to "
+            "end (a later launch resumes from its checkpoint), or give this one another run dir (--set "
+            "run_dir=..., or REPRO_RUN_NAME under slurm/launch.sh)")
+
+
+def _from_rank0(value, group: dist.ProcessGroup | None):
+    """Rank 0's `value` on every rank of `group` (itself without one)."""
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _train_locked(cfg: RunConfig, pg: ProcessGroups, derived, local_rank: int, tags: dict[str, str] | None) -> dict:
+    """`train`'s body, run while rank 0 holds the run dir's lock."""
     latest, saved = resume_meta(cfg, pg.tp_size, pg.dims.world_size)
     if saved and saved["iteration"] >= cfg.train.train_iters:
         if _finished_at(cfg.run_dir) == saved["iteration"]:
@@ -239,6 +289,8 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
             logger.resume_at(state.iteration)
         peak = peak_tflops(device_name(eng.device), cfg.precision.precision)
         interval, final = _Interval(), {}
+        if pg.rank == 0 and state.iteration >= cfg.train.train_iters:  # no step runs: the last one's, as logged
+            final = _logged_step_metrics(cfg.run_dir, state.iteration)
         if "rng" in meta:
             ck.restore_rng(meta.pop("rng"), eng.rng, eng.device)
         try:
@@ -426,6 +478,18 @@ def _after_step(eng, state, result, interval, peak, logger, valid, stop: StopSig
         save(eng, state, logger.run_id if logger else None)
         _log(logger, {"save_seconds": interval.exclude(began)}, it)
     return metrics
+
+
+def _logged_step_metrics(run_dir: str, iteration: int) -> dict:
+    """What `_after_step` returned for step `iteration` (the `final` that `_finish` extends), read back from
+    metrics.jsonl: a launch resumed at train.train_iters (the one before killed after its last checkpoint but
+    before final_metrics.json) runs no step. Its row is the one `_Interval.metrics` gave (marked by
+    `warmup_interval`), less the row's own fields; {} without one."""
+    logged = {}
+    for row in read_metrics(run_dir):
+        if row["step"] == iteration and "warmup_interval" in row:
+            logged.update(row)
+    return {k: v for k, v in logged.items() if k not in ("step", "time", "consumed_samples")}
 
 
 def _save_unless_saved(eng: Engine, state: TrainState, run_id: str | None) -> None:

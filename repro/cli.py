@@ -7,6 +7,7 @@ inside the commands, so `repro --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import importlib
 import sys
@@ -109,6 +110,18 @@ def _run_command(args: argparse.Namespace) -> int:
     except (UserError, OutDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: {disk_full(err)}", file=sys.stderr)
+        return 2
+
+
+def disk_full(err: OSError) -> str:
+    """A full disk or quota (any command, any file): what, where, and the fix, without a traceback."""
+    where = f" writing {err.filename}" if err.filename else ""
+    return (f"{err.strerror}{where}. Fix: free space on that filesystem (or raise the quota), or point the "
+            "command's output elsewhere, and run it again")
 
 
 def _release_command_group() -> None:

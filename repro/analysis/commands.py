@@ -21,16 +21,22 @@ def empty_store_message(uri: str, counts: dict[str, int]) -> str:
     return f"no runs in tracking store {uri} (experiments looked at: {looked}); {HOW_TO_MAKE_RUNS}"
 
 
+STAGING_PREFIX = ".report-"  # a running report's folder inside --out: .report-PID-XXXX (git-ignored)
+
+
 def run_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:
     """Execute each named notebook with (uri, a staging folder inside `out`) injected, then move what
     they wrote into `out`: a failing notebook leaves `out` as it was, not tables of two reports.
     Returns the tables written."""
+    import os
     import shutil
     import tempfile
 
     from repro.analysis.notebook import TABLES, execute, notebook_path
 
-    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=out))  # out's filesystem: the moves are renames
+    remove_stale_staging(out)
+    # out's filesystem: the moves are renames
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out))
     try:
         params = {"tracking_uri": uri, "out_dir": str(staging), "bench_dir": str(bench_dir())}
         for name in names:
@@ -43,14 +49,46 @@ def run_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:
     return written
 
 
-def _move_into(staging: Path, out: Path) -> None:
-    """Move every file below `staging` to the same place below `out` (replacing what is there)."""
+def remove_stale_staging(out: Path) -> None:
+    """Remove the staging folders of reports that were killed (their process is gone), with a note."""
+    import shutil
+
+    for folder in sorted(out.glob(f"{STAGING_PREFIX}*")):
+        if folder.is_dir() and not _running(folder.name):
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"note: removed {folder}, left by a `repro report` that was killed")
+
+
+def _running(name: str) -> bool:
+    """Whether the report that made staging folder `name` (.report-PID-XXXX) is still running here."""
     import os
 
-    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-        target = out / path.relative_to(staging)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
+    pid = name.removeprefix(STAGING_PREFIX).split("-")[0]
+    if not pid.isdigit():  # an older report's .report-XXXX: no owner to ask
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """Move every file below `staging` to the same place below `out` (replacing what is there), in
+    sorted order, with stop signals held until the last is moved: a stop never leaves tables of two
+    reports. (`out` is a tracked folder with other files, results/bench: no single rename can swap
+    it; a SIGKILL between these renames, a few milliseconds, can still mix them.)"""
+    import os
+
+    from repro.data.preprocess import stop_signals_deferred
+
+    moves = [(path, out / path.relative_to(staging)) for path in sorted(p for p in staging.rglob("*") if p.is_file())]
+    with stop_signals_deferred():
+        for path, target in moves:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
 
 
 def bench_dir() -> Path:
@@ -83,13 +121,42 @@ def _report(args) -> int:
         raise UserError(str(err)) from None
     make_out_dir(out, "/tmp/report")
     try:
-        tables = run_report(uri, out, tuple(args.only or NOTEBOOKS))
+        tables = _stoppable_report(uri, out, tuple(args.only or NOTEBOOKS))
     except NotebookError as err:
         raise UserError(str(err)) from None
     for path in tables:
         print("\n" + path.read_text())
     print(f"wrote tables and figures to {out}")
     return 0
+
+
+def _stoppable_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:
+    """run_report in which SIGTERM or SIGUSR1 (scancel, a time limit, `kill`) ends the report with a
+    "stopped" line and exit 128 + signal, its staging folder removed. The handler's SystemExit lands
+    inside nbclient's event loop, which turns it into another error ("Kernel died"): the signal is
+    noted, and whatever comes out of the report after it is the stop."""
+    import signal
+    import sys
+
+    from repro.train.signals import STOP_SIGNALS, exiting_on_stop_signals
+
+    received: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
+    try:
+        with exiting_on_stop_signals():  # the caller's handlers are back afterwards
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, stop)
+            return run_report(uri, out, names)
+    except BaseException:
+        if not received:
+            raise
+    print(f"repro report stopped by {signal.Signals(received[0]).name}: {out} holds the previous report's "
+          "tables or all of this one's, never a mix. Rerun `repro report` to make them", file=sys.stderr, flush=True)
+    raise SystemExit(128 + received[0])
 
 
 def register(sub) -> None:

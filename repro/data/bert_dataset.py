@@ -178,7 +178,10 @@ class BertDataset:
                  write_cache: bool = True, vocab_size: int | None = None) -> None:
         if opts.max_seq_length < 8:
             raise ValueError(f"max_seq_length={opts.max_seq_length} is too short; use >= 8")
+        from repro.data.verify import check_split_record
+
         self.data, self.tokenizer, self.opts = IndexedDataset(prefix), tokenizer, opts
+        check_split_record(prefix, self.data.num_documents)  # a half-swapped `prepare --overwrite`
         self._check_model_vocabulary(vocab_size)
         self.continuation = tokenizer.continuation_mask()
         special = [tokenizer.special.pad, tokenizer.special.unk, tokenizer.cls, tokenizer.sep,

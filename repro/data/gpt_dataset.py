@@ -56,7 +56,10 @@ class GPTDataset:
     def __init__(self, prefix: str | Path, seq_length: int, seed: int = 1234,
                  cache_dir: Path | str | None = None, write_cache: bool = True,
                  vocab_size: int | None = None) -> None:
+        from repro.data.verify import check_split_record
+
         self.data = IndexedDataset(prefix)
+        check_split_record(prefix, self.data.num_documents)  # a half-swapped `prepare --overwrite`
         self.vocab_size = vocab_size
         if len(self.data) > self.data.num_documents:  # some document holds several sequences
             raise DataError(f"{prefix}: {len(self.data):,} sequences in {self.data.num_documents:,} documents: "

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import os
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,10 +84,28 @@ def removed_on_error(*paths: str | Path) -> Iterator[None]:
     SystemExit (`repro data prepare`), leaves no partial copy filling the disk."""
     try:
         yield
-    except BaseException:
+    except BaseException as err:
         for path in paths:
             Path(path).unlink(missing_ok=True)
-        raise
+        full = disk_full_error(err, paths[0])
+        if full is None:
+            raise
+        raise full from None
+
+
+def disk_full_error(err: BaseException, path: str | Path) -> DataError | None:
+    """A full disk (ENOSPC, EDQUOT) while writing `path` as a DataError naming the directory, its
+    free space and the fix; None for any other error."""
+    if not isinstance(err, OSError) or err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    directory = Path(path).resolve().parent
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:,.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return DataError(f"{directory}: {err.strerror} writing {Path(path).name} ({free}); the partial file "
+                     "was removed. Fix: free space there, or give an --output-prefix on a larger disk, then "
+                     "rerun `repro data prepare`")
 
 
 class IndexedDatasetWriter:
@@ -124,9 +144,13 @@ class IndexedDatasetWriter:
             os.replace(tmp_idx, f"{self.prefix}.idx")
 
     def abort(self) -> None:
-        """Drop the partial output."""
-        self._bin.close()
-        Path(self._tmp_bin).unlink(missing_ok=True)
+        """Drop the partial output (its close may fail again on a full disk: the file goes anyway)."""
+        try:
+            self._bin.close()
+        except OSError:
+            pass
+        finally:
+            Path(self._tmp_bin).unlink(missing_ok=True)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -134,8 +158,11 @@ class IndexedDatasetWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.finalize()
-        else:
-            self.abort()
+            return
+        self.abort()
+        full = disk_full_error(exc, self._tmp_bin)
+        if full is not None:
+            raise full from None
 
 
 def _fail(path: Path, problem: str) -> DataError:

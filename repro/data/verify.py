@@ -53,3 +53,26 @@ def verify(prefix: str | Path, progress: bool = False) -> list[tuple[str, str]]:
                         + "\n  ".join(bad) + "\nFix: copy them again from the machine that prepared them, or run "
                         "`repro data prepare` again")
     return results
+
+
+def check_split_record(prefix: str | Path, num_documents: int) -> None:
+    """Refuse a split whose document count differs from the one PREFIX_prepare.json beside it records:
+    old and new files mixed (a `repro data prepare --overwrite` killed while swapping them in), which
+    would otherwise train without a word. No record, or one without counts: nothing to check."""
+    import json
+
+    base = base_prefix(prefix)
+    suffix = str(prefix)[len(base):]
+    if not suffix:  # not a split of a prepared dataset
+        return
+    record_path = Path(f"{base}_prepare.json")
+    try:
+        outputs = json.loads(record_path.read_text())["report"]["outputs"]
+        recorded = next(int(n) for key, n in outputs.items() if key.endswith(suffix))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return
+    if recorded != num_documents:
+        raise DataError(f"{prefix}.idx holds {num_documents:,} documents, but {record_path} records {recorded:,} for "
+                        f"this split: the files come from different `repro data prepare` runs (one killed while "
+                        f"swapping its files in?). Fix: `repro data verify {base}` names the files that differ; "
+                        "rerun `repro data prepare ... --overwrite` to rebuild the dataset")

@@ -21,8 +21,10 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable
 
 import torch
@@ -113,7 +115,8 @@ def leave_process_group(backend: str) -> None:
 
 
 def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _CallerContext | None,
-           start, join: Callable, timeout: float) -> None:
+           start, join: Callable, timeout: float, launcher: int) -> None:
+    _die_with(launcher)
     if caller is not None:
         caller.adopt()
         _reseed_numpy()
@@ -141,6 +144,26 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _die_with(launcher: int) -> None:
+    """SIGKILL this rank when the launcher process ends without stopping it (itself SIGKILLed, or the
+    OOM killer): no orphan trains on. A pidfd watch, not prctl(PR_SET_PDEATHSIG): a forked rank's
+    parent is the fork server, which outlives a killed launcher (every rank holds its liveness pipe)
+    and dies of a TERM sent to the whole process group while the ranks must live on to checkpoint.
+    Nothing is watched where Linux's pidfd_open is missing."""
+    try:
+        fd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # gone before this rank started
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return
+    threading.Thread(target=_kill_self_when_ready, args=(fd,), name="repro-launcher-watch", daemon=True).start()
+
+
+def _kill_self_when_ready(fd: int) -> None:
+    select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _reseed_numpy() -> None:
@@ -181,6 +204,12 @@ class _Ranks:
             return not self.procs[rank].is_alive()
         return bool(select.select([fd], [], [], wait_s)[0])
 
+    def send(self, signum: int) -> None:
+        """Send a signal to every rank still running."""
+        for rank in range(len(self.procs)):
+            if not self.exited(rank):
+                self._signal(rank, signum)
+
     def stop(self, grace_s: float) -> None:
         """Give every rank until `grace_s` from now to end, then kill the rest."""
         deadline = time.monotonic() + grace_s
@@ -193,11 +222,14 @@ class _Ranks:
                 os.close(fd)
 
     def _kill(self, rank: int) -> None:
-        if self.pidfds[rank] is None:
-            self.procs[rank].kill()
-            return
+        self._signal(rank, signal.SIGKILL)
+
+    def _signal(self, rank: int, signum: int) -> None:
         try:
-            signal.pidfd_send_signal(self.pidfds[rank], signal.SIGKILL)
+            if self.pidfds[rank] is None:
+                os.kill(self.procs[rank].pid, signum)
+            else:
+                signal.pidfd_send_signal(self.pidfds[rank], signum)
         except ProcessLookupError:  # ended meanwhile
             pass
 
@@ -210,22 +242,30 @@ def _pidfd(pid: int) -> int | None:
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
-              backend: str = "gloo") -> list[Any]:
+              backend: str = "gloo", forward_signals: bool = False) -> list[Any]:
     """Spawn `world_size` ranks running fn(*args); return their results in rank order.
 
     Every rank joins the process group before any runs fn, and leaves it after all have run it.
     Raises ValueError before spawning when NCCL ranks outnumber the visible GPUs, RuntimeError with
     the failing rank's traceback (or naming a rank that died without one: killed, out of memory), or
     TimeoutError after `timeout` seconds (the ranks are then killed, so a hung collective never hangs the caller).
+    With forward_signals (a command's main thread: `repro train --nproc N`), SIGTERM, SIGUSR1 and
+    SIGINT sent to this process alone are passed on to the ranks (`forwarding_stop_signals`).
     """
     check_gpu_count(world_size, backend)
-    return launch_ranks(fn, world_size, args, timeout, backend, join_process_group)
+    return launch_ranks(fn, world_size, args, timeout, backend, join_process_group, forward_signals)
 
 
 def launch_ranks(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str,
-                 join: Callable[[str, str, int, int], None]) -> list[Any]:
+                 join: Callable[[str, str, int, int], None], forward_signals: bool = False) -> list[Any]:
     """run_ranks with the function each rank joins the process group with, join(backend, store,
     rank, world_size) (importable, like fn)."""
+    with forwarding_stop_signals() if forward_signals else nullcontext() as forwarder:
+        return _launch(fn, world_size, args, timeout, backend, join, forwarder)
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str, join: Callable,
+            forwarder: "_Forwarder | None") -> list[Any]:
     ctx = _start_context(backend)
     caller = _CallerContext.here() if ctx.get_start_method() == "forkserver" else None
     results, start = ctx.Queue(), ctx.Event()
@@ -234,17 +274,98 @@ def launch_ranks(fn: Callable, world_size: int, args: tuple, timeout: float, bac
     # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
     # kills any rank still alive
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results, caller,
-                                              start, join, timeout))
+                                              start, join, timeout, os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()
     ranks, collected = _Ranks(procs), None
+    if forwarder is not None:
+        forwarder.watch(ranks)
     try:
         collected = _collect(results, ranks, fn.__name__, timeout, start)
     finally:  # ranks that delivered get 10 s to exit; after a failure or timeout the rest wait in vain
         ranks.stop(grace_s=10.0 if collected is not None else 1.0)
         shutil.rmtree(store_dir, ignore_errors=True)
     return [collected[r] for r in range(world_size)]
+
+
+class _Forwarder:
+    """The launcher's handler of SIGTERM, SIGUSR1 and SIGINT: each is passed on to every running rank
+    (SIGINT as SIGTERM, the stop the trainer checkpoints for), whose results are still awaited; a
+    second SIGINT is KeyboardInterrupt, which kills the ranks."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.ranks: _Ranks | None = None
+        self.pending: list[int] = []
+        self.interrupted = False
+
+    def __call__(self, signum: int, _frame) -> None:
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted, signum = True, signal.SIGTERM
+        os.write(2, f"{signal.Signals(signum).name} passed on to the ranks: waiting for them to checkpoint "
+                    "and exit\n".encode())
+        self.pending.append(signum)
+        self._flush()
+
+    def watch(self, ranks: _Ranks) -> None:
+        """Forward to these ranks from now on, and what came before they existed."""
+        self.ranks = ranks
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.ranks is not None and self.pending:
+            self.ranks.send(self.pending.pop(0))
+
+
+@contextmanager
+def forwarding_stop_signals():
+    """A _Forwarder handles SIGTERM, SIGUSR1 and SIGINT inside the block (on the main thread; elsewhere,
+    nothing changes and None is yielded); the previous handlers are back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    forwarder = _Forwarder()
+    previous = {sig: signal.signal(sig, forwarder) for sig in _Forwarder.SIGNALS}
+    try:
+        yield forwarder
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _failure(ranks: _Ranks, rank: int, name: str, report: str) -> RuntimeError:
+    """The error for rank `rank`'s failure report; a peer killed by a signal (seen within ~1 s) is
+    named first, since the reporting rank most likely only lost its connection to it."""
+    killed = _killed_peer(ranks, rank, wait_s=1.0)
+    if killed is None:
+        return RuntimeError(f"rank {rank} failed in {name}:\n{report}")
+    lines = report.strip().splitlines()
+    return RuntimeError(f"{_ended_message(ranks, killed, name)}\n(rank {rank} then failed: "
+                        f"{lines[-1] if lines else 'no message'})")
+
+
+def _killed_peer(ranks: _Ranks, rank: int, wait_s: float) -> int | None:
+    """The first rank other than `rank` ended by a signal within `wait_s`, or None."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for peer in range(len(ranks.procs)):
+            if peer != rank and ranks.exited(peer):
+                ranks.procs[peer].join(1.0)  # its exit code
+                if (ranks.procs[peer].exitcode or 0) < 0:
+                    return peer
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _ended_message(ranks: _Ranks, rank: int, name: str) -> str:
+    ranks.procs[rank].join(1.0)  # its exit code
+    return (f"rank {rank} of {name} ended without a result (exit code {ranks.procs[rank].exitcode}): "
+            "killed, out of memory, or os._exit; its output is above")
 
 
 def _collect(results, ranks: _Ranks, name: str, timeout: float, start) -> dict[int, Any]:
@@ -262,11 +383,7 @@ def _collect(results, ranks: _Ranks, name: str, timeout: float, start) -> dict[i
                 raise TimeoutError(f"{name} on {world_size} ranks did not finish in {timeout:.0f} s") from None
             ended = {r for r in range(world_size) if r not in collected and ranks.exited(r)}
             if ended & suspects:
-                rank = min(ended & suspects)
-                ranks.procs[rank].join(1.0)  # its exit code
-                raise RuntimeError(f"rank {rank} of {name} ended without a result (exit code "
-                                   f"{ranks.procs[rank].exitcode}): killed, out of memory, or os._exit; "
-                                   "its output is above") from None
+                raise RuntimeError(_ended_message(ranks, min(ended & suspects), name)) from None
             suspects = ended
             continue
         if kind == _JOINED:
@@ -274,7 +391,7 @@ def _collect(results, ranks: _Ranks, name: str, timeout: float, start) -> dict[i
             if len(joined) == world_size:
                 start.set()
         elif kind == _FAILED:
-            raise RuntimeError(f"rank {rank} failed in {name}:\n{value}")
+            raise _failure(ranks, rank, name, value)
         else:
             collected[rank] = pickle.loads(value)
     return collected

@@ -104,7 +104,10 @@ def _launch(args, launched: bool) -> int:
         # NCCL, one GPU per rank, when the ranks train on GPUs (gloo would move every all-reduce
         # through host memory, and every rank would share GPU 0)
         backend = "gloo" if load_config(args.config, args.set).train.device == "cpu" else default_backend()
-        final = run_ranks(train_rank, args.nproc, args.config, args.set, timeout=args.timeout, backend=backend)[0]
+        # a stop signal sent to this process alone (`kill PID`, a supervisor) reaches the ranks, which
+        # checkpoint; their result is this command's
+        final = run_ranks(train_rank, args.nproc, args.config, args.set, timeout=args.timeout, backend=backend,
+                          forward_signals=True)[0]
     else:
         if not launched:
             from repro.parallel.spawn import free_port

@@ -8,7 +8,9 @@ this module decides what of an Engine goes into it and comes back out.
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,20 +43,59 @@ def save(eng: Engine, state: TrainState, run_id: str | None) -> Path:
     """Write a complete checkpoint of every rank (atomic: temp dir, rename, then `latest`).
 
     The DP replicas hold the same model and optimizer state; TP rank t's shard is written by DP
-    replica t mod dp (`shard_owner`), so at TP=8 the 8 shards leave from 8 nodes, not all from node 0."""
-    root, pg = Path(eng.cfg.run_dir) / "checkpoints", eng.pg
+    replica t mod dp (`shard_owner`), so at TP=8 the 8 shards leave from 8 nodes, not all from node 0.
+    A full disk is a CheckpointError (`disk_full_error`)."""
+    root = Path(eng.cfg.run_dir) / "checkpoints"
+    try:
+        return _save(eng, state, run_id, root)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise disk_full_error(root, state.iteration, err) from None
+
+
+def disk_full_error(root: Path, iteration: int, err: OSError) -> ck.CheckpointError:
+    """The error for a checkpoint that did not fit: the file, the space left, what `latest` names, the fix."""
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:,.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    try:
+        latest = ck.read_pointer(root / "latest") if (root / "latest").is_file() else None
+    except ck.CheckpointError:
+        latest = None
+    kept = f"the last good checkpoint, {latest}" if latest else "no complete checkpoint"
+    name = ck.iter_name(iteration)
+    return ck.CheckpointError(
+        f"checkpoint {name} did not fit: {err.strerror} writing {err.filename or root} ({free} in {root}). "
+        f"`latest` still points to {kept}. Fix: free space there (the partial {name}.tmp can go) or point "
+        "run_dir at a larger disk, then rerun the same command: it resumes from `latest`")
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save through a Python file: a full disk is OSError(ENOSPC) naming the file, not torch's
+    RuntimeError (`unexpected pos ...`) that hides the cause."""
+    try:
+        with open(path, "wb") as handle:
+            torch.save(obj, handle)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+def _save(eng: Engine, state: TrainState, run_id: str | None, root: Path) -> Path:
+    pg = eng.pg
     tmp = ck.begin_save(root, state.iteration, pg)
     owner = pg.dp_rank == ck.shard_owner(pg)  # one DP replica per TP shard, spread over nodes
     model_state = _model_state(eng, owner)
     if owner:
-        torch.save(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
+        _torch_save(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
         if not eng.deepspeed:
             extra = {"optimizer": eng.optimizer.state_dict(), "scheduler": eng.scheduler.state_dict(),
                      "scaler": eng.scaler.state_dict() if eng.scaler else {}}
-            torch.save(extra, tmp / f"optim_tp{pg.tp_rank:02d}.pt")
+            _torch_save(extra, tmp / f"optim_tp{pg.tp_rank:02d}.pt")
     if eng.deepspeed:
         eng.wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="zero", save_latest=False)
-    torch.save(ck.rng_state(eng.rng, eng.device), tmp / f"rng_rank{pg.rank:05d}.pt")
+    _torch_save(ck.rng_state(eng.rng, eng.device), tmp / f"rng_rank{pg.rank:05d}.pt")
     if pg.rank == 0:
         meta = {"format": ck.FORMAT_VERSION, "family": eng.cfg.family, "iteration": state.iteration,
                 "consumed_samples": state.consumed_samples, "tp": pg.tp_size,

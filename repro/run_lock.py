@@ -43,16 +43,20 @@ def holder(path: Path) -> str:
     return text or "another process (it has not recorded itself yet)"
 
 
-def acquire(path: Path) -> tuple[Path, int] | None:
-    """Lock `path` (created if need be) exclusively without waiting and record this process in it.
-    Returns what `release` takes; None where the filesystem has no flock (a warning says so);
-    LockHeld when another process holds it."""
+def acquire(path: Path, wait_s: float = 0.0) -> tuple[Path, int] | None:
+    """Lock `path` (created if need be) exclusively, waiting up to `wait_s` seconds for another
+    holder, and record this process in it. Returns what `release` takes; None where the filesystem
+    has no flock (a warning says so); LockHeld when another process still holds it."""
+    deadline = time.monotonic() + wait_s
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
             raise LockHeld(Path(path), holder(path)) from None
         except OSError as err:
             os.close(fd)

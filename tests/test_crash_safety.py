@@ -16,32 +16,8 @@ import torch.distributed as dist
 
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
-from test_train_resume import TINY, _children
+from test_train_resume import _HOLD_IN_STEP_3, TINY, _children  # (each rank writes its pid to HOLD_DIR/rank<r>)
 from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
-
-# A sitecustomize.py for `repro train --nproc 2`: each rank writes its pid to HOLD_DIR/rank<r> in its
-# third training step and holds there until the test creates `go` (as test_train_resume's).
-_HOLD_IN_STEP_3 = """
-import os, time, warnings
-from pathlib import Path
-
-if os.environ.get("HOLD_DIR"):
-    warnings.filterwarnings("ignore", message="'repro.cli' found in sys.modules")
-    from repro.train import loop
-
-    step, hold, calls = loop.train_step, Path(os.environ["HOLD_DIR"]), []
-
-    def held_step(eng, batches):
-        calls.append(None)
-        if len(calls) == 3:
-            (hold / f"tmp{eng.pg.rank}").write_text(str(os.getpid()))
-            os.replace(hold / f"tmp{eng.pg.rank}", hold / f"rank{eng.pg.rank}")
-            while not (hold / "go").exists():
-                time.sleep(0.01)
-        return step(eng, batches)
-
-    loop.train_step = held_step
-"""
 
 
 def _with_site(site: Path, code: str, **env) -> dict[str, str]:

@@ -235,7 +235,8 @@ if os.environ.get("HOLD_DIR"):
     def held_step(eng, batches):
         calls.append(None)
         if len(calls) == 3:
-            (hold / f"rank{eng.pg.rank}").touch()
+            (hold / f"tmp{eng.pg.rank}").write_text(str(os.getpid()))  # rank<r> holds its pid, whole
+            os.replace(hold / f"tmp{eng.pg.rank}", hold / f"rank{eng.pg.rank}")
             while not (hold / "go").exists():
                 time.sleep(0.01)
         return step(eng, batches)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.tracking.store import default_tracking_uri, experiment_id, file_lock, tracking_client, tracking_hint
+from repro.tracking.store import default_tracking_uri, experiment_id, tracking_client, tracking_hint
 
 RUN_ID_FILE = "mlflow_run_id"  # the MLflow run that holds this run directory's metrics
 STOP_MARKER = "stopped_by_signal"  # the last launch stopped for a signal (launch.sh requeues the job)
@@ -694,14 +694,20 @@ def _rows_after(rows: list[dict], ended: int) -> bool:
 def _sync_lock(run_dir: Path):
     """Hold RUN_DIR/.sync.lock: two syncs of a directory at once (two shells, a cron sync overlapping a
     manual one) each found no run and created one. A training run does not take it (sync while it runs)."""
+    from repro import run_lock
+
     path = run_dir / SYNC_LOCK
     try:
-        path.touch()
+        held = run_lock.acquire(path, wait_s=SYNC_LOCK_SECONDS)  # (removed again on release)
+    except run_lock.LockHeld as other:
+        raise TrackingError(f"another `repro tracking sync {run_dir}` still runs after {SYNC_LOCK_SECONDS:.0f} s "
+                            f"({other.holder}). Fix: wait for it to end, then sync again") from None
     except OSError:  # a directory this user may only read (a colleague's run): it cannot record a run id
-        yield        # either, so there is nothing for a lock to keep consistent
-        return
-    with file_lock(path, SYNC_LOCK_SECONDS, f"for `repro tracking sync {run_dir}`", TrackingError):
+        held = None  # either, so there is nothing for a lock to keep consistent
+    try:
         yield
+    finally:
+        run_lock.release(held)
 
 
 def sync_run(run_dir: str | Path) -> SyncResult:

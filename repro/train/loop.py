@@ -217,7 +217,7 @@ def train(cfg: RunConfig, pg: ProcessGroups, local_rank: int = 0, tags: dict[str
 def _run_dir_locked(run_dir: str, pg: ProcessGroups):
     """Rank 0 holds RUN_DIR/.lock while inside; every rank raises RunConfigError at once when another
     job holds it (or it cannot be made), so two jobs never write one run dir together."""
-    held, refusal = None, None
+    held, refusal, created = None, None, not Path(run_dir).exists()
     if pg.rank == 0:
         try:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -234,6 +234,16 @@ def _run_dir_locked(run_dir: str, pg: ProcessGroups):
         yield
     finally:
         run_lock.release(held)
+        if created and held is not None:
+            _remove_if_empty(Path(run_dir))
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """The run dir this launch created, if it failed before writing anything there (a config error)."""
+    try:
+        run_dir.rmdir()
+    except OSError:  # not empty: the run wrote into it
+        pass
 
 
 def _run_dir_in_use(run_dir: str, holder: str) -> str:

@@ -260,3 +260,37 @@ def test_a_run_stopped_by_a_signal_tries_its_final_status_once(tmp_path, store, 
     said = [str(w.message) for w in caught if "MLflow" in str(w.message)]
     retries = [s for s in slept if s >= 1.0]  # close()'s waits (1, 2, 4 .. s; MLflow's own are ms)
     assert retries == [] and len(said) == 1 and "repro tracking sync" in said[0], (retries, said)
+
+
+LOCK_HOLDER = """
+import select, sys
+from repro import run_lock
+held = run_lock.acquire(sys.argv[1]); print("held", flush=True)
+select.select([sys.stdin], [], [], 60)  # until stdin closes
+run_lock.release(held)
+"""
+
+
+def test_the_store_lock_names_its_holder_and_leaves_no_file(tmp_path, monkeypatch):
+    """`<db>.lock` is repro.run_lock's, like a run dir's: a new store's folder is made, the lock file is
+    gone once the store is open, and a job that waits out STORE_LOCK_SECONDS is told who holds it."""
+    import repro.tracking.store as store_module
+    from repro.tracking.store import tracking_client
+
+    db = tmp_path / "new" / "mlflow.db"
+    assert len(tracking_client(f"sqlite:///{db}").search_experiments()) == 1
+    assert sorted(p.name for p in db.parent.iterdir()) == ["mlflow.db"]
+
+    other = tmp_path / "other.db"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, f"{other}.lock"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(repro.__file__).parents[1])})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(store_module, "STORE_LOCK_SECONDS", 0.5)
+        with pytest.raises(TimeoutError, match=rf"pid {holder.pid}.*MLflow store sqlite:///{other}"):
+            tracking_client(f"sqlite:///{other}")
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert not Path(f"{other}.lock").exists()

@@ -82,7 +82,7 @@ def _move_into(staging: Path, out: Path) -> None:
     it; a SIGKILL between these renames, a few milliseconds, can still mix them.)"""
     import os
 
-    from repro.data.preprocess import stop_signals_deferred
+    from repro.train.signals import stop_signals_deferred
 
     moves = [(path, out / path.relative_to(staging)) for path in sorted(p for p in staging.rglob("*") if p.is_file())]
     with stop_signals_deferred():
@@ -138,18 +138,11 @@ def _stoppable_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]
     import signal
     import sys
 
-    from repro.train.signals import STOP_SIGNALS, exiting_on_stop_signals
+    from repro.train.signals import exiting_on_stop_signals
 
     received: list[int] = []
-
-    def stop(signum: int, _frame) -> None:
-        received.append(signum)
-        raise SystemExit(128 + signum)
-
     try:
-        with exiting_on_stop_signals():  # the caller's handlers are back afterwards
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, stop)
+        with exiting_on_stop_signals(noted=received):  # the caller's handlers are back afterwards
             return run_report(uri, out, names)
     except BaseException:
         if not received:

@@ -30,7 +30,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -52,6 +51,7 @@ from repro.data.prepare_checks import (SPLIT_NAMES, check_inputs, check_output_d
                                        output_prefix_locked, temporary_tag, warn_stale_temporaries)
 from repro.data.tokenizers import TextTokenizer, build_tokenizer
 from repro.data.verify import digests
+from repro.train.signals import STOP_SIGNALS, stop_signals_deferred
 
 
 def available_cpus() -> int:
@@ -146,9 +146,6 @@ class DocumentProcessor:
         return DocResult("ok", count, sequences, signature)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
     """TERM and USR1 blocked in this thread while the pool forks its workers, so each is born with
@@ -162,29 +159,6 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-@contextlib.contextmanager
-def stop_signals_deferred() -> Iterator[None]:
-    """TERM and USR1 that arrive inside the block take effect as it ends. `stop_signals_blocked` is not
-    enough here: with them masked in this thread the kernel hands a process-wide signal to another
-    thread (tqdm's monitor, the tokenizer's pool), and Python runs its handler in the main thread all
-    the same. So their Python handlers are swapped for one that notes the signal; at the end the old
-    ones are put back and the first noted signal is raised again. Off the main thread nothing is
-    needed: Python handlers only ever interrupt the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    noted: list[int] = []
-    swapped = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not None]  # None: not set from Python
-    previous = {sig: signal.signal(sig, lambda signum, _frame: noted.append(signum)) for sig in swapped}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if noted:
-            signal.raise_signal(noted[0])
 
 
 def worker_signal_defaults() -> None:

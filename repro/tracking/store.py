@@ -96,7 +96,7 @@ def tracking_client(uri: str | None = None):
     lock = sqlite_lock_path(uri)
     if lock is None:
         return MlflowClient(tracking_uri=uri)
-    with file_lock(lock, STORE_LOCK_SECONDS, f"while it opens (or creates) the MLflow store {uri}"):
+    with _store_lock(lock, uri):
         return MlflowClient(tracking_uri=uri)  # (MLflow keeps the opened store for the process's later clients)
 
 
@@ -109,21 +109,22 @@ def sqlite_lock_path(uri: str) -> Path | None:
 
 
 @contextmanager
-def file_lock(path: Path, timeout: float, why: str, error: type[Exception] = TimeoutError):
-    """Hold the file lock `path` (the filelock package: flock, or a lock file where the filesystem has
-    no flock); `error` naming the lock, why it is held and the fix after `timeout` seconds."""
-    from filelock import FileLock, Timeout
+def _store_lock(path: Path, uri: str):
+    """Hold `path` (repro.run_lock: flock, its holder recorded, the file removed on release), waiting up
+    to STORE_LOCK_SECONDS for another job."""
+    from repro import run_lock
 
-    lock = FileLock(path, timeout=timeout)
+    path.parent.mkdir(parents=True, exist_ok=True)  # (a new store's folder: MLflow would make it too)
     try:
-        lock.acquire()
-    except Timeout:
-        raise error(f"{path} is still locked after {timeout:.0f} s: another process holds it {why}. "
-                    f"Fix: wait for that process to end and retry (delete {path} only if none is running)") from None
+        held = run_lock.acquire(path, wait_s=STORE_LOCK_SECONDS)
+    except run_lock.LockHeld as other:
+        raise TimeoutError(f"{path} is still locked after {STORE_LOCK_SECONDS:.0f} s: {other.holder} holds it "
+                           f"while it opens (or creates) the MLflow store {uri}. Fix: wait for that process "
+                           "to end and retry") from None
     try:
         yield
     finally:
-        lock.release()
+        run_lock.release(held)
 
 
 def experiment_id(client, name: str) -> str:

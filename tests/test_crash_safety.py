@@ -282,3 +282,79 @@ def test_a_full_disk_in_any_command_is_one_line_with_the_fix(capsys):
     assert _run_command(argparse.Namespace(func=write_to_full_disk)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: No space left on device") and "Fix: free space" in err and len(err.splitlines()) == 1
+
+
+# ---- 7: a stop signal while `repro report` runs a notebook ---------------------------------------
+
+_REPORT = """
+import sys
+from pathlib import Path
+import nbformat
+from repro.analysis import commands, notebook
+
+root, out = Path(sys.argv[1]), Path(sys.argv[2])
+cells = [nbformat.v4.new_code_cell("tracking_uri = out_dir = bench_dir = None", metadata={"tags": ["parameters"]}),
+         nbformat.v4.new_code_cell(f"import os, time\\nfrom pathlib import Path\\n"
+                                   f"Path({str(root / 'kernel.pid')!r}).write_text(str(os.getpid()))\\ntime.sleep(120)")]
+nb = nbformat.v4.new_notebook(cells=cells)
+nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+(root / "analysis").mkdir(parents=True)
+nbformat.write(nb, root / "analysis" / "scaling.ipynb")
+notebook.project_root = lambda: root
+commands._stoppable_report("sqlite:///unused.db", out, ("scaling",))
+"""
+
+
+@pytest.mark.parametrize("signame, kernel_too", [("SIGTERM", False), ("SIGUSR1", False), ("SIGTERM", True)],
+                         ids=["TERM-to-the-report", "USR1-to-the-report", "TERM-to-the-report-and-its-kernel"])
+def test_a_stop_signal_during_a_notebook_ends_the_report_in_one_line(tmp_path, signame, kernel_too):
+    """A real kernel running a cell: the report exits 128 + signal with its one "stopped" line, the
+    last report's tables untouched, no staging folder, no kernel left. The kernel runs in its own
+    session, so `kernel_too` signals it as well, as scancel does every process of a step. TERM used
+    to exit 1 after three tracebacks (nbclient's own TERM handler shut the kernel down under the cell,
+    then its cleanup failed), USR1 to leave the kernel printing a zmq traceback."""
+    root, out = tmp_path / "checkout", tmp_path / "out"
+    out.mkdir()
+    (out / "scaling_table.md").write_text("the last report's")
+    report = subprocess.Popen([sys.executable, "-c", _REPORT, str(root), str(out)], stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (root / "kernel.pid").exists() or not (root / "kernel.pid").read_text():
+        assert report.poll() is None and time.monotonic() < deadline, report.stderr.read()
+        time.sleep(0.1)
+    kernel, sig = int((root / "kernel.pid").read_text()), getattr(signal, signame)
+    for pid in (report.pid, kernel) if kernel_too else (report.pid,):
+        os.kill(pid, sig)
+    err = report.communicate(timeout=60)[1]
+    assert report.returncode == 128 + sig, err
+    assert f"repro report stopped by {signame}" in err and "Traceback" not in err and "Error" not in err, err
+    assert [p.name for p in out.iterdir()] == ["scaling_table.md"]
+    assert (out / "scaling_table.md").read_text() == "the last report's"
+    deadline = time.monotonic() + 10  # (the kernel is its report's child: gone once the report reaped it)
+    while Path(f"/proc/{kernel}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{kernel}").exists(), f"kernel {kernel} outlived its report"
+
+
+def test_a_notebook_run_leaves_the_callers_stop_handlers_in_place(tmp_path):
+    """nbclient sets SIGTERM back to its default action when a notebook ends: a TERM between two
+    notebooks then killed the report without removing its staging folder."""
+    import nbformat
+
+    from repro.analysis.notebook import execute
+
+    path = tmp_path / "n.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+
+    def handler(signum, frame):
+        raise AssertionError("not called")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        execute(path, {})
+        assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGUSR1) is handler
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -132,18 +132,21 @@ def _report(args) -> int:
 
 def _stoppable_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:
     """run_report in which SIGTERM or SIGUSR1 (scancel, a time limit, `kill`) ends the report with a
-    "stopped" line and exit 128 + signal, its staging folder removed. The handler's SystemExit lands
-    inside nbclient's event loop, which turns it into another error ("Kernel died"): the signal is
-    noted, and whatever comes out of the report after it is the stop."""
+    "stopped" line and exit 128 + signal, its staging folder removed. While a notebook runs the
+    signal interrupts its kernel (NotebookStopped); elsewhere it is SystemExit, noted: whatever comes
+    out of the report after it is the stop."""
     import signal
     import sys
 
+    from repro.analysis.notebook import NotebookStopped
     from repro.train.signals import exiting_on_stop_signals
 
     received: list[int] = []
     try:
         with exiting_on_stop_signals(noted=received):  # the caller's handlers are back afterwards
             return run_report(uri, out, names)
+    except NotebookStopped as stop:  # (a signal while a kernel ran: it was interrupted and shut down)
+        received.append(stop.signum)
     except BaseException:
         if not received:
             raise

@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from repro.parallel.spawn import free_port
+from ports import listen_port
 
 
 class MlflowServer:
@@ -26,7 +26,7 @@ class MlflowServer:
 
     def __init__(self, root: Path, allowed_hosts: list[str] = (), auth: bool = False) -> None:
         """`auth`: MLflow's basic-auth app (`--app-name basic-auth`), as institutional servers run."""
-        self.root, self.port, self.auth = Path(root), free_port(), auth
+        self.root, self.port, self.auth = Path(root), listen_port(), auth
         self.allowed = [f"{host}:{self.port}" for host in ("127.0.0.1", *allowed_hosts)]
         self.process: subprocess.Popen | None = None
 

@@ -14,6 +14,7 @@ packages slurmctld slurmd slurm-client munge (`make slurm-deps`).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import psutil
 import pytest
 
 from conftest import require
+from ports import listen_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
@@ -37,12 +39,6 @@ def require_slurm() -> None:
     missing = [b for b in BINARIES if not shutil.which(b) and not Path(f"/usr/sbin/{b}").exists()]
     require(not missing, f"Slurm binaries {missing} (install: make slurm-deps)")
     require(os.geteuid() == 0, "root (the test cluster runs slurmd as SlurmUser=root)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node_name() -> str:
@@ -88,7 +84,9 @@ class SlurmCluster:
         r = self.root
         self.conf.write_text("\n".join([
             "ClusterName=repro-test", f"SlurmctldHost={_node_name()}({self.controller_addr})", "SlurmUser=root",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            *(f"{daemon}Port={port}" for daemon, port in zip(("Slurmctld", "Slurmd"), listen_ports(2))),
+            # job ids (launch.sh's rendezvous port is 15000 + job id) differ between clusters running at once
+            f"FirstJobId={random.SystemRandom().randint(1, 14000)}",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             f"StateSaveLocation={r}/state", *self._slurmd_paths(),

@@ -306,10 +306,10 @@ class _Forwarder:
             if self.interrupted:
                 raise KeyboardInterrupt
             self.interrupted, signum = True, signal.SIGTERM
+        self.pending.append(signum)
+        self._flush()  # then the line: whoever reads it may take the signal as delivered
         os.write(2, f"{signal.Signals(signum).name} passed on to the ranks: waiting for them to checkpoint "
                     "and exit\n".encode())
-        self.pending.append(signum)
-        self._flush()
 
     def watch(self, ranks: _Ranks) -> None:
         """Forward to these ranks from now on, and what came before they existed."""

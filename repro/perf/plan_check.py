@@ -5,9 +5,11 @@
 CPU: the trainer itself (engine build and two steps of a 4-layer h=128 GPT on random tokens), for
 every precision recipe, attention kernel and checkpointing setting, with gradient accumulation, at
 TP=2, at DP=2 (torch DDP, and DeepSpeed ZeRO-1/2, whose 5e8-element reduce bucket dominates there;
-bf16 ZeRO-1 summing in fp32 runs on DeepSpeed's BF16_Optimizer, which has none), an 8-layer h=256 half model whose waiting half gradients show, and of the same-size BERT on random
-padded batches; the peak is c10's running total of CPU allocations at the allocations and frees
-torch.profiler records, frees on gloo's threads included (repro.perf.activations.peak_bytes_during). CUDA: the peaks `repro.perf.gpu_bench` measured with
+bf16 ZeRO-1 summing in fp32 runs on DeepSpeed's BF16_Optimizer, which has none), an 8-layer h=256
+half model whose waiting half gradients show, and of the same-size BERT on random padded batches;
+the peak is c10's running total of CPU allocations at the allocations and frees torch.profiler
+records, frees on gloo's threads included (repro.perf.activations.peak_bytes_during). CUDA: the
+peaks `repro.perf.gpu_bench` measured with
 torch.cuda.max_memory_allocated (a results JSON given with --gpu-json), against the plan for the
 same configuration. On CPU a dropout mask has its input's dtype and attention dropout selects the
 math SDPA kernel; the plan is told the device, so each side is modelled as it runs.

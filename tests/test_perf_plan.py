@@ -10,8 +10,8 @@ Tolerances:
   are counted as alive together when torch frees one before making the next. Measured
   (results/plan/memory_check.md, 2026-12-07): -0.1% to +8.9% over 16 one-rank recipes, +10.0% and
   +6.4% for the two ranks at TP=2, +4.3% at DP=2, +0.3% to +0.4% for the 8-layer DP=2 models whose
-  optimizer step is the peak, -0.9% to +3.7% for BERT. Two-rank peaks are the same to the byte on
-  every run since frees on gloo's worker threads are counted (before, a lost free made some runs a
+  optimizer step is the peak, -0.9% to +3.7% for BERT. Two-rank peaks repeat within 2 KB over
+  runs since frees on gloo's worker threads are counted (before, a lost free made some runs a
   whole buffer higher: up to 13% at TP=2 over 5 runs).
 """
 

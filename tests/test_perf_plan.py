@@ -40,14 +40,16 @@ TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
 RECIPES = {"fp32": ("fp32", "fp32"), "autocast": ("bf16", "fp32"), "half": ("bf16", "half")}
 
 
-def _saved_vs_formula(recipe: str, attention_dropout: float, checkpointing: bool, tp_group=None, tp: int = 1):
+def _saved_vs_formula(recipe: str, attention_dropout: float, checkpointing: bool, tp_group=None, tp: int = 1,
+                      hidden_dropout: float = 0.1):
     from repro.models.config import ModelConfig
     from repro.models.gpt import GPT
     from repro.parallel.mappings import group_rank
 
     precision, params = RECIPES[recipe]
     cfg = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=48, vocab_size=1000,
-                      attention_dropout=attention_dropout, activation_checkpointing=checkpointing)
+                      attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
+                      activation_checkpointing=checkpointing)
     model = GPT(cfg, tp_group, rng=RNGTracker(1, group_rank(tp_group))).train()
     if params == "half":
         model = model.to(torch.bfloat16)
@@ -70,14 +72,15 @@ def test_activation_formula_equals_what_autograd_saves(recipe, attention_dropout
     assert formula == saved
 
 
-def _bert_saved_vs_formula(recipe: str, order: str, attention_dropout: float, checkpointing: bool):
+def _bert_saved_vs_formula(recipe: str, order: str, attention_dropout: float, checkpointing: bool,
+                           hidden_dropout: float = 0.1):
     from repro.models.bert import BERT, BertConfig
     from repro.models.bert_checks import random_bert_batch
 
     precision, params = RECIPES[recipe]
     cfg = BertConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
                      num_tokentypes=2, layernorm_order=order, attention_dropout=attention_dropout,
-                     activation_checkpointing=checkpointing)
+                     hidden_dropout=hidden_dropout, activation_checkpointing=checkpointing)
     model = BERT(cfg, rng=RNGTracker(1, 0)).train()
     if params == "half":
         model = model.to(torch.bfloat16)
@@ -97,6 +100,16 @@ def _bert_saved_vs_formula(recipe: str, order: str, attention_dropout: float, ch
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["all-kept", "checkpointed"])
 def test_bert_activation_formula_equals_what_autograd_saves(recipe, order, attention_dropout, checkpointing):
     saved, formula = _bert_saved_vs_formula(recipe, order, attention_dropout, checkpointing)
+    assert formula == saved
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_activation_formula_keeps_no_masks_without_hidden_dropout(recipe):
+    """At hidden dropout 0 torch's dropout returns its input and keeps no mask (the tiny CPU
+    configs); the formula counted two per layer and the embedding's all the same."""
+    saved, formula = _saved_vs_formula(recipe, 0.0, False, hidden_dropout=0.0)
+    assert formula == saved
+    saved, formula = _bert_saved_vs_formula(recipe, "pre", 0.0, False, hidden_dropout=0.0)
     assert formula == saved
 
 
@@ -135,19 +148,19 @@ PEAK_CASES = {
 @pytest.mark.parametrize("case", PEAK_CASES)
 def test_planned_peak_bounds_the_measured_peak(case):
     measured, planned = measured_and_planned(PEAK_CASES[case])
-    assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+    assert 0.98 * measured <= planned <= 1.03 * measured, (measured, planned)
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "half-main-fp32-checkpointed"])
 def test_planned_bert_peak_bounds_the_measured_peak(recipe):
     settings = {**PEAK_CASES[recipe], "model.attention_dropout": 0.0}
     measured, planned = measured_and_planned(settings, family="bert")
-    assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+    assert 0.98 * measured <= planned <= 1.03 * measured, (measured, planned)
 
 
 def test_planned_peak_with_accumulation():
     measured, planned = measured_and_planned({"precision.precision": "fp32", "model.attention_dropout": 0.0}, accum=2)
-    assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+    assert 0.98 * measured <= planned <= 1.03 * measured, (measured, planned)
 
 
 # torch.profiler's memory profile fails on the math SDPA kernel at TP=2 ("duplicate outputs"), so the
@@ -160,18 +173,19 @@ def test_planned_peak_with_accumulation():
                          ids=["tp2", "dp2-ddp-buckets"])
 def test_planned_peak_on_two_ranks(extra):
     for measured, planned in run_ranks(two_rank_case, 2, extra):
-        assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+        assert 0.98 * measured <= planned <= 1.05 * measured, (measured, planned)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_planned_peak_where_the_ddp_optimizer_step_is_the_peak(accumulation):
+def test_planned_peak_where_ddp_state_outweighs_the_activations(accumulation):
     """8 layers h=256 with checkpointing, DP=2 under torch DDP: the parameters, their bucket-view
     gradients and Adam's moments outweigh the activations, so a second gradient copy would show
     (before gradient_as_bucket_view: 134.5 MiB measured against 117.0 now); with 2 accumulation
-    steps no_sync's gradients sit beside the buckets. Measured +0.4% and +0.3%."""
-    from repro.perf.plan_check import DDP_STEP_PEAK
+    steps no_sync's gradients sit beside the buckets. The peak is the first layer's rebuild, with
+    the tied output layer's gradient waiting. Measured -0.03% and ..."""
+    from repro.perf.plan_check import DDP_STATE
 
-    for measured, planned in run_ranks(two_rank_case, 2, DDP_STEP_PEAK, accumulation):
+    for measured, planned in run_ranks(two_rank_case, 2, DDP_STATE, accumulation):
         assert 0.98 * measured <= planned <= 1.05 * measured, (measured, planned)
 
 

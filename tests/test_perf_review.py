@@ -59,8 +59,8 @@ def test_zero_plan_counts_the_reduce_bucket_deepspeed_is_given(precision, overla
 
 @pytest.mark.parametrize("settings, over", [
     ({"precision.precision": "bf16", "train.zero_stage": 1, "precision.main_grads": "param"}, 1.05),
-    ({"precision.precision": "bf16", "train.zero_stage": 1}, 1.10),  # BF16_Optimizer: measured +5.0%, the
-    ({**RECIPES["fp32"], "train.zero_stage": 2}, 1.05)],             # activation model's excess on half models
+    ({"precision.precision": "bf16", "train.zero_stage": 1}, 1.05),  # BF16_Optimizer
+    ({**RECIPES["fp32"], "train.zero_stage": 2}, 1.05)],
     ids=["bf16-zero1", "bf16-zero1-fp32-grads", "fp32-zero2"])
 def test_zero_planned_peak_bounds_the_measured_peak_on_two_ranks(settings, over):
     for measured, planned in run_ranks(two_rank_case, 2, {**settings, "model.attention_dropout": 0.0}):
@@ -105,7 +105,7 @@ def test_cpu_peak_counts_a_free_on_a_thread_the_profiler_does_not_record():
 
 def test_half_fp32_main_grads_peak_counts_the_waiting_half_gradients():
     measured, planned = measured_and_planned({**RECIPES["bf16 half, fp32 main grads"], **BIG})
-    assert 0.98 * measured <= planned <= 1.15 * measured, (measured, planned)
+    assert 0.98 * measured <= planned <= 1.03 * measured, (measured, planned)
 
 
 def test_compiled_whole_step_waits_for_every_half_gradient():

@@ -6,7 +6,9 @@ repro.models.gpt on torch 2.13):
 
     replicated:  b s h (2 r + 2 c + 2 m) + 4 b s f      layer-norm inputs (the residual stream) and
                                                         outputs (the QKV and MLP matmul inputs), the
-                                                        two hidden-dropout masks, LN mean and rstd (f)
+                                                        two hidden-dropout masks (none at hidden
+                                                        dropout 0: torch then returns its input),
+                                                        LN mean and rstd (f)
     sharded:     b s h (4 c + 8 c) / t                  QKV (q, k, v share one buffer) and the attention
                                                         output; GeLU input and output (4h wide each)
                + b a s 4 / t                            fused attention: the fp32 log-sum-exp
@@ -21,6 +23,18 @@ fp32 softmax the vocab-parallel cross-entropy keeps (b s V/t x 4), token ids. Un
 the backward: 2 bytes per matrix parameter. With activation checkpointing a layer keeps only its
 input (b s h r), its full set is rebuilt once in the backward, and autograd keeps only the output
 layer's half weight; the layers' half weights live in torch's autocast cache until the forward ends.
+
+The backward adds gradients before it frees activations (peaks the tests hold to measured ones):
+- its first steps (`backward_start_bytes`): the cross-entropy's gradient is the softmax's own
+  buffer, but half logits get a copy in their dtype; on the rank holding padded vocab columns the
+  -inf fill's backward makes a new gradient of the logits; the output layer makes its weight and
+  input gradients; BERT's pooler first adds a gradient of the whole last hidden state (zeros but
+  for [CLS]) and its head's weight gradients;
+- each layer's first step (`layer_backward_bytes`): the incoming gradient, the hidden dropout's
+  and the MLP output matmul's input and weight gradients;
+- checkpointing, rebuilding a layer (`rebuilt_bytes`) allocates its full set but its input (the
+  checkpoint keeps it), with its half weights under autocast; as the first layer is rebuilt, the
+  tied output layer's weight gradient waits for the embedding's.
 
 Dtypes: on CUDA a dropout mask is a bool (1 byte) and attention is fused (flash or memory-efficient
 SDPA); on CPU a mask has its input's dtype and SDPA falls back to the math kernel when attention
@@ -73,7 +87,12 @@ class ActivationMemory:
     outside_layers: int  # embedding, final layer norm, cross-entropy softmax, ids
     autocast_weights: int  # half copies of matmul weights autograd keeps (autocast only)
     autocast_cache: int  # the other half copies, alive until the forward ends (autocast only)
-    rebuilt_layer: int  # one layer's full set, rebuilt in the backward (checkpointing only)
+    rebuilt_layer: int  # one layer's set rebuilt in the backward, less its kept input (checkpointing only)
+    backward_start: int = 0  # the loss's and output layer's gradients, before any layer's are freed
+    layer_backward: int = 0  # a layer's first backward step: its incoming and the MLP output matmul's gradients
+    rebuilding: int = 0  # as the first layer is rebuilt: the layers' inputs, the embedding's, that layer's set,
+    # its first backward step and the tied output layer's weight gradient (checkpointing only; the loss's
+    # and final norm's are freed by then)
 
     @property
     def kept(self) -> int:
@@ -86,10 +105,74 @@ def math_attention(device_type: str, attention_dropout: float) -> bool:
     return device_type != "cuda" and attention_dropout > 0
 
 
+def hidden_mask(cfg: ModelConfig, dt: ActivationDtypes) -> int:
+    """Bytes per element of a hidden-dropout mask: none at dropout 0, where torch returns the input."""
+    return dt.mask if cfg.hidden_dropout > 0 else 0
+
+
+def backward_start_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, bert: bool = False) -> int:
+    """Bytes beyond what autograd keeps, at the most, in the backward's first steps: the vocab-parallel
+    cross-entropy's gradient (the fp32 softmax's buffer, kept) through the output layer, on the TP rank
+    holding padded vocab columns (the larger), before any transformer layer's activations are freed.
+
+    Step by step (e logits' bytes, S = b s V/t x 4 the fp32 gradient, kept): half logits get the
+    gradient cast to their dtype beside S, then S is freed; the padded columns' -inf fill (GPT's in place,
+    BERT's masked_fill) makes a new gradient of the logits beside the incoming one (GPT also clones and
+    zeroes the padded slice); the output layer makes its weight and input gradients (and, under
+    autocast, the weight's fp32 copy) beside the logits' gradient. BERT's pooler runs first: a
+    gradient of the whole last hidden state (zeros but for [CLS]) and its head's weight gradients,
+    alive through the rest."""
+    b, s, h = batch, cfg.seq_length, cfg.hidden_size
+    vocab = cfg.padded_vocab_size(tp)
+    local, padded = vocab // tp, min(vocab - cfg.vocab_size, vocab // tp)
+    e, half = dt.compute, dt.compute < 4
+    logits_grad, fp32_grad = b * s * local * e, b * s * local * 4
+    incoming = logits_grad - fp32_grad if half else 0  # the incoming gradient's bytes beyond S
+    pooler = b * s * h * dt.residual + (h * h + 3 * h + 2) * dt.residual if bert else 0
+    padded_slice = 0 if bert else 2 * b * s * padded * e  # GPT's clone and zeros of the padded columns
+    fill = incoming + pooler + logits_grad + padded_slice if padded else 0
+    weights = local * h * (e + (4 if dt.autocast else 0))
+    output_layer = incoming + pooler + weights + b * s * h * e
+    return max(logits_grad if half else 0, fill, output_layer, 0)
+
+
+def layer_backward_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:
+    """Bytes a transformer layer's backward adds in its first step beside the layer's activations:
+    the gradient coming in (b s h r; the post-LN order's final layer norm adds its own), the hidden
+    dropout's (b s h c, at dropout > 0) and the MLP output matmul's input gradient (b s 4h/t c) and
+    weight gradient (4h h/t, and its fp32 copy under autocast)."""
+    b, s, h = batch, cfg.seq_length, cfg.hidden_size
+    incoming = b * s * h * dt.residual * (2 if cfg.layernorm_order == "post" else 1)
+    dropout = b * s * h * dt.compute if cfg.hidden_dropout > 0 else 0
+    mlp_output = b * s * 4 * h // tp * dt.compute + 4 * h * h // tp * (dt.compute + (4 if dt.autocast else 0))
+    return incoming + dropout + mlp_output
+
+
+def rebuilt_bytes(full_layer: int, cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:
+    """What rebuilding one layer allocates: its full set less its input, which the checkpoint already
+    keeps (the first layer norm, or post-LN the QKV matmul, saves that same tensor unless autocast
+    casts it first); under autocast, the half copies of the layer's matrices its matmuls save."""
+    h = cfg.hidden_size
+    shared = cfg.layernorm_order == "pre" or not dt.autocast
+    input_bytes = batch * cfg.seq_length * h * dt.residual if shared else 0
+    return full_layer - input_bytes + (12 * h * h // tp * dt.compute if dt.autocast else 0)
+
+
+def _backward_fields(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, recompute: bool, full_layer: int,
+                     layers: int, embedding: int, bert: bool = False) -> dict[str, int]:
+    """ActivationMemory's backward parts (see the module's docstring)."""
+    rebuilt, layer_backward = rebuilt_bytes(full_layer, cfg, batch, tp, dt), layer_backward_bytes(cfg, batch, tp, dt)
+    # in the parameters' dtype (the residual stream's in every recipe); it waits for the embedding's
+    tied_grad = cfg.padded_vocab_size(tp) * cfg.hidden_size // tp * dt.residual
+    return {"rebuilt_layer": rebuilt if recompute else 0,
+            "backward_start": backward_start_bytes(cfg, batch, tp, dt, bert), "layer_backward": layer_backward,
+            "rebuilding": layers + embedding + rebuilt + layer_backward + tied_grad if recompute else 0}
+
+
 def layer_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, math: bool) -> int:
     """Bytes one TP rank keeps for one transformer layer's backward (no checkpointing)."""
     b, s, h, a = batch, cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
-    replicated = b * s * h * (2 * dt.residual + 2 * dt.compute + 2 * dt.mask) + 4 * b * s * dt.stats
+    replicated = b * s * h * (2 * dt.residual + 2 * dt.compute + 2 * hidden_mask(cfg, dt)) + 4 * b * s * dt.stats
     mlp = b * s * h * 8 * dt.compute
     if math:  # fp32 copies of q, k, v and fp32 scores whatever the input dtype; the output cast back
         attention = b * s * h * (3 * 4 + dt.compute) + b * a * s * s * 3 * 4
@@ -106,7 +189,7 @@ def activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtype
     vocab = cfg.padded_vocab_size(tp)
     full_layer = layer_bytes(cfg, batch, tp, dt, math)
     layers = l * b * s * h * dt.residual if recompute else l * full_layer
-    embedding = 8 * b * s + 8 * s + b * s * h * dt.mask + (b * s if tp > 1 else 0)  # tp > 1: ids off this slice
+    embedding = 8 * b * s + 8 * s + b * s * h * hidden_mask(cfg, dt) + (b * s if tp > 1 else 0)  # tp > 1: ids off this slice
     final_norm = b * s * h * (dt.residual + dt.compute) + 2 * b * s * dt.stats
     loss = b * s * vocab // tp * 4 + b * s + 8 * b * s  # fp32 softmax, outside-slice mask, local targets
     layer_matrices = l * 12 * h * h // tp * (dt.compute if dt.autocast else 0)
@@ -114,7 +197,7 @@ def activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtype
     return ActivationMemory(layers=layers, outside_layers=embedding + final_norm + loss,
                             autocast_weights=output_matrix + (0 if recompute else layer_matrices),
                             autocast_cache=layer_matrices if recompute else 0,
-                            rebuilt_layer=full_layer if recompute else 0)
+                            **_backward_fields(cfg, batch, tp, dt, recompute, full_layer, layers, embedding))
 
 
 def bert_activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, math: bool = False,
@@ -130,7 +213,7 @@ def bert_activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: Activation
     vocab = cfg.padded_vocab_size(tp)
     full_layer = layer_bytes(cfg, batch, tp, dt, math) + (0 if math else b * s * dt.compute)
     layers = l * b * s * h * dt.residual + b * s if recompute else l * full_layer  # + the bool padding mask
-    embedding = 16 * b * s + 8 * s + b * s * h * dt.mask + (b * s if tp > 1 else 0)
+    embedding = 16 * b * s + 8 * s + b * s * h * hidden_mask(cfg, dt) + (b * s if tp > 1 else 0)
     norm = b * s * h * dt.residual + 2 * b * s * dt.stats  # the embedding's (post) or the final one (pre)
     mlm_head = b * s * h * (3 * dt.compute + dt.half_norm) + 2 * b * s * dt.stats
     loss = b * s * vocab // tp * 4 + b * s + 8 * b * s + 4 * b * s  # softmax, outside mask, targets, predicted
@@ -143,7 +226,7 @@ def bert_activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: Activation
     return ActivationMemory(layers=layers, outside_layers=outside,
                             autocast_weights=head_matrices + output_matrix + (0 if recompute else layer_matrices),
                             autocast_cache=layer_matrices if recompute else 0,
-                            rebuilt_layer=full_layer if recompute else 0)
+                            **_backward_fields(cfg, batch, tp, dt, recompute, full_layer, layers, embedding, bert=True))
 
 
 def count_saved_bytes(module: torch.nn.Module, run) -> int:

@@ -29,6 +29,12 @@ def params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
     return sharded // tp + replicated
 
 
+def layer_params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    h = cfg.hidden_size
+    return (12 * h * h + 7 * h) // tp + 6 * h
+
+
 def bert_params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
     """Parameters one TP rank of repro.models.bert.BERT with its heads holds: GPT's count (the same
     embeddings, layers and one extra layer norm) plus token-type embeddings, the pooler, the MLM

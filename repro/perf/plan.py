@@ -10,18 +10,26 @@ Memory per rank, in the phases of a training step (n = parameters of one TP rank
 - weights: n x 4 (fp32, autocast) or n x 2 (`precision.params: half`); masters: n x 4 (half only);
   optimizer: Adam's m and v, n x 8 (the trainer's fused AdamW: no temporaries).
 - gradients: `.grad` in the parameter dtype, set to None when a step starts, so they exist in the
-  forward only when accumulating over micro batches; a half model's step gives its masters fp32
-  `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (dp > 1; the `.grad` are
+  forward only when accumulating over micro batches, and in the backward as it makes them (below);
+  a half model's step gives its masters fp32 `.grad` (n x 4). Gradient buffers live all run: torch DDP's buckets (dp > 1; the `.grad` are
   views of them, except while micro batches accumulate under no_sync()) or the fp32 main-gradient
   buffer (`main_grads: fp32`, n x 4, the masters' `.grad`). With fp32 main grads, the half gradients
   of a MainGrads bucket wait in the backward until the bucket is complete: up to one bucket's worth
   eager (2 x the largest bucket's elements: 2^24, or a larger parameter alone), all of them (n x 2)
-  when the whole step is compiled (its backward hands every gradient over at its end). They pile up
-  as the activations are freed, so the backward holds the larger of the activation peak and, near
-  its end, the waiting gradients beside one layer's activations (the layer rebuilt, checkpointing).
-- activations: repro.perf.activations for one micro batch: what autograd keeps when the forward
-  ends (plus torch's autocast weight cache while it runs), or, checkpointing, the layer inputs plus
-  one layer rebuilt in the backward.
+  when the whole step is compiled (its backward hands every gradient over at its end).
+- activations: repro.perf.activations for one micro batch, at the larger of: what autograd keeps
+  when the forward ends, plus the most of torch's autocast weight cache and the half logits beside
+  the cross-entropy's fp32 copy (while the forward runs) or the backward's first gradients (the
+  logits' and the output layer's); checkpointing, the layer inputs as the backward rebuilds its
+  first layer, with that layer's first backward step.
+- near the backward's end, gradients pile up as the activations are freed: the backward holds the
+  larger of the activation peak and the gradients made so far beside the last layer's activations
+  (its input and rebuild, checkpointing) and its first backward step. Those gradients: every `.grad`
+  but the first layer's and the position (and token-type) embeddings' on one rank without DDP's
+  buckets; the p.grad DeepSpeed reduces when the backward ends (ZeRO-1: all, ZeRO-2: up to a bucket;
+  BF16_Optimizer: all); MainGrads' waiting half gradients (fp32 main grads). Not counted: CPU-only
+  transients of the math SDPA kernel's forward and of bf16 matmuls (a packed copy of the weight),
+  which put checkpointed bf16 half models on CPU up to 2% over the plan.
 - DeepSpeed ZeRO-1/2: repro.perf.memory's partitioned weights, gradients and optimizer state (a half
   model unless precision is fp32), the fp32 gradients of this rank's partition in the step, the same
   activations, and its gradient-reduction (IPG) buffer: torch.empty(reduce_bucket_size) elements in the
@@ -60,6 +68,7 @@ from repro.perf.activations import (
 from repro.perf.memory import (
     MemoryEstimate,
     bert_params_per_rank,
+    layer_params_per_rank,
     memory_per_rank,
     params_per_rank,
     zero_partition_numel,
@@ -85,7 +94,8 @@ class MemoryPlan:
     activations: ActivationMemory
     logits_copy: int  # half logits alive beside the cross-entropy's fp32 copy
     grads_waiting: int = 0  # half gradients in MainGrads' buckets near the backward's end (fp32 main grads)
-    layer_activations: int = 0  # one layer's activations beside them (its rebuild, when checkpointing)
+    grads_backward: int = 0  # .grad made by the backward, beside the buffers and grads_forward, at its end
+    layer_activations: int = 0  # the last layer's activations beside them (input and rebuild, checkpointing)
     reduce_buckets: int = 0  # DeepSpeed's gradient-reduction buffers: alive through each backward
     reduce_transient: int = 0  # gradients alive at a DeepSpeed reduction beside its buckets
     reduce_in_backward: bool = False  # a reduction can run while activations are alive
@@ -97,12 +107,14 @@ class MemoryPlan:
     @property
     def activation_peak(self) -> int:
         a = self.activations
-        return a.kept + max(a.autocast_cache + self.logits_copy, a.rebuilt_layer)
+        return max(a.kept + max(a.autocast_cache + self.logits_copy, a.backward_start), a.rebuilding)
 
     @property
     def backward_end(self) -> int:
-        """Beside the static memory near the backward's end: waiting half gradients and the last layer."""
-        return self.grads_waiting + self.layer_activations if self.grads_waiting else 0
+        """Beside the static memory near the backward's end: the gradients made so far (or MainGrads'
+        waiting half ones) and the last layer's activations with its first backward step."""
+        grads = self.grads_waiting + self.grads_backward
+        return grads + self.layer_activations + self.activations.layer_backward if grads else 0
 
     @property
     def forward_backward(self) -> int:
@@ -144,11 +156,11 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     # -inf-filled logits live until its loss returns
     logits_copy = b * s * vocab // tp * dt.compute if bert or dt.compute < 4 else 0
     accumulating = derived.grad_accum_steps > 1
+    layer = acts.layers // cfg.model.num_layers + acts.rebuilt_layer  # the last one the backward reaches
     if cfg.train.zero_stage:
-        return _zero_plan(cfg, derived, n, zero_half, acts, logits_copy)
+        return _zero_plan(cfg, derived, n, zero_half, acts, logits_copy, layer)
     weight_bytes = 2 if half else 4
     if half and p.main_grads == "fp32":
-        layer = acts.rebuilt_layer or acts.layers // cfg.model.num_layers
         return MemoryPlan(n * 2, n * 4, n * 8, n * 4, 0, 0, acts, logits_copy,
                           grads_waiting=waiting_half_grad_bytes(cfg, dp, n), layer_activations=layer)
     if dp > 1:  # torch DDP's buckets hold the gradients all run (.grad are views of them), but the
@@ -158,7 +170,16 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     grads = n * weight_bytes
     step_grads = n * 4 if half else grads  # a half model's masters get fp32 .grad for the step
     return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, 0,
-                      grads if accumulating else 0, step_grads, acts, logits_copy)
+                      grads if accumulating else 0, step_grads, acts, logits_copy,
+                      grads_backward=0 if accumulating else made_before_first_layer(cfg, n) * weight_bytes,
+                      layer_activations=layer)
+
+
+def made_before_first_layer(cfg: RunConfig, n: int) -> int:
+    """Parameters whose gradients exist when the backward reaches the first layer: all of one TP
+    rank's `n` but that layer's and the position (and token-type) embeddings'."""
+    m = cfg.model
+    return n - layer_params_per_rank(m, cfg.parallel.tp) - (m.seq_length + m.num_tokentypes) * m.hidden_size
 
 
 def largest_parameter(cfg: RunConfig) -> int:
@@ -181,7 +202,7 @@ def waiting_half_grad_bytes(cfg: RunConfig, dp: int, n: int) -> int:
 
 
 def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: ActivationMemory,
-               logits_copy: int) -> MemoryPlan:
+               logits_copy: int, layer: int) -> MemoryPlan:
     """DeepSpeed ZeRO-1/2 on one rank (see the module's docstring)."""
     from repro.train.engine import deepspeed_config, zero_grad_dtype
 
@@ -192,7 +213,7 @@ def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: 
                            fp32_main_grads=fp32_grads, n=n)
     accumulating = derived.grad_accum_steps > 1
     if fp32_grads and stage == 1 and cfg.precision.precision == "bf16":
-        return _bf16_optimizer_plan(n, zero, accumulating, acts, logits_copy)
+        return _bf16_optimizer_plan(n, zero, accumulating, acts, logits_copy, layer)
     element = 2 if zero_half else 4
     config = deepspeed_config(cfg, derived)["zero_optimization"]
     bucket, overlap = config["reduce_bucket_size"], config["overlap_comm"]
@@ -209,19 +230,21 @@ def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: 
         # the step's fp32 gradients of this rank's partition
         forward, step = zero.grads, zero.grads + (n * 4 // dp if zero_half else 0)
     return MemoryPlan(zero.params, 0, zero.optimizer, 0, forward if accumulating else 0, step, acts, logits_copy,
+                      grads_backward=0 if accumulating else all_reduced * element, layer_activations=layer,
                       reduce_buckets=bucket * bucket_element * (2 if overlap else 1), reduce_transient=transient,
                       reduce_in_backward=(stage == 2 or overlap) and n > bucket)
 
 
 def _bf16_optimizer_plan(n: int, zero: MemoryEstimate, accumulating: bool, acts: ActivationMemory,
-                         logits_copy: int) -> MemoryPlan:
+                         logits_copy: int, layer: int) -> MemoryPlan:
     """DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradients): an fp32 buffer of every gradient all
     run, the backward's bf16 p.grad until the step (zeroed, not freed, between micro batches), no IPG
     bucket; the boundary all-reduce flattens the parameter groups' fp32 buffers into one copy, unless
     the first group alone exceeds its 5e8-element bucket (here: n does)."""
     flat_copy = n * 4 if n <= DEEPSPEED_ALLREDUCE_NUMEL else 0
     return MemoryPlan(zero.params, 0, zero.optimizer, zero.grads, n * 2 if accumulating else 0, n * 2, acts,
-                      logits_copy, reduce_transient=n * 2 + flat_copy)
+                      logits_copy, grads_backward=0 if accumulating else n * 2, layer_activations=layer,
+                      reduce_transient=n * 2 + flat_copy)
 
 
 @dataclass(frozen=True)
@@ -320,7 +343,7 @@ def format_plan(p: Plan, cfg: RunConfig) -> str:
         f"  Adam state                   {_gib(m.optimizer)}",
         f"  gradient buffers             {_gib(m.grad_buffers)}",
         f"  activations kept             {_gib(a.kept)}   (one micro batch)",
-        f"  + transient in the step      {_gib(m.activation_peak - a.kept)}   (rebuilt layer / autocast cache)",
+        f"  + transient in the step      {_gib(m.activation_peak - a.kept)}   (rebuilt layer / autocast cache / first gradients)",
         *([f"  half gradients waiting       {_gib(m.grads_waiting)}   (MainGrads buckets, near the backward's end)"]
           if m.grads_waiting else []),
         *([f"  DeepSpeed reduce buckets     {_gib(m.reduce_buckets)}   (through each backward)",

@@ -37,7 +37,7 @@ RECIPES = {
 
 
 # a model whose parameters outweigh its checkpointed activations: DDP's gradient copy would show
-DDP_STEP_PEAK = {**RECIPES["fp32"], "model.attention_dropout": 0.0, "model.activation_checkpointing": "true",
+DDP_STATE = {**RECIPES["fp32"], "model.attention_dropout": 0.0, "model.activation_checkpointing": "true",
                  "model.num_layers": 8, "model.hidden_size": 256}
 
 
@@ -105,12 +105,12 @@ def cpu_cases() -> list[tuple[str, dict, int, int, str]]:
               ("fp32, TP=2 (per rank)", {**RECIPES["fp32"], **fused, "parallel.tp": 2}, 1, 2, "gpt"),
               ("bf16 half, bf16 grads, DP=2 with torch DDP (per rank)", {**RECIPES["bf16 half, bf16 grads"], **fused},
                1, 2, "gpt"),
-              ("fp32, checkpointing on, 8 layers h=256 (the optimizer step is the peak), DP=2 with torch DDP "
-               "(per rank)", DDP_STEP_PEAK, 1, 2, "gpt"),
+              ("fp32, checkpointing on, 8 layers h=256 (weights, gradients and Adam's state outweigh the "
+               "activations), DP=2 with torch DDP (per rank)", DDP_STATE, 1, 2, "gpt"),
               ("the same with 2 accumulation steps (no_sync gradients beside the buckets), DP=2 (per rank)",
-               DDP_STEP_PEAK, 2, 2, "gpt"),
+               DDP_STATE, 2, 2, "gpt"),
               ("bf16 half, fp32 main grads, checkpointing on, 8 layers h=256 (half gradients waiting in "
-               "MainGrads' bucket)", {**DDP_STEP_PEAK, **RECIPES["bf16 half, fp32 main grads"]}, 1, 1, "gpt"),
+               "MainGrads' bucket)", {**DDP_STATE, **RECIPES["bf16 half, fp32 main grads"]}, 1, 1, "gpt"),
               ("bf16, DeepSpeed ZeRO-1, DP=2 (per rank)",
                {**RECIPES["bf16 autocast"], **fused, "train.zero_stage": 1}, 1, 2, "gpt"),
               ("fp32, DeepSpeed ZeRO-2, DP=2 (per rank)", {**RECIPES["fp32"], **fused, "train.zero_stage": 2}, 1, 2, "gpt")]

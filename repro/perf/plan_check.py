@@ -167,7 +167,7 @@ def markdown(rows: list[dict], provenance: dict) -> str:
              "| device | case | measured MiB | planned MiB | error |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['device']} | {r['case']} | {r['measured_mib']:.2f} | {r['planned_mib']:.2f} | "
-                     f"{r['error']:+.1%} |")
+                     f"{r['error']:+.2%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,8 @@ import os
 import socket
 import time
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # e.g. Lustre mounted without -o flock
@@ -92,3 +94,20 @@ def release(held: tuple[Path, int] | None) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def held(path: Path, wait_s: float = 0.0,
+         refusal: Callable[[str], Exception] | None = None) -> Iterator[tuple[Path, int] | None]:
+    """Hold `path` while inside (`acquire`, then `release`). When another process still holds it after
+    `wait_s` seconds: `refusal(holder)` raised in LockHeld's place, if given."""
+    try:
+        lock = acquire(path, wait_s)
+    except LockHeld as other:
+        if refusal is None:
+            raise
+        raise refusal(other.holder) from None
+    try:
+        yield lock
+    finally:
+        release(lock)

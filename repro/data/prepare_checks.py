@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from repro.data.documents import JSON_SUFFIXES, TEXT_SUFFIXES, check_gzip, detect_format, is_gzip, read_documents
 from repro.data.errors import DataError
-from repro.run_lock import LockHeld, acquire, release
+from repro.run_lock import held
 
 if TYPE_CHECKING:
     from repro.data.preprocess import PrepareOptions
@@ -133,22 +133,14 @@ def check_inputs(opts: PrepareOptions, files: list[Path]) -> list[str]:
     return formats
 
 
-@contextlib.contextmanager
 def output_prefix_locked(prefix: str):
     """Hold PREFIX.lock (repro.run_lock) while inside: a DataError at once, naming the holder, when
     another prepare of PREFIX holds it. Waiting instead would only end in check_outputs' refusal or,
     with --overwrite, in replacing a dataset just written: a second prepare of one prefix is a mistake."""
     path = Path(f"{prefix}.lock")
-    try:
-        held = acquire(path)
-    except LockHeld as other:
-        raise DataError(f"--output-prefix {prefix}: another `repro data prepare` is writing this dataset "
-                        f"({other.holder}; lock file {path}). Fix: wait for it to end (then --overwrite replaces "
-                        "its dataset), or choose another --output-prefix") from None
-    try:
-        yield
-    finally:
-        release(held)
+    return held(path, refusal=lambda holder: DataError(
+        f"--output-prefix {prefix}: another `repro data prepare` is writing this dataset ({holder}; lock file "
+        f"{path}). Fix: wait for it to end (then --overwrite replaces its dataset), or choose another --output-prefix"))
 
 
 def temporary_tag() -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 STORE_LOCK_SECONDS = 120.0  # the longest a job waits for another to create or open a new sqlite store
@@ -108,23 +107,15 @@ def sqlite_lock_path(uri: str) -> Path | None:
     return Path(db + ".lock") if db and db != ":memory:" else None
 
 
-@contextmanager
 def _store_lock(path: Path, uri: str):
     """Hold `path` (repro.run_lock: flock, its holder recorded, the file removed on release), waiting up
     to STORE_LOCK_SECONDS for another job."""
     from repro import run_lock
 
     path.parent.mkdir(parents=True, exist_ok=True)  # (a new store's folder: MLflow would make it too)
-    try:
-        held = run_lock.acquire(path, wait_s=STORE_LOCK_SECONDS)
-    except run_lock.LockHeld as other:
-        raise TimeoutError(f"{path} is still locked after {STORE_LOCK_SECONDS:.0f} s: {other.holder} holds it "
-                           f"while it opens (or creates) the MLflow store {uri}. Fix: wait for that process "
-                           "to end and retry") from None
-    try:
-        yield
-    finally:
-        run_lock.release(held)
+    return run_lock.held(path, STORE_LOCK_SECONDS, lambda holder: TimeoutError(
+        f"{path} is still locked after {STORE_LOCK_SECONDS:.0f} s: {holder} holds it while it opens (or creates) "
+        f"the MLflow store {uri}. Fix: wait for that process to end and retry"))
 
 
 def experiment_id(client, name: str) -> str:

@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -240,10 +240,8 @@ def _run_dir_locked(run_dir: str, pg: ProcessGroups):
 
 def _remove_if_empty(run_dir: Path) -> None:
     """The run dir this launch created, if it failed before writing anything there (a config error)."""
-    try:
+    with suppress(OSError):  # not empty: the run wrote into it
         run_dir.rmdir()
-    except OSError:  # not empty: the run wrote into it
-        pass
 
 
 def _run_dir_in_use(run_dir: str, holder: str) -> str:

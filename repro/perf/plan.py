@@ -346,6 +346,8 @@ def format_plan(p: Plan, cfg: RunConfig) -> str:
         f"  + transient in the step      {_gib(m.activation_peak - a.kept)}   (rebuilt layer / autocast cache / first gradients)",
         *([f"  half gradients waiting       {_gib(m.grads_waiting)}   (MainGrads buckets, near the backward's end)"]
           if m.grads_waiting else []),
+        *([f"  gradients made by then       {_gib(m.grads_backward)}   (as the backward reaches the first layer)"]
+          if m.grads_backward else []),
         *([f"  DeepSpeed reduce buckets     {_gib(m.reduce_buckets)}   (through each backward)",
            f"  peak, DP reduction           {_gib(m.reduction)}"] if m.reduce_buckets else []),
         f"  peak, forward/backward       {_gib(m.forward_backward)}",

@@ -5,8 +5,8 @@ fix) while accepting every command line of scripts/gpu_session.sh, and the H200 
 Memory tolerances (planned / measured, the CPU peak of torch.profiler's allocation records over an
 engine build and two steps; repro.perf.plan_check):
 - ZeRO: 0.98-1.05. DeepSpeed's reduce bucket (5e8 elements) is over 95% of these peaks and is
-  allocated exactly; the rest is modelled as an upper bound (measured -0.05% to +0.13% on this
-  4-layer model). Before the fix the plan was under a tenth of the measured peak. The measured peak
+  allocated exactly; the rest is modelled as in tests/test_perf_plan.py (measured -0.05% to +0.13%
+  on this 4-layer model). Before the fix the plan was under a tenth of the measured peak. The measured peak
   once came out a whole flat gradient copy higher (fresh-clone CI, bf16 ZeRO-1: 26.9 MB against
   23.2): gloo's worker thread had freed DeepSpeed's bucket, a free the profiler does not record;
   peak_bytes_during now counts frees on every thread.

@@ -30,11 +30,14 @@ The backward adds gradients before it frees activations (peaks the tests hold to
   -inf fill's backward makes a new gradient of the logits; the output layer makes its weight and
   input gradients; BERT's pooler first adds a gradient of the whole last hidden state (zeros but
   for [CLS]) and its head's weight gradients;
-- each layer's first step (`layer_backward_bytes`): the incoming gradient, the hidden dropout's
-  and the MLP output matmul's input and weight gradients;
+- each layer's first step (`layer_backward_bytes`): the incoming gradient, the MLP output's (the
+  hidden dropout's, or autocast's cast) and the MLP output matmul's input and weight gradients;
 - checkpointing, rebuilding a layer (`rebuilt_bytes`) allocates its full set but its input (the
-  checkpoint keeps it), with its half weights under autocast; as the first layer is rebuilt, the
-  tied output layer's weight gradient waits for the embedding's.
+  checkpoint keeps it), with its half weights under autocast; as the top layer, the first the
+  backward reaches, is rebuilt, the tied output layer's weight gradient waits for the embedding's.
+
+These follow the eager backward; a compiled step's differ (it fuses the cross-entropy's gradient
+with the cast, for one) and are planned as the eager ones.
 
 Dtypes: on CUDA a dropout mask is a bool (1 byte) and attention is fused (flash or memory-efficient
 SDPA); on CPU a mask has its input's dtype and SDPA falls back to the math kernel when attention
@@ -90,9 +93,10 @@ class ActivationMemory:
     rebuilt_layer: int  # one layer's set rebuilt in the backward, less its kept input (checkpointing only)
     backward_start: int = 0  # the loss's and output layer's gradients, before any layer's are freed
     layer_backward: int = 0  # a layer's first backward step: its incoming and the MLP output matmul's gradients
-    rebuilding: int = 0  # as the first layer is rebuilt: the layers' inputs, the embedding's, that layer's set,
+    rebuilding: int = 0  # as the top layer is rebuilt: the layers' inputs, the embedding's, that layer's set,
     # its first backward step and the tied output layer's weight gradient (checkpointing only; the loss's
     # and final norm's are freed by then)
+    embedding: int = 0  # the embedding's saved tensors (part of outside_layers), alive to the backward's end
 
     @property
     def kept(self) -> int:
@@ -138,14 +142,16 @@ def backward_start_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDt
 
 def layer_backward_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:
     """Bytes a transformer layer's backward adds in its first step beside the layer's activations:
-    the gradient coming in (b s h r; the post-LN order's final layer norm adds its own), the hidden
-    dropout's (b s h c, at dropout > 0) and the MLP output matmul's input gradient (b s 4h/t c) and
-    weight gradient (4h h/t, and its fp32 copy under autocast)."""
+    the gradient coming in (b s h r; the post-LN order's final layer norm adds its own), the MLP
+    output's own (b s h c: the hidden dropout's, or under autocast the cast back from the fp32 sum
+    with the bias), then the MLP output matmul's weight gradient (4h h/t c) with its input gradient
+    (b s 4h/t c) or, after that is freed, the weight gradient's fp32 copy (autocast)."""
     b, s, h = batch, cfg.seq_length, cfg.hidden_size
     incoming = b * s * h * dt.residual * (2 if cfg.layernorm_order == "post" else 1)
-    dropout = b * s * h * dt.compute if cfg.hidden_dropout > 0 else 0
-    mlp_output = b * s * 4 * h // tp * dt.compute + 4 * h * h // tp * (dt.compute + (4 if dt.autocast else 0))
-    return incoming + dropout + mlp_output
+    output_grad = b * s * h * dt.compute if cfg.hidden_dropout > 0 or dt.autocast else 0
+    weight_grad = 4 * h * h // tp * dt.compute
+    input_grad = b * s * 4 * h // tp * dt.compute
+    return incoming + output_grad + weight_grad + max(input_grad, 4 * h * h // tp * 4 if dt.autocast else 0)
 
 
 def rebuilt_bytes(full_layer: int, cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:
@@ -166,7 +172,8 @@ def _backward_fields(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes
     tied_grad = cfg.padded_vocab_size(tp) * cfg.hidden_size // tp * dt.residual
     return {"rebuilt_layer": rebuilt if recompute else 0,
             "backward_start": backward_start_bytes(cfg, batch, tp, dt, bert), "layer_backward": layer_backward,
-            "rebuilding": layers + embedding + rebuilt + layer_backward + tied_grad if recompute else 0}
+            "rebuilding": layers + embedding + rebuilt + layer_backward + tied_grad if recompute else 0,
+            "embedding": embedding}
 
 
 def layer_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes, math: bool) -> int:

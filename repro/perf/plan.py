@@ -20,16 +20,17 @@ Memory per rank, in the phases of a training step (n = parameters of one TP rank
 - activations: repro.perf.activations for one micro batch, at the larger of: what autograd keeps
   when the forward ends, plus the most of torch's autocast weight cache and the half logits beside
   the cross-entropy's fp32 copy (while the forward runs) or the backward's first gradients (the
-  logits' and the output layer's); checkpointing, the layer inputs as the backward rebuilds its
-  first layer, with that layer's first backward step.
+  logits' and the output layer's); checkpointing, the layer inputs as the backward rebuilds the
+  top layer (its first), with that layer's first backward step.
 - near the backward's end, gradients pile up as the activations are freed: the backward holds the
-  larger of the activation peak and the gradients made so far beside the last layer's activations
-  (its input and rebuild, checkpointing) and its first backward step. Those gradients: every `.grad`
-  but the first layer's and the position (and token-type) embeddings' on one rank without DDP's
-  buckets; the p.grad DeepSpeed reduces when the backward ends (ZeRO-1: all, ZeRO-2: up to a bucket;
-  BF16_Optimizer: all); MainGrads' waiting half gradients (fp32 main grads). Not counted: CPU-only
-  transients of the math SDPA kernel's forward and of bf16 matmuls (a packed copy of the weight),
-  which put checkpointed bf16 half models on CPU up to 2% over the plan.
+  larger of the activation peak and the gradients made so far beside the embedding's and the bottom
+  layer's activations (its input and rebuild, checkpointing) and its first backward step. Those
+  gradients: every `.grad` but the bottom layer's and the position (and token-type) embeddings' on
+  one rank without DDP's buckets; ZeRO-1's p.grad until its reduction at the backward's end (fp16
+  with fp32 main grads: their fp32 sums; none with overlap_comm or ZeRO-2, which move each into
+  the reduce bucket as it is made; BF16_Optimizer: all, in bf16); MainGrads' waiting half gradients
+  (fp32 main grads). Not counted: CPU-only transients of the math SDPA kernel's forward and of bf16
+  matmuls (a packed copy of the weight), which put checkpointed bf16 models on CPU up to 2% over the plan.
 - DeepSpeed ZeRO-1/2: repro.perf.memory's partitioned weights, gradients and optimizer state (a half
   model unless precision is fp32), the fp32 gradients of this rank's partition in the step, the same
   activations, and its gradient-reduction (IPG) buffer: torch.empty(reduce_bucket_size) elements in the
@@ -94,8 +95,9 @@ class MemoryPlan:
     activations: ActivationMemory
     logits_copy: int  # half logits alive beside the cross-entropy's fp32 copy
     grads_waiting: int = 0  # half gradients in MainGrads' buckets near the backward's end (fp32 main grads)
-    grads_backward: int = 0  # .grad made by the backward, beside the buffers and grads_forward, at its end
-    layer_activations: int = 0  # the last layer's activations beside them (input and rebuild, checkpointing)
+    grads_backward: int = 0  # gradients made by the backward, beside the buffers and grads_forward, at its end
+    layer_activations: int = 0  # the embedding's and bottom layer's activations beside them (checkpointing: its
+    # input and rebuild)
     reduce_buckets: int = 0  # DeepSpeed's gradient-reduction buffers: alive through each backward
     reduce_transient: int = 0  # gradients alive at a DeepSpeed reduction beside its buckets
     reduce_in_backward: bool = False  # a reduction can run while activations are alive
@@ -112,7 +114,8 @@ class MemoryPlan:
     @property
     def backward_end(self) -> int:
         """Beside the static memory near the backward's end: the gradients made so far (or MainGrads'
-        waiting half ones) and the last layer's activations with its first backward step."""
+        waiting half ones), the embedding's and the bottom layer's activations and that layer's first
+        backward step."""
         grads = self.grads_waiting + self.grads_backward
         return grads + self.layer_activations + self.activations.layer_backward if grads else 0
 
@@ -156,7 +159,8 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     # -inf-filled logits live until its loss returns
     logits_copy = b * s * vocab // tp * dt.compute if bert or dt.compute < 4 else 0
     accumulating = derived.grad_accum_steps > 1
-    layer = acts.layers // cfg.model.num_layers + acts.rebuilt_layer  # the last one the backward reaches
+    # the last layer the backward reaches (the bottom one) and the embedding's saved tensors
+    layer = acts.layers // cfg.model.num_layers + acts.rebuilt_layer + acts.embedding
     if cfg.train.zero_stage:
         return _zero_plan(cfg, derived, n, zero_half, acts, logits_copy, layer)
     weight_bytes = 2 if half else 4
@@ -171,12 +175,12 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     step_grads = n * 4 if half else grads  # a half model's masters get fp32 .grad for the step
     return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, 0,
                       grads if accumulating else 0, step_grads, acts, logits_copy,
-                      grads_backward=0 if accumulating else made_before_first_layer(cfg, n) * weight_bytes,
+                      grads_backward=0 if accumulating else made_before_bottom_layer(cfg, n) * weight_bytes,
                       layer_activations=layer)
 
 
-def made_before_first_layer(cfg: RunConfig, n: int) -> int:
-    """Parameters whose gradients exist when the backward reaches the first layer: all of one TP
+def made_before_bottom_layer(cfg: RunConfig, n: int) -> int:
+    """Parameters whose gradients exist when the backward reaches the bottom layer: all of one TP
     rank's `n` but that layer's and the position (and token-type) embeddings'."""
     m = cfg.model
     return n - layer_params_per_rank(m, cfg.parallel.tp) - (m.seq_length + m.num_tokentypes) * m.hidden_size
@@ -229,8 +233,14 @@ def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: 
         bucket_element, transient = element, (all_reduced + part) * element
         # the step's fp32 gradients of this rank's partition
         forward, step = zero.grads, zero.grads + (n * 4 // dp if zero_half else 0)
+    if stage == 2 or overlap:  # each p.grad is moved into the reduce bucket as the backward makes it
+        waiting = 0
+    elif fp32_grads:  # fp16 ZeRO-1 sums each p.grad into an fp32 copy (grad_accum) and drops it
+        waiting = n * 4
+    else:  # ZeRO-1: every p.grad, until the reduction at the backward's end
+        waiting = n * element
     return MemoryPlan(zero.params, 0, zero.optimizer, 0, forward if accumulating else 0, step, acts, logits_copy,
-                      grads_backward=0 if accumulating else all_reduced * element, layer_activations=layer,
+                      grads_backward=0 if accumulating else waiting, layer_activations=layer,
                       reduce_buckets=bucket * bucket_element * (2 if overlap else 1), reduce_transient=transient,
                       reduce_in_backward=(stage == 2 or overlap) and n > bucket)
 
@@ -346,7 +356,7 @@ def format_plan(p: Plan, cfg: RunConfig) -> str:
         f"  + transient in the step      {_gib(m.activation_peak - a.kept)}   (rebuilt layer / autocast cache / first gradients)",
         *([f"  half gradients waiting       {_gib(m.grads_waiting)}   (MainGrads buckets, near the backward's end)"]
           if m.grads_waiting else []),
-        *([f"  gradients made by then       {_gib(m.grads_backward)}   (as the backward reaches the first layer)"]
+        *([f"  gradients made by then       {_gib(m.grads_backward)}   (as the backward reaches the bottom layer)"]
           if m.grads_backward else []),
         *([f"  DeepSpeed reduce buckets     {_gib(m.reduce_buckets)}   (through each backward)",
            f"  peak, DP reduction           {_gib(m.reduction)}"] if m.reduce_buckets else []),

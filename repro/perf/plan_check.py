@@ -163,7 +163,8 @@ def markdown(rows: list[dict], provenance: dict) -> str:
              f"Measured on {provenance['host']} ({provenance['cpu']}), torch {provenance['torch']}, "
              f"{provenance['date_utc']}, git {provenance['git_sha']}; command `{provenance['command']}`. "
              "CUDA rows come from the gpu_bench JSON named in the row (its own provenance). Error = planned / "
-             "measured - 1; the plan is meant as an upper bound.\n",
+             "measured - 1; the plan aims at 2% below to 3% above a measured peak (CUDA-side buffers it does "
+             "not count are left to its headroom).\n",
              "| device | case | measured MiB | planned MiB | error |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['device']} | {r['case']} | {r['measured_mib']:.2f} | {r['planned_mib']:.2f} | "

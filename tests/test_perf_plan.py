@@ -140,7 +140,10 @@ def test_activation_formula_at_tp2(case):
 
 PEAK_CASES = {
     "fp32": {"precision.precision": "fp32"},
-    "fp32-checkpointed-math": {"precision.precision": "fp32", "model.activation_checkpointing": "true"},
+    "fp32-checkpointed-math": {"precision.precision": "fp32", "model.activation_checkpointing": "true",
+                               "model.attention_dropout": 0.1},
+    "fp32-checkpointed-hidden-dropout": {"precision.precision": "fp32", "model.activation_checkpointing": "true",
+                                         "model.hidden_dropout": 0.1},
     "autocast": {"precision.precision": "bf16", "model.attention_dropout": 0.0},
     "half-main-fp32-checkpointed": {"precision.precision": "bf16", "precision.params": "half",
                                     "model.activation_checkpointing": "true", "model.attention_dropout": 0.0},

@@ -30,8 +30,9 @@ The backward adds gradients before it frees activations (peaks the tests hold to
   -inf fill's backward makes a new gradient of the logits; the output layer makes its weight and
   input gradients; BERT's pooler first adds a gradient of the whole last hidden state (zeros but
   for [CLS]) and its head's weight gradients;
-- each layer's first step (`layer_backward_bytes`): the incoming gradient, the MLP output's (the
-  hidden dropout's, or autocast's cast) and the MLP output matmul's input and weight gradients;
+- each layer's first step (`layer_backward_bytes`): the incoming gradient (and its cast, under
+  autocast) and the MLP output matmul's input and weight gradients (the hidden dropout's gradient
+  comes first, in place of the mask it frees);
 - checkpointing, rebuilding a layer (`rebuilt_bytes`) allocates its full set but its input (the
   checkpoint keeps it), with its half weights under autocast; as the top layer, the first the
   backward reaches, is rebuilt, the tied output layer's weight gradient waits for the embedding's.
@@ -142,16 +143,18 @@ def backward_start_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDt
 
 def layer_backward_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:
     """Bytes a transformer layer's backward adds in its first step beside the layer's activations:
-    the gradient coming in (b s h r; the post-LN order's final layer norm adds its own), the MLP
-    output's own (b s h c: the hidden dropout's, or under autocast the cast back from the fp32 sum
-    with the bias), then the MLP output matmul's weight gradient (4h h/t c) with its input gradient
-    (b s 4h/t c) or, after that is freed, the weight gradient's fp32 copy (autocast)."""
+    the gradient coming in (b s h r; the post-LN order's final layer norm adds its own); under
+    autocast its cast (b s h c) for the MLP output matmul, whose output the fp32 bias made fp32; the
+    hidden dropout's gradient, in place of the mask it frees (b s h (r - m)), then the matmul's
+    weight gradient (4h h/t c) with its input gradient (b s 4h/t c) or, after that is freed, the
+    weight gradient's fp32 copy (autocast)."""
     b, s, h = batch, cfg.seq_length, cfg.hidden_size
     incoming = b * s * h * dt.residual * (2 if cfg.layernorm_order == "post" else 1)
-    output_grad = b * s * h * dt.compute if cfg.hidden_dropout > 0 or dt.autocast else 0
-    weight_grad = 4 * h * h // tp * dt.compute
+    cast = b * s * h * dt.compute if dt.autocast else 0
+    dropout = b * s * h * (dt.residual - hidden_mask(cfg, dt)) if cfg.hidden_dropout > 0 else 0
     input_grad = b * s * 4 * h // tp * dt.compute
-    return incoming + output_grad + weight_grad + max(input_grad, 4 * h * h // tp * 4 if dt.autocast else 0)
+    matmul = 4 * h * h // tp * dt.compute + max(input_grad, 4 * h * h // tp * 4 if dt.autocast else 0)
+    return incoming + cast + max(dropout, matmul)
 
 
 def rebuilt_bytes(full_layer: int, cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:

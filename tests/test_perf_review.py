@@ -12,7 +12,7 @@ engine build and two steps; repro.perf.plan_check):
   peak_bytes_during now counts frees on every thread.
 - Half parameters with fp32 main grads, 8 layers h=256 with checkpointing (the waiting half
   gradients are 12.6 of 131 MiB): 0.98-1.03 as tests/test_perf_plan.py's one-rank peaks (measured
-  +0.80%; before the fix -6.2%).
+  +0.81%; before the fix -6.2%).
 """
 
 from __future__ import annotations

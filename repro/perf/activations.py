@@ -30,9 +30,9 @@ The backward adds gradients before it frees activations (peaks the tests hold to
   -inf fill's backward makes a new gradient of the logits; the output layer makes its weight and
   input gradients; BERT's pooler first adds a gradient of the whole last hidden state (zeros but
   for [CLS]) and its head's weight gradients;
-- each layer's first step (`layer_backward_bytes`): the incoming gradient (and its cast, under
-  autocast) and the MLP output matmul's input and weight gradients (the hidden dropout's gradient
-  comes first, in place of the mask it frees);
+- each layer's first steps (`layer_backward_bytes`): the incoming gradient, the hidden dropout's
+  (less the mask it frees; its cast under autocast) and the MLP output matmul's input and weight
+  gradients;
 - checkpointing, rebuilding a layer (`rebuilt_bytes`) allocates its full set but its input (the
   checkpoint keeps it), with its half weights under autocast; as the top layer, the first the
   backward reaches, is rebuilt, the tied output layer's weight gradient waits for the embedding's.
@@ -97,7 +97,8 @@ class ActivationMemory:
     rebuilding: int = 0  # as the top layer is rebuilt: the layers' inputs, the embedding's, that layer's set,
     # its first backward step and the tied output layer's weight gradient (checkpointing only; the loss's
     # and final norm's are freed by then)
-    embedding: int = 0  # the embedding's saved tensors (part of outside_layers), alive to the backward's end
+    embedding: int = 0  # the embedding's saved tensors (part of outside_layers; BERT post-LN: with its layer
+    # norm's), alive to the backward's end
 
     @property
     def kept(self) -> int:
@@ -142,19 +143,21 @@ def backward_start_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDt
 
 
 def layer_backward_bytes(cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:
-    """Bytes a transformer layer's backward adds in its first step beside the layer's activations:
-    the gradient coming in (b s h r; the post-LN order's final layer norm adds its own); under
-    autocast its cast (b s h c) for the MLP output matmul, whose output the fp32 bias made fp32; the
-    hidden dropout's gradient, in place of the mask it frees (b s h (r - m)), then the matmul's
-    weight gradient (4h h/t c) with its input gradient (b s 4h/t c) or, after that is freed, the
-    weight gradient's fp32 copy (autocast)."""
+    """Bytes a transformer layer's backward adds in its first steps beside the layer's activations:
+    the gradient coming in (b s h r; the post-LN order's final layer norm adds its own) and the
+    hidden dropout's (b s h r, less the mask it frees), then the MLP output matmul's weight gradient
+    (4h h/t c) and input gradient (b s 4h/t c), the matmul's output gradient alive with them. Under
+    autocast the fp32 bias made that output fp32: its gradient is cast to c (b s h c) and the
+    dropout's freed before the matmul; the weight gradient's fp32 copy (4h h/t 4) comes after the
+    matmul frees the cast and its saved input (the size of the input gradient)."""
     b, s, h = batch, cfg.seq_length, cfg.hidden_size
     incoming = b * s * h * dt.residual * (2 if cfg.layernorm_order == "post" else 1)
-    cast = b * s * h * dt.compute if dt.autocast else 0
     dropout = b * s * h * (dt.residual - hidden_mask(cfg, dt)) if cfg.hidden_dropout > 0 else 0
-    input_grad = b * s * 4 * h // tp * dt.compute
-    matmul = 4 * h * h // tp * dt.compute + max(input_grad, 4 * h * h // tp * 4 if dt.autocast else 0)
-    return incoming + cast + max(dropout, matmul)
+    weight_grad, input_grad = 4 * h * h // tp * dt.compute, b * s * 4 * h // tp * dt.compute
+    if not dt.autocast:
+        return incoming + dropout + weight_grad + input_grad
+    cast, fp32_copy = b * s * h * dt.compute, 4 * h * h // tp * 4
+    return incoming + max(dropout + cast, weight_grad + max(cast + input_grad, fp32_copy))
 
 
 def rebuilt_bytes(full_layer: int, cfg: ModelConfig, batch: int, tp: int, dt: ActivationDtypes) -> int:
@@ -236,7 +239,8 @@ def bert_activation_memory(cfg: ModelConfig, batch: int, tp: int, dt: Activation
     return ActivationMemory(layers=layers, outside_layers=outside,
                             autocast_weights=head_matrices + output_matrix + (0 if recompute else layer_matrices),
                             autocast_cache=layer_matrices if recompute else 0,
-                            **_backward_fields(cfg, batch, tp, dt, recompute, full_layer, layers, embedding, bert=True))
+                            **_backward_fields(cfg, batch, tp, dt, recompute, full_layer, layers,
+                                               embedding + (norm if cfg.layernorm_order == "post" else 0), bert=True))
 
 
 def count_saved_bytes(module: torch.nn.Module, run) -> int:

@@ -28,9 +28,10 @@ Memory per rank, in the phases of a training step (n = parameters of one TP rank
   gradients: every `.grad` but the bottom layer's and the position (and token-type) embeddings' on
   one rank without DDP's buckets; ZeRO-1's p.grad until its reduction at the backward's end (fp16
   with fp32 main grads: their fp32 sums; none with overlap_comm or ZeRO-2, which move each into
-  the reduce bucket as it is made; BF16_Optimizer: all, in bf16); MainGrads' waiting half gradients
-  (fp32 main grads). Not counted: CPU-only transients of the math SDPA kernel's forward and of bf16
-  matmuls (a packed copy of the weight), which put checkpointed bf16 models on CPU up to 2% over the plan.
+  the reduce bucket as it is made; BF16_Optimizer: the same in bf16); MainGrads' waiting half
+  gradients (fp32 main grads). Not counted: CPU-only transients of the math SDPA kernel's forward
+  and of bf16 matmuls (a packed copy of the weight), which make the measured peaks of checkpointed
+  bf16 models on CPU up to 2% higher than planned.
 - DeepSpeed ZeRO-1/2: repro.perf.memory's partitioned weights, gradients and optimizer state (a half
   model unless precision is fp32), the fp32 gradients of this rank's partition in the step, the same
   activations, and its gradient-reduction (IPG) buffer: torch.empty(reduce_bucket_size) elements in the
@@ -161,8 +162,9 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     accumulating = derived.grad_accum_steps > 1
     # the last layer the backward reaches (the bottom one) and the embedding's saved tensors
     layer = acts.layers // cfg.model.num_layers + acts.rebuilt_layer + acts.embedding
+    made = made_before_bottom_layer(cfg, n)  # gradients that exist near the backward's end
     if cfg.train.zero_stage:
-        return _zero_plan(cfg, derived, n, zero_half, acts, logits_copy, layer)
+        return _zero_plan(cfg, derived, n, zero_half, acts, logits_copy, layer, made)
     weight_bytes = 2 if half else 4
     if half and p.main_grads == "fp32":
         return MemoryPlan(n * 2, n * 4, n * 8, n * 4, 0, 0, acts, logits_copy,
@@ -175,7 +177,7 @@ def memory_plan(cfg: RunConfig, derived: Derived, device_type: str = "cuda") -> 
     step_grads = n * 4 if half else grads  # a half model's masters get fp32 .grad for the step
     return MemoryPlan(n * weight_bytes, n * 4 if half else 0, n * 8, 0,
                       grads if accumulating else 0, step_grads, acts, logits_copy,
-                      grads_backward=0 if accumulating else made_before_bottom_layer(cfg, n) * weight_bytes,
+                      grads_backward=0 if accumulating else made * weight_bytes,
                       layer_activations=layer)
 
 
@@ -206,7 +208,7 @@ def waiting_half_grad_bytes(cfg: RunConfig, dp: int, n: int) -> int:
 
 
 def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: ActivationMemory,
-               logits_copy: int, layer: int) -> MemoryPlan:
+               logits_copy: int, layer: int, made: int) -> MemoryPlan:
     """DeepSpeed ZeRO-1/2 on one rank (see the module's docstring)."""
     from repro.train.engine import deepspeed_config, zero_grad_dtype
 
@@ -217,7 +219,7 @@ def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: 
                            fp32_main_grads=fp32_grads, n=n)
     accumulating = derived.grad_accum_steps > 1
     if fp32_grads and stage == 1 and cfg.precision.precision == "bf16":
-        return _bf16_optimizer_plan(n, zero, accumulating, acts, logits_copy, layer)
+        return _bf16_optimizer_plan(n, zero, accumulating, acts, logits_copy, layer, made)
     element = 2 if zero_half else 4
     config = deepspeed_config(cfg, derived)["zero_optimization"]
     bucket, overlap = config["reduce_bucket_size"], config["overlap_comm"]
@@ -236,9 +238,9 @@ def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: 
     if stage == 2 or overlap:  # each p.grad is moved into the reduce bucket as the backward makes it
         waiting = 0
     elif fp32_grads:  # fp16 ZeRO-1 sums each p.grad into an fp32 copy (grad_accum) and drops it
-        waiting = n * 4
+        waiting = made * 4
     else:  # ZeRO-1: every p.grad, until the reduction at the backward's end
-        waiting = n * element
+        waiting = made * element
     return MemoryPlan(zero.params, 0, zero.optimizer, 0, forward if accumulating else 0, step, acts, logits_copy,
                       grads_backward=0 if accumulating else waiting, layer_activations=layer,
                       reduce_buckets=bucket * bucket_element * (2 if overlap else 1), reduce_transient=transient,
@@ -246,14 +248,14 @@ def _zero_plan(cfg: RunConfig, derived: Derived, n: int, zero_half: bool, acts: 
 
 
 def _bf16_optimizer_plan(n: int, zero: MemoryEstimate, accumulating: bool, acts: ActivationMemory,
-                         logits_copy: int, layer: int) -> MemoryPlan:
+                         logits_copy: int, layer: int, made: int) -> MemoryPlan:
     """DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradients): an fp32 buffer of every gradient all
     run, the backward's bf16 p.grad until the step (zeroed, not freed, between micro batches), no IPG
     bucket; the boundary all-reduce flattens the parameter groups' fp32 buffers into one copy, unless
     the first group alone exceeds its 5e8-element bucket (here: n does)."""
     flat_copy = n * 4 if n <= DEEPSPEED_ALLREDUCE_NUMEL else 0
     return MemoryPlan(zero.params, 0, zero.optimizer, zero.grads, n * 2 if accumulating else 0, n * 2, acts,
-                      logits_copy, grads_backward=0 if accumulating else n * 2, layer_activations=layer,
+                      logits_copy, grads_backward=0 if accumulating else made * 2, layer_activations=layer,
                       reduce_transient=n * 2 + flat_copy)
 
 

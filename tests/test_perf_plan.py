@@ -11,7 +11,7 @@ Tolerances:
   backward makes before it frees activations; it leaves out a few CPU-only transients (the math
   SDPA kernel's forward, bf16 matmuls' packed weights), hence up to 2% below for checkpointed bf16
   half models, and gives every TP rank the larger transient of the one holding padded vocab
-  columns. Measured (results/plan/memory_check.md, 2026-12-07 06:42): -1.65% to +1.34% over 16
+  columns. Measured (results/plan/memory_check.md, 2026-12-07 06:49): -1.65% to +1.34% over 16
   one-rank recipes, +3.38% and -0.00% for the two ranks at TP=2, -0.04% at DP=2, -0.03% for the
   8-layer DP=2 models, -0.07% to +1.29% for BERT. Before the backward's gradients were modelled
   (and masks were counted at hidden dropout 0) the same runs gave -0.1% to +8.9%, +10.0% / +6.4%

@@ -23,16 +23,16 @@ from repro.models.config import ModelConfig
 
 def params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
     """Number of parameters one TP rank holds (its shards plus the replicated tensors)."""
-    h, l, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
-    sharded = cfg.padded_vocab_size(tp) * h + l * (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h)
-    replicated = s * h + l * (4 * h + 2 * h) + 2 * h
-    return sharded // tp + replicated
+    h = cfg.hidden_size
+    embeddings = cfg.padded_vocab_size(tp) * h // tp + cfg.seq_length * h
+    return embeddings + cfg.num_layers * layer_params_per_rank(cfg, tp) + 2 * h  # + the final norm
 
 
 def layer_params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one TP rank."""
+    """Parameters of one transformer layer on one TP rank: QKV 3h^2 + 3h, attention output h^2, MLP
+    4h^2 + 4h and 4h^2 sharded; two layer norms 4h and two row-parallel biases 2h replicated."""
     h = cfg.hidden_size
-    return (12 * h * h + 7 * h) // tp + 6 * h
+    return (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h) // tp + 4 * h + 2 * h
 
 
 def bert_params_per_rank(cfg: ModelConfig, tp: int = 1) -> int:

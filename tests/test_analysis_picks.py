@@ -182,3 +182,20 @@ def test_a_failed_notebooks_copy_that_cannot_be_written_keeps_the_cells_error(tm
     with pytest.raises(NotebookError, match="(?s)could not be written to .*ZeroDivisionError"):
         execute(path, {}, failed_copy=tmp_path / "out" / "failed" / "broken.ipynb")
 
+
+
+def test_the_notebook_kernel_talks_over_encrypted_sockets(tmp_path, capfd):
+    """The report's kernel gets CurveZMQ keys from its manager, so cells and outputs do not cross TCP in
+    plain text; without them ipykernel warns "running over TCP without encryption" in every report."""
+    import nbformat
+    import zmq
+
+    from repro.analysis.notebook import execute
+
+    assert zmq.has("curve"), "this pyzmq's libzmq lacks CurveZMQ (libsodium): reinstall pyzmq from its wheel"
+    path = tmp_path / "kernel.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")]), path)
+    nb = execute(path, {})
+    assert nb.cells[-1].outputs[0]["text"] == "42\n"
+    err = capfd.readouterr().err
+    assert "without encryption" not in err, err

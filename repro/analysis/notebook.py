@@ -95,7 +95,7 @@ def execute(path: Path, params: dict, timeout: int = 900, failed_copy: Path | No
     nb = nbformat.read(path, as_version=4)
     inject_parameters(nb, params)
     stop = _StopOnSignal()
-    client = stop.client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    client = stop.client = NotebookClient(nb, timeout=timeout, kernel_name="python3", config=_kernel_config(),
                                           resources={"metadata": {"path": str(path.parent)}},
                                           on_notebook_start=stop.take_signals,
                                           on_notebook_complete=stop.give_back_signals)
@@ -111,6 +111,19 @@ def execute(path: Path, params: dict, timeout: int = 900, failed_copy: Path | No
     if stop.received is not None:
         raise NotebookStopped(stop.received)
     return nb
+
+
+def _kernel_config():
+    """Encrypt the kernel's loopback sockets with CurveZMQ keys its manager provisions (jupyter_client's
+    `transport_encryption`: jupyter_client >= 8.9, ipykernel >= 7.3 and a libzmq with libsodium). Otherwise
+    every cell and output crosses TCP in plain text, and ipykernel warns so in each report."""
+    import zmq
+    from traitlets.config import Config
+
+    config = Config()
+    if zmq.has("curve"):
+        config.KernelManager.transport_encryption = "auto"
+    return config
 
 
 @contextlib.contextmanager

@@ -81,6 +81,37 @@ def test_submit_puts_the_script_arguments_on_sbatch(sbatch, capsys):
     assert _calls(sbatch) == [f"--parsable {ROOT}/slurm/scale_1b.sh --smoke"]
 
 
+def test_sbatch_options_and_dependencies_go_before_the_script(sbatch, capsys):
+    """`--after` and `--sbatch` reach sbatch ahead of the script (after it they would be the script's own
+    arguments); before, `repro slurm submit` had no way to chain an evaluation after its training job."""
+    assert main(["slurm", "submit", str(ROOT / "slurm/scale_1b.sh"), "--after", "41", "--after", "42_3",
+                 "--sbatch=--qos=high -t '4:00:00'", "--sbatch=--mail-type=END", "--", "--smoke"]) == 0
+    assert _calls(sbatch) == [f"--parsable --dependency=afterok:41:42_3 --qos=high -t 4:00:00 --mail-type=END "
+                              f"{ROOT}/slurm/scale_1b.sh --smoke"]
+
+
+@pytest.mark.parametrize("given, named", [
+    (["--after", "last"], "--after last: give a Slurm job id such as 1234"),
+    (["--sbatch=qos=high"], "sbatch options start with '-'. Fix: --sbatch=--time=4:00:00"),
+    (["--sbatch=--job-name='a b"], "No closing quotation. Fix: quote each option once"),
+])
+def test_a_malformed_sbatch_option_is_refused_before_sbatch(sbatch, capsys, given, named):
+    assert main(["slurm", "submit", SCRIPT, *given]) == 2
+    assert named in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # an sbatch option given as submit's own
+        main(["slurm", "submit", SCRIPT, "--qos=high"])
+    assert "sbatch's in --sbatch=OPTION" in capsys.readouterr().err
+    assert _calls(sbatch) == []
+
+
+def test_a_stopped_sweep_names_the_rest_with_its_sbatch_options(sbatch, capsys, monkeypatch):
+    monkeypatch.setenv("SBATCH_REFUSE", "gpt2_2.5b")
+    assert main(["slurm", "sweep", "table2", "--after", "9", "--sbatch=--qos=high", "--", "--set", "a=1"]) == 2
+    assert (f"repro slurm submit {ROOT}/slurm/gpt2_8.3b.sh --sbatch=--dependency=afterok:9 --sbatch=--qos=high "
+            "-- --set a=1") in capsys.readouterr().err
+    assert _calls(sbatch)[0] == f"--parsable --dependency=afterok:9 --qos=high {ROOT}/slurm/gpt2_355m.sh --set a=1"
+
+
 def test_a_script_outside_slurm_is_submitted_from_the_repository_root(sbatch, capsys, tmp_path):
     """A job script copied elsewhere to edit (its `source ${SLURM_SUBMIT_DIR}/slurm/launch.sh` needs the
     repository root as the submit directory). Before, sbatch ran in the script's grandparent directory."""

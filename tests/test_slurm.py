@@ -383,6 +383,46 @@ def test_repro_slurm_sweep_submits_a_table_through_sbatch(slurm_cluster, site, t
     assert "step exited" not in log and not (site["runs"] / f"zeroshot_eval-{job}" / "zero_shot.jsonl").exists()
 
 
+def _wait_jobs(cluster: SlurmCluster, jobs: list[str], timeout: float) -> dict[str, dict[str, str]]:
+    """Each job's record at its end, polling all together (one waited for alone may be purged meanwhile)."""
+    records: dict[str, dict[str, str]] = {}
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    deadline = time.monotonic() + timeout
+    while any(records.get(job, {}).get("JobState") not in ended for job in jobs):
+        assert time.monotonic() < deadline, records
+        records.update({job: cluster.job(job) or records.get(job, {}) for job in jobs})
+        time.sleep(0.2)
+    return records
+
+
+def test_repro_slurm_submit_chains_a_job_after_another_with_sbatch_options(slurm_cluster, site, tmp_path):  # noqa: F811
+    """`--after JOB` starts a job only once JOB has COMPLETED, and never after a failed one; `--sbatch`
+    options reach sbatch, overriding REPRO_PARTITION (here a partition that does not exist). The jobs are
+    table 3's zero-shot evaluation with launch.sh's --dry-run (seconds); the failing one names a missing
+    checkpoint."""
+    def submit(checkpoint: Path, *options: str) -> str:
+        out = _repro_slurm(site, "submit", "zeroshot_eval.sh", *options, "--", "--dry-run", SBATCH_OVERCOMMIT="1",
+                           REPRO_EVAL_CHECKPOINT=str(checkpoint), REPRO_PARTITION="nonesuch")
+        assert out.returncode == 0, out.stderr
+        return re.fullmatch(r"submitted job (\d+)", out.stdout.splitlines()[-1]).group(1)
+
+    first = submit(tmp_path, "--sbatch=-p debug --job-name=first")
+    second = submit(tmp_path, "--after", first, "--sbatch=--partition=debug", "--sbatch=--job-name=second")
+    broken = submit(tmp_path / "missing", "--sbatch=-p debug")
+    never = submit(tmp_path, "--after", broken, "--sbatch=-p debug")
+    done = _wait_jobs(slurm_cluster, [first, second, broken], timeout=90)
+    assert [done[job]["JobState"] for job in (first, second, broken)] == ["COMPLETED", "COMPLETED", "FAILED"]
+    assert (done[first]["JobName"], done[second]["JobName"]) == ("first", "second")
+    assert done[second]["StartTime"] >= done[first]["EndTime"], (done[first], done[second])
+    waiting = slurm_cluster.wait_job(never, timeout=30, states=("PENDING",))
+    deadline = time.monotonic() + 30
+    while waiting.get("Reason") != "DependencyNeverSatisfied" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        waiting = slurm_cluster.job(never) or waiting
+    slurm_cluster.client("scancel", never)
+    assert (waiting["JobState"], waiting["Reason"]) == ("PENDING", "DependencyNeverSatisfied"), waiting
+
+
 def test_cluster_stops_running_jobs_and_leaves_no_process(tmp_path):
     require_slurm()
     cluster = SlurmCluster(tmp_path).start()

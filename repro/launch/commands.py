@@ -2,6 +2,7 @@
 
     repro slurm sweep table1-tp              # submit scale_1b..scale_8b with the cluster settings
     repro slurm submit slurm/scale_8b.sh -- --set train.train_iters=100   # script arguments after --
+    repro slurm submit zeroshot_eval.sh --after 1234 --sbatch=--time=2:00:00    # sbatch's own options
     repro slurm status 1234 1235             # squeue / scontrol (sacct where accounting exists)
 """
 
@@ -173,14 +174,37 @@ def memory_line(cfg, derived) -> str:
     return line
 
 
-def sbatch_command(script: Path, extra: list[str], settings: dict[str, str]) -> list[str]:
-    """sbatch with the cluster's partition and account (REPRO_PARTITION, REPRO_ACCOUNT)."""
+def sbatch_command(script: Path, extra: list[str], settings: dict[str, str], options: list[str] = ()) -> list[str]:
+    """sbatch with the cluster's partition and account (REPRO_PARTITION, REPRO_ACCOUNT), then the
+    caller's own sbatch `options` (which sbatch lets override those)."""
     cmd = ["sbatch", "--parsable"]
     if settings.get("REPRO_PARTITION"):
         cmd += ["-p", settings["REPRO_PARTITION"]]
     if settings.get("REPRO_ACCOUNT"):
         cmd += ["-A", settings["REPRO_ACCOUNT"]]
-    return cmd + [str(script), *extra]
+    return cmd + [*options, str(script), *extra]
+
+
+def sbatch_options(after: list[str], sbatch: list[str]) -> list[str]:
+    """The sbatch options of `--after JOB` (start once every such job COMPLETED: afterok) and `--sbatch
+    OPTIONS` (each shell-split: `--sbatch='--qos=high -t 4:00:00'`), or a UserError naming the fix."""
+    bad = [job for job in after if not re.fullmatch(r"\d+(_\d+)?", job)]
+    if bad:
+        raise _user_error(f"--after {bad[0]}: give a Slurm job id such as 1234 (or 1234_5 for an array task), "
+                          "as `repro slurm submit` printed it")
+    options = [f"--dependency=afterok:{':'.join(after)}"] if after else []
+    for given in sbatch:
+        try:
+            words = shlex.split(given)
+        except ValueError as err:
+            raise _user_error(f"--sbatch {given!r}: {err}. Fix: quote each option once, e.g. "
+                              "--sbatch=--time=4:00:00") from None
+        if not words or not words[0].startswith("-"):
+            raise _user_error(f"--sbatch {given!r}: sbatch options start with '-'. Fix: --sbatch=--time=4:00:00 "
+                              "(with '=': argparse would take a separate `--time` as its own option); the job "
+                              "script's arguments go after `--`")
+        options += words
+    return options
 
 
 def _settings() -> dict[str, str]:
@@ -193,8 +217,9 @@ def _settings() -> dict[str, str]:
     return settings
 
 
-def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
-    """Submit one job script from the repository root; returns the job id ('' on a dry run)."""
+def submit(script: Path, extra: list[str], dry_run: bool = False, options: list[str] = ()) -> str:
+    """Submit one job script from the repository root with sbatch `options`; returns the job id ('' on a
+    dry run)."""
     if not script.exists():
         raise _user_error(f"{script} does not exist: see `ls slurm/`")
     settings = _settings()
@@ -203,7 +228,7 @@ def submit(script: Path, extra: list[str], dry_run: bool = False) -> str:
         raise _user_error(f"{script.name} evaluates the checkpoint {needed} names, and it is not set: the job would "
                           f"stop as soon as it starts. Fix: `{needed}=RUNS/<run dir> repro slurm submit slurm/{script.name}` "
                           "(one job per checkpoint)")
-    cmd = sbatch_command(script, extra, settings)
+    cmd = sbatch_command(script, extra, settings, options)
     print(shlex.join(cmd))  # pasteable: an account or a checkout path with a space stays one word
     if dry_run:
         return ""
@@ -226,7 +251,8 @@ def _script_path(name: str) -> Path:
 
 
 def _submit(args) -> int:
-    job = submit(_script_path(args.script), args.args, args.dry_run)
+    options = sbatch_options(args.after, args.sbatch)
+    job = submit(_script_path(args.script), args.args, args.dry_run, options)
     if job:
         print(f"submitted job {job}")
     return 0
@@ -244,14 +270,15 @@ def _sweep(args) -> int:
         raise _user_error(f"{', '.join(shared)} is set, and each of the {len(scripts)} jobs of {args.table} would "
                           f"take it (one {' and one '.join(PER_JOB[n] for n in shared)} for all). Fix: unset it for "
                           "the sweep, or submit the scripts one by one with `repro slurm submit`")
+    options = sbatch_options(args.after, args.sbatch)
     submitted: list[tuple[str, Path]] = []
     for number, script in enumerate(scripts):
         try:
-            job = submit(script, args.args, args.dry_run)
+            job = submit(script, args.args, args.dry_run, options)
         except (UserError, OSError, subprocess.SubprocessError) as err:
             if not submitted:
                 raise
-            raise _user_error(_partial_sweep(err, submitted, scripts[number:], args.args)) from None
+            raise _user_error(_partial_sweep(err, submitted, scripts[number:], args.args, options)) from None
         if job:  # at once: a later failure must not hide a job that is already queued
             print(f"submitted job {job} ({script.name})", flush=True)
             submitted.append((job, script))
@@ -265,11 +292,13 @@ def _sweep(args) -> int:
     return 0
 
 
-def _partial_sweep(err: Exception, submitted: list[tuple[str, Path]], rest: list[Path], extra: list[str]) -> str:
+def _partial_sweep(err: Exception, submitted: list[tuple[str, Path]], rest: list[Path], extra: list[str],
+                   options: list[str] = ()) -> str:
     """The error of a sweep stopped part way: what is queued, and what is left to submit."""
     done = ", ".join(f"job {job} ({script.name})" for job, script in submitted)
+    head = "".join(f" --sbatch={shlex.quote(word)}" for word in options)
     tail = f" -- {shlex.join(extra)}" if extra else ""
-    todo = "; ".join(f"repro slurm submit {shlex.quote(str(script))}{tail}" for script in rest)
+    todo = "; ".join(f"repro slurm submit {shlex.quote(str(script))}{head}{tail}" for script in rest)
     return (f"{err}\nAlready submitted (queued or running; do not submit them again): {done}.\n"
             f"Not submitted: {', '.join(s.name for s in rest)}. Fix: remove the cause above, then submit "
             f"only those: {todo}")
@@ -347,6 +376,15 @@ def _status(args) -> int:
     return 0
 
 
+def _add_sbatch_arguments(parser, jobs: str) -> None:
+    parser.add_argument("--after", action="append", default=[], metavar="JOB",
+                        help=f"start {jobs} only once job JOB has COMPLETED (sbatch --dependency=afterok:JOB); "
+                             "repeat for several: e.g. an evaluation after its training job")
+    parser.add_argument("--sbatch", action="append", default=[], metavar="OPTIONS",
+                        help=f"sbatch options for {jobs}, with '=': --sbatch=--time=4:00:00 "
+                             "--sbatch='--qos=high --mail-type=END' (they override REPRO_PARTITION/ACCOUNT)")
+
+
 def register(sub) -> None:
     p = sub.add_parser("slurm", help="Slurm: check a config before launch, submit, sweep a paper table, status")
     ssub = p.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND",
@@ -364,14 +402,16 @@ def register(sub) -> None:
     s.add_argument("args", nargs="*", help="passed to the script, after `--` (argparse takes options "
                    "before it as its own): e.g. `-- --smoke --set train.train_iters=100`")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch command only")
+    _add_sbatch_arguments(s, "the job")
     s.set_defaults(func=_submit, unknown_hint="; the script's own arguments go after `--`: "
-                   "repro slurm submit SCRIPT -- --smoke --set KEY=VALUE")
+                   "repro slurm submit SCRIPT -- --smoke --set KEY=VALUE; sbatch's in --sbatch=OPTION")
     w = ssub.add_parser("sweep", help=f"submit every run of a paper table: {', '.join(sorted(TABLES))}")
     w.add_argument("table", help=f"one of {', '.join(sorted(TABLES))}")
     w.add_argument("args", nargs="*", help="passed to every script, after `--` (e.g. `-- --set K=V`)")
     w.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    _add_sbatch_arguments(w, "every job")
     w.set_defaults(func=_sweep, unknown_hint="; the scripts' own arguments go after `--`: "
-                   "repro slurm sweep TABLE -- --set KEY=VALUE")
+                   "repro slurm sweep TABLE -- --set KEY=VALUE; sbatch's in --sbatch=OPTION")
     n = ssub.add_parser("check-network", help="NCCL_/GLOO_SOCKET_IFNAME against this node's interfaces")
     n.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="[nccl where a GPU is visible, else gloo]")

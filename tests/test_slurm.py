@@ -304,8 +304,9 @@ def test_prepare_data_smoke_writes_the_corpus_with_a_worker_per_allocated_cpu(sl
 def _repro_slurm(site: dict, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`repro slurm ARGS` from the repository root with the site's variables, the cluster's
     partition as REPRO_PARTITION (so sbatch gets `-p debug` from the command, not the test), and
-    the sbatch options a CPU test node needs where no command line can give them: SBATCH_GRES
-    (the scripts ask for GPUs) and SBATCH_OUTPUT (else slurm-%j.out lands in the checkout)."""
+    the sbatch options a CPU test node needs as sbatch's own variables, so that the printed commands
+    stay the user's: SBATCH_GRES (the scripts ask for GPUs) and SBATCH_OUTPUT (else slurm-%j.out
+    lands in the checkout)."""
     env = {**site["env"], "REPRO_PARTITION": "debug", "SBATCH_GRES": "none",
            "SBATCH_OUTPUT": str(site["out"] / "job-%j.out"), **env}
     return subprocess.run([sys.executable, "-m", "repro.cli", "slurm", *args], env=env, cwd=ROOT,

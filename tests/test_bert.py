@@ -156,7 +156,7 @@ def test_fig7_ablation_trains_both_orders_through_the_trainer(bert_corpus, data_
     import json
 
     from repro.models.bert_ablation import AblationOptions, run_ablation, tail_mean
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     opts = AblationOptions(f"{bert_corpus}_train", str(data_dir), f"{bert_corpus}_valid", str(tmp_path / "runs"),
                            iters=20, batch=4, lr=1e-2, seq_length=32, num_layers=2, hidden_size=32,

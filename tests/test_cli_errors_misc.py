@@ -30,7 +30,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 
 FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-"""What repro.tracking.logger.quiet_http_retries puts in force (MLflow reads both at every request):
+"""What repro.tracking.store.quiet_http_retries puts in force (MLflow reads both at every request):
 one retry, 10 s per request, against MLflow's default 7 retries backing off to 120 s each (minutes)."""
 
 
@@ -111,7 +111,8 @@ def test_a_synced_run_resumes_into_the_same_mlflow_run(tmp_path, store, capsys):
     """What repro.train.loop does on resume, given the id sync leaves in RUN_DIR/mlflow_run_id."""
     from mlflow import MlflowClient
 
-    from repro.tracking.logger import RunLogger, recorded_run_id
+    from repro.tracking.logger import RunLogger
+    from repro.tracking.run_dir import recorded_run_id
 
     run_dir = _offline_run(tmp_path / "run")
     assert _cli(capsys, "tracking", "sync", str(run_dir))[0] == 0
@@ -143,7 +144,8 @@ def test_sync_skips_a_truncated_last_line_and_names_a_bad_middle_line(tmp_path, 
 
 
 def test_a_resumed_run_drops_the_killed_runs_unfinished_row(tmp_path):
-    from repro.tracking.logger import RunLogger, read_metrics
+    from repro.tracking.logger import RunLogger
+    from repro.tracking.run_dir import read_metrics
 
     run_dir = _offline_run(tmp_path / "run")
     with open(run_dir / "metrics.jsonl", "a") as f:

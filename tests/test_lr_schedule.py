@@ -55,7 +55,7 @@ def test_a_resume_that_raises_train_iters_follows_the_new_schedule_from_its_firs
     """4 iterations of a 4-iteration schedule, then the same run raised to 8: every resumed step,
     the first included, runs at the 8-iteration schedule's lr (the checkpoint's optimizer holds the old
     one's), plain trainer and DeepSpeed ZeRO-1 alike."""
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     extra = {"train.log_interval": 1, "train.zero_stage": zero_stage, "train.micro_batch_size": 2}
 

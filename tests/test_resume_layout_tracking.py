@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from repro.tracking.logger import RunLogger, read_metrics, sync_run
+from repro.tracking.logger import RunLogger
+from repro.tracking.run_dir import read_metrics
+from repro.tracking.sync import sync_run
 from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
 
 TINY = str(Path(__file__).resolve().parents[1] / "experiments/tiny/gpt_tiny.yaml")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from repro.tracking.logger import read_metrics
+from repro.tracking.run_dir import read_metrics
 from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
 
 TINY = str(Path(__file__).resolve().parents[1] / "experiments/tiny/gpt_tiny.yaml")

@@ -17,7 +17,9 @@ import pytest
 from test_tracking_sync import _log, _offline_logger, _status, _steps, _write
 
 import repro
-from repro.tracking.logger import RunLogger, recorded_run_id, sync_run
+from repro.tracking.logger import RunLogger
+from repro.tracking.run_dir import recorded_run_id
+from repro.tracking.sync import sync_run
 
 BUSY_MS = 200  # sqlite busy_timeout in the tests (MLflow sets 20 s)
 
@@ -33,7 +35,8 @@ JOB = """
 import json, os, sys, time, warnings
 from pathlib import Path
 import mlflow, mlflow.store.db.utils
-from repro.tracking.logger import RunLogger, sync_run
+from repro.tracking.logger import RunLogger
+from repro.tracking.sync import sync_run
 
 def arrive(name, timeout):
     folder = Path(os.environ["BARRIER_DIR"], name)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from repro.tracking.logger import RunLogger, sync_run
+from repro.tracking.logger import RunLogger
+from repro.tracking.sync import sync_run
 
 
 @pytest.fixture
@@ -122,7 +123,7 @@ def test_a_rescheduled_resume_after_a_kill_gives_the_analysis_one_value_a_step(t
     import time
 
     from repro.analysis.runs import metric_history
-    from repro.tracking.logger import set_aside_rows_after
+    from repro.tracking.run_dir import set_aside_rows_after
 
     run_dir = tmp_path / "run"
     first = RunLogger(run_dir, "exp-status", "r", {}, {})

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from repro.tracking.logger import RunLogger, recorded_run_id, sync_run
+from repro.tracking.logger import RunLogger
+from repro.tracking.run_dir import recorded_run_id
+from repro.tracking.sync import sync_run
 
 UNREACHABLE = "http://127.0.0.1:9"
 

@@ -23,7 +23,7 @@ TINY = str(ROOT / "experiments/tiny/gpt_tiny.yaml")
 
 def _metric(run_dir: Path, name: str) -> list[float]:
     """The per-step values of one logged metric (loss, grad_norm) in step order."""
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     return [row[name] for row in read_metrics(run_dir) if name in row]
 
@@ -200,7 +200,7 @@ def test_deepspeed_zero_checkpoint_model_holds_fp32_masters(corpus, tmp_path, ma
 
 
 def _losses_by_step(run_dir: Path) -> dict[int, float]:
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 
@@ -225,7 +225,7 @@ def test_deepspeed_zero_resume_is_exact(corpus, tmp_path):
     """ZeRO-1 at DP=2 with dropout: 4 iterations, then a new launch to 8 == one launch of 8 (the
     partitioned optimizer state goes through DeepSpeed's own checkpoint inside ours). Each launch's
     first logged interval is flagged as warm-up, for the tables to drop."""
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     extra = {"train.zero_stage": 1, "train.micro_batch_size": 2, "optim.lr_decay_iters": 8,
              "model.hidden_dropout": 0.1, "train.log_interval": 2}

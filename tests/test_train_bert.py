@@ -15,7 +15,7 @@ TINY_BERT = str(ROOT / "experiments/bert/tiny_cpu.yaml")
 
 
 def _run(world: int, prefix: str, run_dir: Path, data_dir: Path, **extra) -> list[float]:  # noqa: F811
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     over = {"data.train_prefix": f"{prefix}_train", "data.valid_prefix": f"{prefix}_valid",
             "data.vocab_dir": str(data_dir), "data.cache_dir": str(run_dir / "cache"), "run_dir": str(run_dir),

@@ -296,7 +296,7 @@ def test_refuses_what_it_does_not_implement():
 
 
 def _run_losses(run_dir) -> dict[int, float]:
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 

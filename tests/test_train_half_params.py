@@ -94,7 +94,7 @@ def test_half_params_need_half_precision(corpus, tmp_path):
 
 
 def _metrics(run_dir: Path, key: str = "loss") -> dict[int, float]:
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     return {row["step"]: row[key] for row in read_metrics(run_dir) if key in row}
 

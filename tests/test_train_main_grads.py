@@ -227,7 +227,7 @@ def test_main_grads_dp2_all_reduce_in_buckets_during_backward():
 
 
 def _metrics(run_dir: Path) -> list[float]:
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     return [row["loss"] for row in read_metrics(run_dir) if "loss" in row]
 

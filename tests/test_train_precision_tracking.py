@@ -161,7 +161,7 @@ def test_fp16_paper_scale_comes_down_from_2_pow_32(corpus, tmp_path):
 
 
 def _skipped_iters(run_dir: Path) -> dict[int, float]:
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     return {row["step"]: row["skipped_iters"] for row in read_metrics(run_dir) if "skipped_iters" in row}
 
@@ -212,7 +212,7 @@ def test_throughput_leaves_out_evaluation_and_checkpoint_time(corpus, tmp_path):
     """Evaluation and a checkpoint after iterations 2 and 4, each 3 s long: the next interval's
     ms/iter (hence tokens/s, TFLOP/s, MFU) is the steps' own (before, 3 s per iteration was added), and
     the two durations are logged as eval_seconds and save_seconds."""
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": 6, "train.log_interval": 2,
                                                "train.eval_interval": 2, "train.save_interval": 2})
@@ -305,7 +305,7 @@ def test_unreachable_server_then_sync(corpus, tmp_path):
     run_dir = tmp_path / "run"
     final = _run_with_tracking(corpus, run_dir, f"http://127.0.0.1:{free_port()}")
     assert final.get("mlflow_run_id") is None and not (run_dir / "mlflow_run_id").exists()
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == list(range(1, 21))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -16,7 +16,7 @@ import torch
 from repro.parallel.spawn import run_ranks
 from repro.train import checkpoint as ck
 from repro.train import reshard as rs
-from repro.tracking.logger import read_metrics
+from repro.tracking.run_dir import read_metrics
 from repro.train.commands import train_rank
 from train_fixtures import corpus, data_dir, data_mirror, tiny_overrides  # noqa: F401
 
@@ -26,7 +26,7 @@ WITH_DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1, "op
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
 
     return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 

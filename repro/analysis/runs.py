@@ -13,8 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 from repro.models.sizes import SIZES
-from repro.tracking.logger import RESUMED_PARAM_TAG
-from repro.tracking.store import all_runs, project_root
+from repro.tracking.run_dir import RESUMED_PARAM_TAG
+from repro.tracking.store import all_runs, project_root, quiet_http_retries
 
 FAMILY_EXPERIMENTS = ("scaling", "gpt2", "zero-shot", "bert")
 PROVENANCE_KEYS = ("device_name", "world_size", "precision", "git_sha")
@@ -87,8 +87,6 @@ def client(uri: str):
     wrong path is not an empty store) or not an MLflow store, or a store MLflow cannot open. An
     unreachable server fails after one quick retry instead of minutes of them."""
     from mlflow import MlflowClient
-
-    from repro.tracking.logger import quiet_http_retries
 
     check_uri(uri)
     check_sqlite_store(uri)

@@ -229,7 +229,7 @@ def _handle(args) -> int:
 def _log(record: EvalRecord, out: Path) -> str | None:
     """The MLflow run of the record; when the store fails, a warning (tracking is best effort, as in
     training: the record is saved in `out`, and a Slurm job goes on to its next evaluation step)."""
-    from repro.tracking.logger import TrackingError
+    from repro.tracking.run_dir import TrackingError
 
     try:
         return log_to_mlflow(record)

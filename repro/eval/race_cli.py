@@ -398,7 +398,8 @@ def run(args) -> int:
         print(f"--seq-length {args.seq_length}: the model has {cfg.seq_length} positions, so inputs are "
               f"{cfg.seq_length} tokens (the results record seq_length {cfg.seq_length})", flush=True)
     device = _device()
-    from repro.tracking.logger import RunLogger, recorded_run_id
+    from repro.tracking.logger import RunLogger
+    from repro.tracking.run_dir import recorded_run_id
     from repro.provenance import git_sha
     from repro.train.loop import StopSignal, device_name
 
@@ -448,7 +449,7 @@ def _stopped(args, stopped, pg, log, settings: dict) -> int:
     if pg.rank == 0:
         from repro.eval.race_finetune import save_stopped_seed
         from repro.provenance import write_atomic
-        from repro.tracking.logger import STOP_MARKER
+        from repro.tracking.run_dir import STOP_MARKER
 
         print(f"stopping: {stopped} (a stop signal); finished seeds are in {Path(args.run_dir) / 'seeds'}, and "
               "the same command in the same --run-dir goes on from the next unfinished seed", flush=True)

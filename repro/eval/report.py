@@ -54,7 +54,7 @@ def write_json(record: EvalRecord, path: Path) -> None:
     cutting a killed write's partial last line, which the record would otherwise run on from. A failed
     append (a full disk) is cut back to the earlier records and raised as a UserError."""
     from repro.cli import UserError
-    from repro.tracking.logger import drop_partial_line
+    from repro.tracking.run_dir import drop_partial_line
 
     path.parent.mkdir(parents=True, exist_ok=True)
     line, size = json.dumps(record.__dict__, sort_keys=True) + "\n", None
@@ -86,7 +86,7 @@ def read_records(path: Path) -> list[EvalRecord]:
     """The records of a JSON-lines file written by `write_json`; a killed write's partial last line is
     skipped with a warning, any other bad line (not JSON, or not a record: _record_problem) is a
     TrackingError naming it, all before MLflow is contacted."""
-    from repro.tracking.logger import TrackingError
+    from repro.tracking.run_dir import TrackingError
 
     lines = path.read_text(encoding="utf-8").split("\n")
     records = []
@@ -211,7 +211,7 @@ def _same_value(ours: float, logged: float | None) -> bool:
 def _tracking_errors(uri: str, retry: str):
     from mlflow.exceptions import MlflowException
 
-    from repro.tracking.logger import TrackingError
+    from repro.tracking.run_dir import TrackingError
 
     try:
         yield
@@ -220,8 +220,7 @@ def _tracking_errors(uri: str, retry: str):
 
 
 def _client(tracking_uri: str | None):
-    from repro.tracking.logger import quiet_http_retries
-    from repro.tracking.store import default_tracking_uri, tracking_client
+    from repro.tracking.store import default_tracking_uri, quiet_http_retries, tracking_client
 
     quiet_http_retries()
     uri = tracking_uri or default_tracking_uri()
@@ -250,7 +249,7 @@ def sync_records(path: Path, tracking_uri: str | None = None) -> EvalSyncResult:
     an eval run with --no-mlflow). A record already there (same task, training run, params and
     metrics) is not logged again, so this is safe to repeat. A record without a training run (its
     training was not tracked then) takes the one its directory's `mlflow_run_id` names, if any."""
-    from repro.tracking.logger import recorded_run_id
+    from repro.tracking.run_dir import recorded_run_id
 
     records = read_records(path)  # the whole file is checked before MLflow is contacted
     for record in records:
@@ -270,6 +269,6 @@ def sync_records(path: Path, tracking_uri: str | None = None) -> EvalSyncResult:
 
 def _metric_name(task: str, key: str) -> str:
     """`task/key`, cleaned as every logged metric name is (',' from lm-eval names -> '_')."""
-    from repro.tracking.logger import clean_metric_name
+    from repro.tracking.mlflow_run import clean_metric_name
 
     return clean_metric_name(f"{task}/{key}")

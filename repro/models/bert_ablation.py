@@ -76,7 +76,7 @@ def train_order(order: str, opts: AblationOptions) -> dict:
     """Train one layer-norm order through the trainer (this process, one rank): its final metrics, its
     run directory and MLflow run id, and the per-step `loss`, `mlm_loss`, `sop_loss` of metrics.jsonl."""
     from repro.parallel.groups import ProcessGroups
-    from repro.tracking.logger import read_metrics
+    from repro.tracking.run_dir import read_metrics
     from repro.train.config import load_config
     from repro.train.loop import train
 

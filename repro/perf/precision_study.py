@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from repro.parallel.spawn import run_ranks
 from repro.provenance import OutDirError, git_sha, make_out_dir, write_atomic
-from repro.tracking.logger import read_metrics
+from repro.tracking.run_dir import read_metrics
 from repro.train.commands import train_rank
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ EVAL_FILE = "zero_shot.jsonl"
 
 def _sync(args) -> int:
     from repro.cli import UserError
-    from repro.tracking.logger import TrackingError
+    from repro.tracking.run_dir import TrackingError
 
     path = Path(args.path)
     if not path.exists():
@@ -35,7 +35,7 @@ def _sync_evals(path: Path) -> None:
 
 
 def _sync_run_dir(run_dir: Path) -> None:
-    from repro.tracking.logger import sync_run
+    from repro.tracking.sync import sync_run
 
     if not (run_dir / "params.json").exists() and (run_dir / EVAL_FILE).is_file():
         return  # an evaluation's output directory, not a training run

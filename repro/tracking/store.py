@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 STORE_LOCK_SECONDS = 120.0  # the longest a job waits for another to create or open a new sqlite store
@@ -72,8 +74,6 @@ def probe_tracking_server(uri: str) -> str | None:
     if not uri.startswith(("http://", "https://")):
         return None
     from mlflow import MlflowClient
-
-    from repro.tracking.logger import quiet_http_retries
 
     quiet_http_retries()
     try:
@@ -157,3 +157,23 @@ def all_runs(client, experiment_ids: list[str], filter_string: str = "", order_b
         token = page.token
         if not token:
             return
+
+
+def quiet_http_retries() -> None:
+    """Fail fast against an unreachable server instead of MLflow's minutes of retries."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+@contextmanager
+def quiet_store_errors():
+    """MLflow's sqlite store logs each failed request as an ERROR with its whole SQLAlchemy traceback
+    (about 60 lines) before raising it; the logger warns once itself and retries, so inside this block
+    those logs are dropped instead of flooding the training log."""
+    store_log = logging.getLogger("mlflow.store")
+    level = store_log.level
+    store_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        store_log.setLevel(level)

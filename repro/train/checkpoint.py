@@ -423,7 +423,7 @@ def checkpoint_run_id(ckpt: str | Path) -> str | None:
     """The MLflow run id of the training run that wrote the checkpoint; for a run trained while MLflow was
     unreachable, the one `repro tracking sync` recorded in its run directory afterwards. A model-only copy
     (reshard, import) is not in a run directory: its own id, else its `resharded_from` source's, else None."""
-    from repro.tracking.logger import recorded_run_id
+    from repro.tracking.run_dir import recorded_run_id
 
     path, seen = resolve(ckpt), set()
     while path not in seen:

@@ -23,8 +23,9 @@ from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro import run_lock
 from repro.provenance import git_sha, write_atomic
-from repro.tracking.logger import (STOP_MARKER, RunLogger, read_metrics, recorded_run_id, set_aside_rows_after,
-                                   set_aside_run_id, set_aside_run_ids)
+from repro.tracking.logger import RunLogger
+from repro.tracking.run_dir import (STOP_MARKER, read_metrics, recorded_run_id, set_aside_rows_after,
+                                    set_aside_run_id, set_aside_run_ids)
 from repro.train import checkpoint as ck
 from repro.train.config import (RunConfig, RunConfigError, derive, flat_params, saved_schedule, schedule_differences,
                                 to_yaml)

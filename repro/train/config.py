@@ -87,7 +87,8 @@ class PrecisionConfig:
     DeepSpeed ZeRO it sets ZeRO's gradient dtype the same way (repro.train.engine.zero_grad_dtype)."""
     initial_loss_scale: float = 2.0**32
     loss_scale_window: int = 1000
-    """Iterations without overflow before the scale doubles."""
+    """Iterations without overflow before the scale doubles (under DeepSpeed ZeRO its first doubling, at the
+    start and after each overflow, comes one clean iteration later: DeepSpeed's own rule)."""
     hysteresis: int = 2
     """Overflows before the scale first halves (Megatron-LM's and DeepSpeed's rule: once used up, every
     further overflow halves it; it is restored only when the scale grows)."""

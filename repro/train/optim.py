@@ -143,8 +143,10 @@ class DynamicLossScaler:
     An overflow skips the step. The `hysteresis`-th overflow halves the scale, and so does every
     overflow after it until `window` clean iterations double the scale, which restores the hysteresis.
     This is Megatron-LM's rule (`DynamicGradScaler.update` in megatron/core/optimizer/grad_scaler.py;
-    in 2019 `DynamicLossScaler.update_scale` in megatron/fp16/loss_scaler.py, `delayed_shift`), which
-    DeepSpeed's `DynamicLossScaler` keeps (`consecutive_hysteresis: false`, its default).
+    in 2019 `DynamicLossScaler.update_scale` in megatron/fp16/loss_scaler.py, `delayed_shift`). DeepSpeed's
+    `DynamicLossScaler` (the ZeRO path) keeps the hysteresis (`consecutive_hysteresis: false`, its default)
+    but doubles one iteration later after the start and after each overflow: after window + 1 clean
+    iterations (its `stable_interval` counts from the iteration after the last overflow), then every window.
     """
 
     scale: float = 2.0**32

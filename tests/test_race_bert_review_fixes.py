@@ -145,3 +145,70 @@ def test_the_last_steps_loss_is_logged_once(vocab):
         losses = finetune(MultipleChoiceBert(cfg, seed=1), train, opts, log=lambda m, i: logged.append((i, m["train/loss"])))
         assert [i for i, _ in logged] == steps and len(losses) == steps[-1]
         assert logged[-1][1] == losses[-1]  # the same float: exact
+
+
+def _bert_file(path: Path, vocab: Path, layernorm_order: str = "pre", hidden: int = 32, drop: str = "") -> Path:
+    """A save_bert-format file whose config says hidden 64, pre-LN; its weights as given."""
+    from dataclasses import asdict
+
+    import torch
+
+    from repro.data.tokenizers import bert_tokenizer
+    from repro.models.bert import BERT, BertConfig
+    from repro.models.bert_checkpoint import full_state_dict
+
+    shape = dict(vocab_size=bert_tokenizer(vocab).vocab_size, num_layers=1, num_attention_heads=4, seq_length=64)
+    state = full_state_dict(BERT(BertConfig(**shape, hidden_size=hidden, layernorm_order=layernorm_order)))
+    state = {k: v for k, v in state.items() if not (drop and k.startswith(drop))}
+    torch.save({"config": asdict(BertConfig(**shape, hidden_size=64)), "model": state}, path)
+    return path
+
+
+@pytest.mark.parametrize("weights, named", [
+    ({"hidden": 32}, "shape embeddings.word.weight"),
+    ({"hidden": 64, "layernorm_order": "post"}, "missing ln_f.weight, ln_f.bias; unexpected embeddings.ln"),
+    ({"hidden": 64, "drop": "layers."}, "missing layers.0.ln_1.weight"),
+])
+def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused_before_any_work(tmp_path, vocab, capsys,
+                                                                                      weights, named):
+    """A file with `config` and `model` whose tensors do not fit that config (another width, the other
+    layer-norm order's weights, a layer missing) crashed with a traceback (exit 1) once every rank had
+    tokenized RACE and the run dir was written; now exit 2 naming the misfit, before any of that."""
+    path = _bert_file(tmp_path / "bert.pt", vocab, **weights)
+    run = tmp_path / "run"
+    _refused(_tiny(vocab, run, FIXTURE, "--checkpoint", str(path)), capsys,
+             "its weights do not fit its own config", named)
+    assert not run.exists()
+
+
+def test_a_file_without_the_pretraining_heads_fine_tunes(tmp_path, vocab):
+    """The heads are not needed for fine-tuning: a file without them is not refused by the shape check."""
+    path = _bert_file(tmp_path / "bert.pt", vocab, hidden=64, drop="lm_head.")
+    argv = _argv(vocab, tmp_path / "run", "--checkpoint", str(path), "--seeds", "1")
+    assert main(argv) == 0
+
+
+def test_the_logged_learning_rate_is_the_one_each_step_used(monkeypatch, vocab):
+    """`train/lr` at step k was read after the step advanced the schedule: the rate of step k + 1 (the
+    warm-up's peak was never shown). Now each logged rate is the one its step's optimizer update used."""
+    import repro.eval.race_finetune as race_finetune
+    from repro.data.tokenizers import bert_tokenizer
+    from repro.eval.race import encode_race, load_race
+    from repro.models.bert import BertConfig
+
+    tok = bert_tokenizer(vocab)
+    train = encode_race(load_race(FIXTURE, "train"), tok, 32)
+    cfg = BertConfig(vocab_size=tok.vocab_size, num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=32)
+    used, logged, step = [], {}, race_finetune.clip_and_step
+
+    def spy(opt, *args, **kwargs):
+        used.append(opt.param_groups[0]["lr"])
+        return step(opt, *args, **kwargs)
+
+    monkeypatch.setattr(race_finetune, "clip_and_step", spy)
+    opts = race_finetune.FinetuneOptions(epochs=2, batch_size=2, lr=1e-3, log_every=1, seed=1)
+    race_finetune.finetune(race_finetune.MultipleChoiceBert(cfg, seed=1), train, opts,
+                           log=lambda metrics, i: logged.__setitem__(i, metrics["train/lr"]))
+    assert len(used) == len(logged) > 4
+    assert [logged[k] for k in sorted(logged)] == used
+    assert max(used) == pytest.approx(1e-3)  # the peak, at the end of the warm-up

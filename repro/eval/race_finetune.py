@@ -192,11 +192,12 @@ def finetune(model: MultipleChoiceBert, train: RaceTensors, opts: FinetuneOption
             mine = batch[pg.dp_rank * per_rank:(pg.dp_rank + 1) * per_rank]  # may be empty
             model.train()
             share = _rows(train, mine, _device(model))
+            lr = opt.param_groups[0]["lr"]  # this step's rate (the step advances the schedule)
             losses.append(_train_step(model, opt, sched, share, pg, opts.clip_grad, len(batch),
                                       opts.precision, scaler))
             if len(losses) % opts.log_every == 0 or len(losses) == total:  # the last step too
                 extra = {"train/loss_scale": scaler.scale} if scaler else {}
-                metrics = {"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0], **extra}
+                metrics = {"train/loss": losses[-1], "train/lr": lr, **extra}
                 if pg.rank == 0:  # a seed takes hours at the paper's sizes: show it moving
                     print(_loss_line(opts, epoch, len(losses), total, metrics), flush=True)
                 if log is not None:

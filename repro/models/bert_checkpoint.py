@@ -84,8 +84,9 @@ def read_bert(path: Path | str) -> tuple[BertConfig, Mapping[str, torch.Tensor]]
 
         ckpt = resolve(path)
         meta = read_meta(ckpt)
-        if meta.get("family") != "bert":
-            raise FileNotFoundError(f"{path}: a {meta.get('family')} checkpoint, not BERT. Fix: pass a BERT run")
+        family = meta.get("family", "gpt")  # (checkpoints from before the family was recorded are GPT's)
+        if family != "bert":
+            raise FileNotFoundError(f"{path}: a {family.upper()} checkpoint, not BERT. Fix: pass a BERT run")
         return model_config(ckpt, meta, BertConfig), MergedModelState(ckpt, meta)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint. Fix: pass a file written by save_bert "
@@ -111,9 +112,33 @@ def _read_file(path: Path) -> tuple[BertConfig, Mapping[str, torch.Tensor]]:
     if not isinstance(blob, dict) or not isinstance(blob.get("config"), dict) or "model" not in blob:
         raise CheckpointError(f"{path} holds no save_bert 'config' and 'model' (found: {keys}). {FILE_FIX}")
     try:
-        return BertConfig(**blob["config"]), blob["model"]
+        cfg = BertConfig(**blob["config"])
     except TypeError as err:
         raise CheckpointError(f"{path}: its config is not a BertConfig ({err}). {FILE_FIX}") from None
+    misfit = _misfit(cfg, blob["model"])
+    if misfit:
+        raise CheckpointError(f"{path}: its weights do not fit its own config ({misfit}). {FILE_FIX}")
+    return cfg, blob["model"]
+
+
+HEADS = ("lm_head.", "sop_head.")  # pretraining heads: a file may leave them out (fine-tuning reads none)
+
+
+def _misfit(cfg: BertConfig, state) -> str:
+    """What keeps `state` from loading into the model `cfg` describes ("" if nothing): checked on the
+    tensors' shapes before any work, not at load time, after a fine-tuning's data were prepared."""
+    if not isinstance(state, Mapping):
+        return f"'model' is a {type(state).__name__}, not a state dict"
+    want = {name: tuple(t.shape) for name, t in BERT(cfg, device="meta").state_dict().items()}
+    for name in VOCAB_ROWS:
+        want[name] = (cfg.vocab_size, *want[name][1:])  # saved without the padded rows
+    missing = [n for n in want if n not in state and not n.startswith(HEADS)]
+    unexpected = [n for n in state if n not in want]
+    held = {n: tuple(getattr(state[n], "shape", ())) for n in want if n in state}
+    wrong = [f"{n} {shape} for {want[n]}" for n, shape in held.items() if shape != want[n]]
+    parts = [f"{label} {', '.join(map(str, names[:4]))}{' ...' if len(names) > 4 else ''}"
+             for label, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong)) if names]
+    return "; ".join(parts)
 
 
 def checkpoint_identity(path: Path | str) -> dict:

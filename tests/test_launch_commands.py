@@ -4,6 +4,7 @@ the script and `--`, and a sweep whose later sbatch fails names the jobs it alre
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -105,11 +106,19 @@ def test_a_malformed_sbatch_option_is_refused_before_sbatch(sbatch, capsys, give
 
 
 def test_a_stopped_sweep_names_the_rest_with_its_sbatch_options(sbatch, capsys, monkeypatch):
+    """The fix commands carry the sweep's sbatch options so that, pasted, they submit with the same ones:
+    an option with its own value (`-t 4:00:00`) and a value with a space stay whole (reprinted a word per
+    --sbatch, they were split again: `--sbatch=4:00:00` refused, `b` taken by sbatch for the script)."""
     monkeypatch.setenv("SBATCH_REFUSE", "gpt2_2.5b")
-    assert main(["slurm", "sweep", "table2", "--after", "9", "--sbatch=--qos=high", "--", "--set", "a=1"]) == 2
-    assert (f"repro slurm submit {ROOT}/slurm/gpt2_8.3b.sh --sbatch=--dependency=afterok:9 --sbatch=--qos=high "
-            "-- --set a=1") in capsys.readouterr().err
-    assert _calls(sbatch)[0] == f"--parsable --dependency=afterok:9 --qos=high {ROOT}/slurm/gpt2_355m.sh --set a=1"
+    assert main(["slurm", "sweep", "table2", "--after", "9", "--sbatch=--qos=high -t 4:00:00",
+                 "--sbatch=--comment='a b'", "--", "--set", "a=1"]) == 2
+    fix = capsys.readouterr().err.split("submit only those: ")[1].split("; ")[-1].strip()
+    assert fix.startswith(f"repro slurm submit {ROOT}/slurm/gpt2_8.3b.sh --sbatch=") and fix.endswith(" -- --set a=1")
+    options = ["--dependency=afterok:9", "--qos=high", "-t", "4:00:00", "--comment=a b"]
+    assert _calls(sbatch)[0] == f"--parsable {' '.join(options)} {ROOT}/slurm/gpt2_355m.sh --set a=1"
+    assert main(["slurm", *shlex.split(fix)[2:]]) == 0  # pasted: the same options reach sbatch
+    printed = capsys.readouterr().out.splitlines()[0]  # the sbatch command, one shell word per argument
+    assert shlex.split(printed) == ["sbatch", "--parsable", *options, f"{ROOT}/slurm/gpt2_8.3b.sh", "--set", "a=1"]
 
 
 def test_a_script_outside_slurm_is_submitted_from_the_repository_root(sbatch, capsys, tmp_path):

@@ -296,7 +296,7 @@ def _partial_sweep(err: Exception, submitted: list[tuple[str, Path]], rest: list
                    options: list[str] = ()) -> str:
     """The error of a sweep stopped part way: what is queued, and what is left to submit."""
     done = ", ".join(f"job {job} ({script.name})" for job, script in submitted)
-    head = "".join(f" --sbatch={shlex.quote(word)}" for word in options)
+    head = f" --sbatch={shlex.quote(shlex.join(options))}" if options else ""  # split again when pasted
     tail = f" -- {shlex.join(extra)}" if extra else ""
     todo = "; ".join(f"repro slurm submit {shlex.quote(str(script))}{head}{tail}" for script in rest)
     return (f"{err}\nAlready submitted (queued or running; do not submit them again): {done}.\n"

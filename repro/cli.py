@@ -117,6 +117,10 @@ def _run_command(args: argparse.Namespace) -> int:
         return 2
 
 
+class DiskFullError(UserError):
+    """A full disk or quota (its message: `disk_full`), raised in a rank: the launcher reports it in one line."""
+
+
 def disk_full(err: OSError) -> str:
     """A full disk or quota (any command, any file): what, where, and the fix, without a traceback."""
     where = f" writing {err.filename}" if err.filename else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import platform
@@ -67,6 +68,37 @@ def make_out_dir(out: Path, example: str) -> Path:
     return out
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the quota used up
+
+
+def full_disk_behind(err: BaseException | None) -> OSError | None:
+    """The full-disk OSError that `err` is, or was raised over (its __cause__/__context__ chain, up to an
+    error raised `from None`: one that already says what went wrong): torch's zip writer reports a failed
+    write as RuntimeError ("unexpected pos ...") over the OSError."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in FULL_DISK:
+            return err
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    return None
+
+
+def save_torch(obj, path: Path) -> None:
+    """torch.save through a Python file, so that a full disk is OSError(ENOSPC or EDQUOT) naming `path`
+    (the callers' clear error), not the RuntimeError torch raises over it."""
+    import torch
+
+    try:
+        with open(path, "wb") as handle:
+            torch.save(obj, handle)
+    except (OSError, RuntimeError) as err:
+        full = full_disk_behind(err)
+        if full is None:
+            raise
+        raise OSError(full.errno, full.strerror, str(path)) from None
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write through a temporary sibling, fsync, and rename over `path`: a reader (or a crash) never
     sees half a file."""
@@ -79,8 +111,10 @@ def write_atomic(path: Path, data: bytes | str) -> None:
             os.fsync(f.fileno())
         chmod_as_created(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a failed write names no file: this one
+            raise OSError(err.errno, err.strerror, str(path)) from None
         raise
 
 

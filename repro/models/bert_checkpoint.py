@@ -19,6 +19,7 @@ import torch.distributed as dist
 from repro.models.bert import BERT, BertConfig
 from repro.parallel.layers import gather_full, is_tensor_parallel, pad_vocab_rows, shard_master
 from repro.parallel.mappings import group_rank, group_size
+from repro.provenance import save_torch
 
 VOCAB_ROWS = ("embeddings.word.weight", "lm_head.bias")  # padded along dim 0
 
@@ -68,7 +69,7 @@ def save_bert(model: BERT, path: Path | str) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save({"config": asdict(model.cfg), "model": state}, tmp)
+        save_torch({"config": asdict(model.cfg), "model": state}, tmp)
         os.replace(tmp, path)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from repro.models.config import ModelConfig
 from repro.models.megatron import LAYER_NAMES
+from repro.provenance import save_torch
 
 CORE_LAYER_NAMES = {ours: theirs for theirs, ours in LAYER_NAMES.items()
                     if theirs.startswith(("input_layernorm", "pre_mlp_layernorm", "self_attention.linear_",
@@ -104,6 +105,6 @@ def write_megatron_gpt(tmp: Path, shards, cfg: ModelConfig, tp: int) -> None:
     for rank, shard in enumerate(shards):
         path = tmp / "release" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
         path.parent.mkdir(parents=True)
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0,
+        save_torch({"args": args, "checkpoint_version": 3.0, "iteration": 0,
                     "model": core_rank_state(shard, cfg, tp)}, path)
     (tmp / "latest_checkpointed_iteration.txt").write_text("release")

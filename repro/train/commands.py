@@ -6,15 +6,25 @@ import os
 import re
 from pathlib import Path
 
-USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError", "DataError", "DivergedError")
+USER_ERRORS = ("RunConfigError", "LayoutError", "ConfigError", "CheckpointError", "DataError", "DivergedError",
+               "DiskFullError")
 
 
 def train_rank(config_path: str | None, overrides: list[str]) -> dict:
     """Body of one rank: set up groups from the launch environment, then train."""
     from repro.train.signals import recording_stop_signals
 
+    from repro.cli import DiskFullError, disk_full
+    from repro.provenance import full_disk_behind
+
     with recording_stop_signals():  # from before the imports and the process group on
-        return _train_rank(config_path, overrides)
+        try:
+            return _train_rank(config_path, overrides)
+        except (OSError, RuntimeError) as err:  # a rank's full disk (params.json, metrics.jsonl, ...): one line,
+            full = full_disk_behind(err)       # also from a rank spawned by --nproc (USER_ERRORS)
+            if full is None:
+                raise
+            raise DiskFullError(disk_full(full)) from None
 
 
 def _train_rank(config_path: str | None, overrides: list[str]) -> dict:

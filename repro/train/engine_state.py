@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from repro.data.indexed_dataset import IndexedDataset
 from repro.parallel.groups import ProcessGroups
-from repro.provenance import git_sha
+from repro.provenance import full_disk_behind, git_sha, save_torch
 from repro.train import checkpoint as ck
 from repro.train.config import RunConfig, check_resume, to_yaml
 from repro.train.engine import Engine
@@ -72,14 +73,29 @@ def disk_full_error(root: Path, iteration: int, err: OSError) -> ck.CheckpointEr
         "run_dir at a larger disk, then rerun the same command: it resumes from `latest`")
 
 
-def _torch_save(obj, path: Path) -> None:
-    """torch.save through a Python file: a full disk is OSError(ENOSPC) naming the file, not torch's
-    RuntimeError (`unexpected pos ...`) that hides the cause."""
+def _deepspeed_save(eng: Engine, folder: Path) -> None:
+    """DeepSpeed's ZeRO checkpoint. It writes through torch's C++ file writer, whose failed write is a
+    RuntimeError with no OSError behind it: one raised while the disk has less than FULL_MIB left is
+    taken for a full disk."""
     try:
-        with open(path, "wb") as handle:
-            torch.save(obj, handle)
-    except OSError as err:
-        raise OSError(err.errno, err.strerror, str(path)) from None
+        eng.wrapped.save_checkpoint(str(folder), tag="zero", save_latest=False)
+    except RuntimeError as err:
+        full = full_disk_behind(err)
+        if full is None and _free_mib(folder) < FULL_MIB:
+            full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+        if full is None:
+            raise
+        raise full from None
+
+
+FULL_MIB = 16  # less free space than this after a failed write: the write did not fit
+
+
+def _free_mib(folder: Path) -> float:
+    try:
+        return shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2**20
+    except OSError:
+        return float("inf")
 
 
 def _save(eng: Engine, state: TrainState, run_id: str | None, root: Path) -> Path:
@@ -88,14 +104,14 @@ def _save(eng: Engine, state: TrainState, run_id: str | None, root: Path) -> Pat
     owner = pg.dp_rank == ck.shard_owner(pg)  # one DP replica per TP shard, spread over nodes
     model_state = _model_state(eng, owner)
     if owner:
-        _torch_save(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
+        save_torch(model_state, tmp / f"model_tp{pg.tp_rank:02d}.pt")
         if not eng.deepspeed:
             extra = {"optimizer": eng.optimizer.state_dict(), "scheduler": eng.scheduler.state_dict(),
                      "scaler": eng.scaler.state_dict() if eng.scaler else {}}
-            _torch_save(extra, tmp / f"optim_tp{pg.tp_rank:02d}.pt")
+            save_torch(extra, tmp / f"optim_tp{pg.tp_rank:02d}.pt")
     if eng.deepspeed:
-        eng.wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="zero", save_latest=False)
-    _torch_save(ck.rng_state(eng.rng, eng.device), tmp / f"rng_rank{pg.rank:05d}.pt")
+        _deepspeed_save(eng, tmp / "deepspeed")
+    save_torch(ck.rng_state(eng.rng, eng.device), tmp / f"rng_rank{pg.rank:05d}.pt")
     if pg.rank == 0:
         meta = {"format": ck.FORMAT_VERSION, "family": eng.cfg.family, "iteration": state.iteration,
                 "consumed_samples": state.consumed_samples, "tp": pg.tp_size,

@@ -22,7 +22,7 @@ from repro.parallel.placement import Placement, gather_placement
 from repro.perf.flops import throughput
 from repro.perf.peaks import peak_tflops
 from repro import run_lock
-from repro.provenance import git_sha, write_atomic
+from repro.provenance import FULL_DISK, git_sha, write_atomic
 from repro.tracking.logger import RunLogger
 from repro.tracking.run_dir import (STOP_MARKER, read_metrics, recorded_run_id, set_aside_rows_after,
                                     set_aside_run_id, set_aside_run_ids)
@@ -226,8 +226,9 @@ def _run_dir_locked(run_dir: str, pg: ProcessGroups):
         except run_lock.LockHeld as other:
             refusal = _run_dir_in_use(run_dir, other.holder)
         except OSError as err:
-            refusal = (f"run_dir {run_dir}: cannot create its lock file {RUN_LOCK} ({err.strerror or err}). "
-                       "Fix: set run_dir to a directory you can write")
+            fix = ("free space there (or raise the quota), or set run_dir on a larger disk" if err.errno in FULL_DISK
+                   else "set run_dir to a directory you can write")
+            refusal = f"run_dir {run_dir}: cannot create its lock file {RUN_LOCK} ({err.strerror or err}). Fix: {fix}"
     refusal = _from_rank0(refusal, pg.world_group)
     if refusal:
         raise RunConfigError(refusal)

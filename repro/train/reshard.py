@@ -24,7 +24,7 @@ import torch
 from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import pad_vocab_rows, shard_master, to_empty_keeping_markers, unshard
-from repro.provenance import git_sha, unwritable_ancestor, write_atomic
+from repro.provenance import git_sha, save_torch, unwritable_ancestor, write_atomic
 from repro.train.checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_run_id, load_file, mismatched_file,
                                     model_config, read_meta, resolve)
 
@@ -256,7 +256,7 @@ def reshard(src: str | Path, dst: str | Path, tp: int) -> Path:
 def _write_model_only(tmp: Path, shards: Iterable[dict], meta: dict, tp: int) -> None:
     """Save the `tp` ranks' state dicts (made one by one by `shards`) into `tmp`, with a model-only meta.json."""
     for rank, state in enumerate(shards):
-        torch.save(state, tmp / f"model_tp{rank:02d}.pt")
+        save_torch(state, tmp / f"model_tp{rank:02d}.pt")  # a full disk: OSError, the command's clear error
         del state
     meta = {**meta, "tp": tp, "dp": 1, "world_size": tp, "model_only": True}
     write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())

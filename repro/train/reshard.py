@@ -25,8 +25,8 @@ from repro.models.config import ModelConfig
 from repro.parallel.groups import ProcessGroups
 from repro.parallel.layers import pad_vocab_rows, shard_master, to_empty_keeping_markers, unshard
 from repro.provenance import git_sha, save_torch, unwritable_ancestor, write_atomic
-from repro.train.checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_run_id, load_file, mismatched_file,
-                                    model_config, read_meta, resolve)
+from repro.train.checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_run_id, fsync_tree, load_file,
+                                    mismatched_file, model_config, read_meta, resolve)
 
 
 def partition_spec(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, int]]:
@@ -202,6 +202,7 @@ def new_directory(dst: Path):
     try:
         yield tmp
         _check_new_dir(dst)  # nothing appeared meanwhile
+        fsync_tree(tmp)  # on disk before its name says it is complete, as a training checkpoint
         os.replace(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

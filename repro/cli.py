@@ -110,11 +110,45 @@ def _run_command(args: argparse.Namespace) -> int:
     except (UserError, OutDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        print(f"error: {disk_full(err)}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:  # Ctrl-C: the command's own cleanup ran on the way here; no traceback
+        return _interrupted()
+    except Exception as err:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"error: {disk_full(err)}", file=sys.stderr)
+            return 2
+        if _raised_over_interrupt(err):  # a library's cleanup that failed on the way out (nbclient's)
+            return _interrupted()
+        raise
+
+
+def _interrupted() -> int:
+    print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+    return 130
+
+
+def _raised_over_interrupt(err: BaseException | None) -> bool:
+    """Whether `err` was raised while a KeyboardInterrupt was being handled (its __context__ chain)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of a time limit: a finite number of seconds > 0 (`--timeout 0`, `nan` or `inf` ended
+    a launch in a TimeoutError, ValueError or OSError traceback)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds (e.g. 600)")
+    return value
 
 
 class DiskFullError(UserError):

@@ -85,6 +85,45 @@ def test_a_stop_signal_to_the_launcher_alone_checkpoints_every_rank(corpus, tmp_
         _kill_all(everyone)
 
 
+def test_ctrl_c_in_a_terminal_checkpoints_every_rank_and_exits_130(corpus, tmp_path):
+    """A terminal's Ctrl-C: SIGINT to every process of the group, the ranks included. The ranks leave it
+    to the launcher, which passes it on as SIGTERM: they checkpoint at step 3 and exit; the command
+    says it was interrupted, in one line, exit 130. (Each rank took it as a KeyboardInterrupt wherever
+    it stood, inside torch.save or a barrier: tracebacks, exit 1, run FAILED and no checkpoint.)"""
+    proc, run, ranks = _held_train(corpus, tmp_path)
+    everyone = _children(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # the launcher leads its own group (start_new_session)
+        log = tmp_path / "out.log"
+        while "passed on to the ranks" not in log.read_text() and proc.poll() is None:
+            time.sleep(0.05)
+        (tmp_path / "hold" / "go").touch()
+        proc.wait(timeout=120)
+        out = log.read_text()
+        assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+        assert out.rstrip().endswith("interrupted (Ctrl-C)"), out[-3000:]
+        assert ck.latest_checkpoint(run / "checkpoints").name == "iter_0000003", out[-3000:]
+        assert (run / "stopped_by_signal").read_text() == "3"
+        assert not [pid for pid in ranks if _alive(pid)]
+    finally:
+        _kill_all(everyone)
+
+
+def _stop_handlers() -> tuple[bool, bool]:
+    from repro.train.signals import PendingStop
+
+    return (signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+            all(isinstance(signal.getsignal(s), PendingStop) for s in (signal.SIGTERM, signal.SIGUSR1)))
+
+
+def test_ranks_of_a_forwarding_launch_take_stop_signals_from_their_first_line():
+    """With forward_signals (`repro train --nproc N`) a rank ignores SIGINT and records SIGTERM and SIGUSR1
+    from before it joins its group: a stop forwarded in the first seconds killed ranks still starting
+    ("ended without a result (exit code -15)"). Without forwarding, ranks keep the default handlers."""
+    assert run_ranks(_stop_handlers, 2, timeout=60, forward_signals=True) == [(True, True)] * 2
+    assert run_ranks(_stop_handlers, 2, timeout=60) == [(False, False)] * 2
+
+
 def test_the_ranks_die_with_a_sigkilled_launcher(corpus, tmp_path):
     """A SIGKILLed launcher (the OOM killer, kill -9) takes its ranks with it: none trains on."""
     proc, _run, ranks = _held_train(corpus, tmp_path)
@@ -358,3 +397,40 @@ def test_a_notebook_run_leaves_the_callers_stop_handlers_in_place(tmp_path):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def test_a_ctrl_c_while_a_dataset_or_report_is_published_waits_for_the_last_rename():
+    """SIGINT inside `stop_signals_deferred` (the renames that publish a dataset or a report's tables)
+    is raised as the block ends: a KeyboardInterrupt between two renames left new and old files mixed."""
+    from repro.train.signals import stop_signals_deferred
+
+    renamed = []
+    with pytest.raises(KeyboardInterrupt):
+        with stop_signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+            renamed.append("the last one")
+    assert renamed == ["the last one"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _interrupted(_args):
+    raise KeyboardInterrupt
+
+
+def _cleanup_fails_after_an_interrupt(_args):
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise AssertionError("assert self.km is not None")  # nbclient's cleanup after a Ctrl-C in `repro report`
+
+
+@pytest.mark.parametrize("handler", [_interrupted, _cleanup_fails_after_an_interrupt])
+def test_a_command_stopped_by_ctrl_c_says_so_in_one_line_and_exits_130(handler, capsys):
+    """Ctrl-C ended every command in a traceback (20 to 200 lines; `repro report` in nbclient's
+    AssertionError), with exit 1 or killed by the signal; now one line, exit 130."""
+    import argparse
+
+    from repro.cli import _run_command
+
+    assert _run_command(argparse.Namespace(func=handler)) == 130
+    assert capsys.readouterr().err.strip() == "interrupted (Ctrl-C)"

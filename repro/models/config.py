@@ -89,6 +89,12 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if not 0.0 <= self.init_method_std < float("inf"):  # (nan fails both)
+            raise ConfigError(f"init_method_std={self.init_method_std} must be a finite number >= 0: the initial "
+                              "weights' standard deviation, e.g. 0.02 (the paper's)")
+        if not 0.0 < self.layernorm_epsilon < float("inf"):
+            raise ConfigError(f"layernorm_epsilon={self.layernorm_epsilon} must be a finite number > 0: the layer "
+                              "norms' variance floor, e.g. 1e-5")
 
     def validate_gpt(self, tp: int = 1) -> None:
         """validate(tp), and a ConfigError naming each BERT-only setting a GPT would silently ignore."""

@@ -112,7 +112,9 @@ def _run(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("selftest", help="check that every TP/DP layout reproduces the serial model")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun/srun)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before a hung check is killed")
+    from repro.cli import positive_seconds
+
+    p.add_argument("--timeout", type=positive_seconds, default=600, help="seconds before a hung check is killed")
     p.set_defaults(func=_run)
 
 

@@ -115,7 +115,9 @@ def leave_process_group(backend: str) -> None:
 
 
 def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _CallerContext | None,
-           start, join: Callable, timeout: float, launcher: int) -> None:
+           start, join: Callable, timeout: float, launcher: int, forwarded: bool) -> None:
+    if forwarded:
+        _leave_stops_to_the_launcher()
     _die_with(launcher)
     if caller is not None:
         caller.adopt()
@@ -144,6 +146,20 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_stops_to_the_launcher() -> None:
+    """In a rank whose launcher forwards stop signals (`repro train --nproc N`): SIGINT is ignored, since a
+    terminal's Ctrl-C reaches every process of the group and the launcher passes it on as SIGTERM (it was
+    a KeyboardInterrupt in each rank wherever it stood: inside torch.save, a barrier; no checkpoint); and
+    SIGTERM and SIGUSR1 are recorded from the rank's first line, for the trainer to adopt
+    (repro.train.signals), not its default action that killed a rank still starting."""
+    from repro.train.signals import STOP_SIGNALS, PendingStop
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pending = PendingStop()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, pending)
 
 
 def _die_with(launcher: int) -> None:
@@ -250,7 +266,9 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0,
     the failing rank's traceback (or naming a rank that died without one: killed, out of memory), or
     TimeoutError after `timeout` seconds (the ranks are then killed, so a hung collective never hangs the caller).
     With forward_signals (a command's main thread: `repro train --nproc N`), SIGTERM, SIGUSR1 and
-    SIGINT sent to this process alone are passed on to the ranks (`forwarding_stop_signals`).
+    SIGINT sent to this process are passed on to the ranks (`forwarding_stop_signals`), which ignore a
+    SIGINT of their own (a terminal's Ctrl-C reaches them all); after a SIGINT the ranks' results are
+    awaited, then KeyboardInterrupt is raised.
     """
     check_gpu_count(world_size, backend)
     return launch_ranks(fn, world_size, args, timeout, backend, join_process_group, forward_signals)
@@ -261,7 +279,10 @@ def launch_ranks(fn: Callable, world_size: int, args: tuple, timeout: float, bac
     """run_ranks with the function each rank joins the process group with, join(backend, store,
     rank, world_size) (importable, like fn)."""
     with forwarding_stop_signals() if forward_signals else nullcontext() as forwarder:
-        return _launch(fn, world_size, args, timeout, backend, join, forwarder)
+        results = _launch(fn, world_size, args, timeout, backend, join, forwarder)
+    if forwarder is not None and forwarder.interrupted:  # Ctrl-C: the ranks stopped (checkpointed) for it,
+        raise KeyboardInterrupt                             # and the command ends as interrupted (exit 130)
+    return results
 
 
 def _launch(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str, join: Callable,
@@ -270,21 +291,23 @@ def _launch(fn: Callable, world_size: int, args: tuple, timeout: float, backend:
     caller = _CallerContext.here() if ctx.get_start_method() == "forkserver" else None
     results, start = ctx.Queue(), ctx.Event()
     port, store_dir = free_port(), tempfile.mkdtemp(prefix="repro-ranks-")
-    store = os.path.join(store_dir, "rendezvous")
-    # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
-    # kills any rank still alive
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results, caller,
-                                              start, join, timeout, os.getpid()))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    ranks, collected = _Ranks(procs), None
-    if forwarder is not None:
-        forwarder.watch(ranks)
-    try:
-        collected = _collect(results, ranks, fn.__name__, timeout, start)
-    finally:  # ranks that delivered get 10 s to exit; after a failure or timeout the rest wait in vain
-        ranks.stop(grace_s=10.0 if collected is not None else 1.0)
+    try:  # the rendezvous folder goes whatever ends the launch (a Ctrl-C while the ranks start, too)
+        store = os.path.join(store_dir, "rendezvous")
+        # not daemonic: a rank may start processes of its own (data-loader workers); the `finally` below
+        # kills any rank still alive (one started before a failed start dies with this launcher: _die_with)
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, store, backend, fn, args, results, caller,
+                                                  start, join, timeout, os.getpid(), forwarder is not None))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        ranks, collected = _Ranks(procs), None
+        if forwarder is not None:
+            forwarder.watch(ranks)
+        try:
+            collected = _collect(results, ranks, fn.__name__, timeout, start)
+        finally:  # ranks that delivered get 10 s to exit; after a failure or timeout the rest wait in vain
+            ranks.stop(grace_s=10.0 if collected is not None else 1.0)
+    finally:
         shutil.rmtree(store_dir, ignore_errors=True)
     return [collected[r] for r in range(world_size)]
 

@@ -231,12 +231,14 @@ def _stoppable(fn):
 
 
 def register(sub) -> None:
+    from repro.cli import positive_seconds
+
     p = sub.add_parser("train", help="train a model from a YAML config (under torchrun/srun, or --nproc)")
     p.add_argument("config", nargs="?", default=None, help="YAML config (experiments/...)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. --set train.train_iters=10 (repeatable)")
     p.add_argument("--nproc", type=int, default=None, help="spawn N local ranks (when not under torchrun/srun)")
-    p.add_argument("--timeout", type=float, default=7200, help="seconds before spawned ranks are killed")
+    p.add_argument("--timeout", type=positive_seconds, default=7200, help="seconds before spawned ranks are killed")
     p.set_defaults(func=_wrap(_train))
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="checkpoint_command", required=True)

@@ -11,7 +11,7 @@ Derived values (dp, gradient-accumulation steps, padded vocab) are computed in `
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -354,6 +354,7 @@ def _check_optim_values(cfg: RunConfig) -> None:
     """The optimizer's and loss scaler's numbers in their ranges (Megatron-LM asserts the same): a
     min_lr above lr would make the decay climb, a negative weight decay or clip would train silently."""
     o, p = cfg.optim, cfg.precision
+    _check_finite(cfg)
     if not o.lr > 0:
         raise RunConfigError(f"optim.lr={o.lr} must be positive: the peak learning rate, e.g. --set optim.lr=1.5e-4")
     if not 0 <= o.min_lr <= o.lr:
@@ -377,6 +378,18 @@ def _check_optim_values(cfg: RunConfig) -> None:
                              f"scale as a power of two and would start at 2**{power} = {2.0**power:g}, unlike the "
                              f"plain trainer. Fix: --set precision.initial_loss_scale={2.0**power:g} (or another "
                              "power of two)")
+
+
+def _check_finite(cfg: RunConfig) -> None:
+    """Every float setting of the run a finite number: optim.lr=inf passed `lr > 0` and trained to NaN
+    weights, exit 0; weight_decay=inf or adam_eps=inf likewise. (The model's: ModelConfig.validate.)"""
+    for section in (cfg.optim, cfg.precision, cfg.train):
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                key = f"{type(section).__name__.removesuffix('Config').lower()}.{f.name}"
+                raise RunConfigError(f"{key}={value} is not a finite number. Fix: --set {key}=<a number> "
+                                     f"(the default is {f.default})")
 
 
 def derive(cfg: RunConfig, world_size: int) -> Derived:

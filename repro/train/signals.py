@@ -67,7 +67,7 @@ def exiting_on_stop_signals(noted: list[int] | None = None) -> Iterator[None]:
 
 @contextmanager
 def stop_signals_deferred() -> Iterator[None]:
-    """TERM and USR1 that arrive inside the block take effect as it ends. Blocking them
+    """TERM, USR1 and INT that arrive inside the block take effect as it ends. Blocking them
     (`repro.data.preprocess.stop_signals_blocked`) is not enough here: with them masked in this thread the kernel hands a process-wide signal to another
     thread (tqdm's monitor, the tokenizer's pool), and Python runs its handler in the main thread all
     the same. So their Python handlers are swapped for one that notes the signal; at the end the old
@@ -77,7 +77,8 @@ def stop_signals_deferred() -> Iterator[None]:
         yield
         return
     noted: list[int] = []
-    swapped = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not None]  # None: not set from Python
+    swapped = [sig for sig in (*STOP_SIGNALS, signal.SIGINT)  # (Ctrl-C's KeyboardInterrupt too)
+               if signal.getsignal(sig) not in (None, signal.SIG_IGN)]  # None: not set from Python
     previous = {sig: signal.signal(sig, lambda signum, _frame: noted.append(signum)) for sig in swapped}
     try:
         yield

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from repro.provenance import file_in_the_way, unwritable_ancestor
 from repro.tracking.store import default_tracking_uri, project_root
 
 CONFIG = "experiments/demo/gpt_demo.yaml"
@@ -60,8 +61,9 @@ def detokenized_copy(src: Path, dst: Path) -> Path:
 def _step(title: str, *args: str) -> None:
     print(f"\n=== {title}: repro {' '.join(args)}", flush=True)
     out = subprocess.run([sys.executable, "-m", "repro.cli", *args], cwd=project_root())
-    if out.returncode:
-        raise SystemExit(f"demo step '{title}' failed with exit code {out.returncode}")
+    if out.returncode:  # its own error is printed above; its exit code is the demo's (2: bad input)
+        print(f"demo step '{title}' failed with exit code {out.returncode}", file=sys.stderr, flush=True)
+        raise SystemExit(out.returncode)
 
 
 SMOKE_ITERS, SMOKE_PASSAGES, SMOKE_LINES = 2, 64, 40
@@ -75,11 +77,15 @@ def _run(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     data = ["--data-dir", str(data_dir)]
     iters = args.iters if args.iters is not None else SMOKE_ITERS if args.smoke else 300
-    if iters < 1:  # before any step: the data steps take minutes, then training would refuse
-        from repro.cli import UserError
+    from repro.cli import UserError
 
+    if iters < 1:  # before any step: the data steps take minutes, then training would refuse
         raise UserError(f"--iters {iters} trains nothing to evaluate. Fix: at least 1 (default 300; --smoke: "
                         f"{SMOKE_ITERS})")
+    blocked = file_in_the_way(run_dir) or unwritable_ancestor(run_dir)  # also before the data steps
+    if blocked:
+        raise UserError(f"--run-dir {run_dir}: {blocked} is not a directory this user can write into. Fix: "
+                        "give another --run-dir, e.g. runs/gpt-demo")
     lambada_subset = ["--max-examples", str(SMOKE_PASSAGES)] if args.smoke else []
     wikitext_subset = ["--max-lines", str(SMOKE_LINES)] if args.smoke else []
     # where everything goes, up front: by default under the checkout, whatever the current directory

@@ -43,3 +43,37 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(command, 
         main([*command, "--timeout", timeout])
     assert stopped.value.code == 2
     assert f"argument --timeout: {timeout!r} is not a positive, finite number of seconds" in capsys.readouterr().err
+
+
+def test_a_demo_run_dir_that_cannot_be_a_directory_is_refused_before_the_data_steps(tmp_path, capsys):
+    """`repro demo --run-dir FILE/x` fetched and prepared the data (minutes) before training refused it."""
+    (tmp_path / "afile").write_text("")
+    assert main(["demo", "--smoke", "--run-dir", str(tmp_path / "afile" / "x")]) == 2
+    out, err = capsys.readouterr()
+    assert f"{tmp_path / 'afile'} is not a directory this user can write into" in err and "Fix:" in err
+    assert "1/5 fetch data" not in out
+
+
+def test_a_failed_demo_step_passes_its_exit_code_on(tmp_path, monkeypatch):
+    """A step that refused bad input (exit 2: here a mirror without the data) made the demo exit 1."""
+    monkeypatch.setenv("REPRO_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("REPRO_DATA_MIRROR", str(tmp_path / "empty mirror"))
+    (tmp_path / "empty mirror").mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        main(["demo", "--smoke", "--run-dir", str(tmp_path / "run")])
+    assert stopped.value.code == 2
+
+
+@pytest.mark.parametrize("given, named", [
+    (["--output-prefix", "PREFIX/"], "names a directory, and a prefix names files"),
+    (["--output-prefix", "PREFIX/c", "--workers", "0"], "--workers 0: give a positive number"),
+    (["--output-prefix", "PREFIX/c", "--workers", "-3"], "--workers -3: give a positive number"),
+])
+def test_prepare_refuses_a_directory_prefix_and_no_workers(tmp_path, capsys, given, named):
+    """`--output-prefix DIR/` wrote DIR/_train.bin, DIR/_prepare.json ...; --workers 0 or -3 ran as 1."""
+    (tmp_path / "in.jsonl").write_text('{"text": "a short document"}\n')
+    argv = ["data", "prepare", "--input", str(tmp_path / "in.jsonl"),
+            *[a.replace("PREFIX", str(tmp_path / "out")) for a in given]]
+    assert main(argv) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -161,6 +161,15 @@ def warn_stale_temporaries(prefix: str) -> None:
 
 
 def check_outputs(opts: PrepareOptions) -> None:
+    """The output prefix names files, and no dataset is there unless --overwrite; --workers is positive."""
+    if opts.workers < 1:
+        raise DataError(f"--workers {opts.workers}: give a positive number of tokenizing processes (1: in this "
+                        "one). Fix: e.g. --workers 8, or leave it out for one per available CPU")
+    prefix = str(opts.output_prefix)
+    if prefix.endswith(os.sep):  # (it wrote DIR/_train.bin, DIR/_prepare.json, ...)
+        name = Path(prefix) / "corpus"
+        raise DataError(f"--output-prefix {prefix} names a directory, and a prefix names files ({name}_train.bin, "
+                        f"..., {name}_prepare.json for --output-prefix {name}). Fix: --output-prefix {name}")
     existing = [str(p) for p in output_files(opts.output_prefix) if p.exists()]
     if existing and not opts.overwrite:
         raise DataError(f"--output-prefix {opts.output_prefix}: a dataset is already there "

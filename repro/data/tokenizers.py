@@ -105,8 +105,16 @@ def gpt2_tokenizer(vocab_json: Path, merges_txt: Path) -> TextTokenizer:
 
 
 def bert_tokenizer(vocab_txt: Path) -> TextTokenizer:
-    """BERT uncased WordPiece (lower-cased, accents stripped) from vocab.txt."""
-    backend = Tokenizer(models.WordPiece.from_file(str(vocab_txt), unk_token="[UNK]"))
+    """BERT uncased WordPiece (lower-cased, accents stripped) from vocab.txt; a DataError naming it for a
+    file that cannot be read, is not UTF-8, or lacks [UNK] (every word outside the vocabulary is [UNK])."""
+    fix = ("Fix: give a BERT WordPiece vocab.txt (UTF-8, one token a line, [UNK] among them), such as "
+           f"data/{BERT_VOCAB} from `repro data fetch`")
+    try:
+        backend = Tokenizer(models.WordPiece.from_file(str(vocab_txt), unk_token="[UNK]"))
+    except Exception as err:  # the library raises a bare Exception ("Error while reading WordPiece file: ...")
+        raise DataError(f"{vocab_txt} is not a readable WordPiece vocabulary ({err}). {fix}") from None
+    if backend.token_to_id("[UNK]") is None:
+        raise DataError(f"{vocab_txt} has no [UNK] token ({backend.get_vocab_size()} tokens). {fix}")
     backend.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=None)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.decoder = decoders.WordPiece(prefix="##")

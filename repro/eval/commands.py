@@ -137,7 +137,34 @@ def _out_path(out: str | None, ckpt: Path) -> Path:
     blocked = unwritable_ancestor(path)
     if blocked is not None:
         raise UserError(f"--out {path}: {blocked} is not writable. Fix: give a writable path")
+    _check_records_file(path)
     return path
+
+
+def _check_records_file(path: Path) -> None:
+    """A UserError for an --out holding anything but earlier evaluation records (notes, a config): the
+    append would cut its last line. It is left as it is."""
+    from repro.eval.report import check_appendable
+    from repro.tracking.run_dir import TrackingError
+
+    try:
+        check_appendable(path, f"Fix: choose another --out (a new file, or the zero_shot.jsonl of earlier "
+                               f"evaluations); {path} was left as it is")
+    except TrackingError as err:
+        raise UserError(f"--out {err}") from None
+
+
+def _check_tracking(args) -> None:
+    """A UserError for a bad MLFLOW_TRACKING_URI, before any scoring (unless --no-mlflow)."""
+    from repro.tracking.run_dir import TrackingError
+    from repro.tracking.sync import check_store
+
+    if args.no_mlflow:
+        return
+    try:
+        check_store()
+    except TrackingError as err:
+        raise UserError(f"{err}, or pass --no-mlflow to skip tracking") from None
 
 
 def load_gpt(ckpt: Path, pg, device=None):
@@ -190,7 +217,8 @@ def _options(args) -> EvalOptions:
     from repro.data.fetch import data_dir_from_env
 
     if args.task == "wikitext" and (args.stride < 1 or args.window < args.stride):  # LAMBADA has no window
-        raise UserError(f"--stride {args.stride} must be between 1 and --window {args.window}")
+        raise UserError(f"--stride {args.stride} must be between 1 and --window {args.window}. Fix: give 1 <= "
+                        "--stride <= --window (the paper's: --window 1024 --stride 32; stride = window: no overlap)")
     _check_positive(args)
     return EvalOptions(Path(args.data_dir) if args.data_dir else data_dir_from_env(), args.window,
                        args.stride, args.batch_size, args.file, not args.non_strict, args.megatron_split,
@@ -202,6 +230,7 @@ def _handle(args) -> int:
     from repro.train.checkpoint import read_meta, training_provenance
 
     opts, ckpt = _options(args), gpt_checkpoint(Path(args.checkpoint))
+    _check_tracking(args)
     meta = read_meta(ckpt)
     pg = process_groups(args.tp if args.tp is not None else default_eval_tp(ckpt, meta))
     out = _out_path(args.out, ckpt)

@@ -112,9 +112,14 @@ def generate(model, tp_group, prompt: list[int], sampling: Sampling, eod: int,
     return new
 
 
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # (the options default to None: not given)
+
+
 def _sampling(args) -> Sampling:
-    sampling = Sampling(args.max_new_tokens, 0.0 if args.greedy else args.temperature, args.top_k,
-                        args.top_p, args.seed)
+    _check_greedy(args)
+    given = {key: getattr(args, key) for key in SAMPLING_DEFAULTS if getattr(args, key) is not None}
+    settings = {**SAMPLING_DEFAULTS, **given, **({"temperature": 0.0} if args.greedy else {})}
+    sampling = Sampling(args.max_new_tokens, seed=args.seed, **settings)
     problems = sampling.problems() + ([f"--num-samples {args.num_samples}: give 1 or more"]
                                       if args.num_samples < 1 else [])
     if problems:
@@ -122,20 +127,34 @@ def _sampling(args) -> Sampling:
     return sampling
 
 
+def _check_greedy(args) -> None:
+    """A UserError for --greedy with a sampling option, which greedy decoding would ignore."""
+    given = [f"--{key.replace('_', '-')} {getattr(args, key)}" for key in SAMPLING_DEFAULTS
+             if getattr(args, key) is not None]
+    if args.greedy and given:
+        raise UserError(f"--greedy takes the most probable token, so {' and '.join(given)} would be ignored. "
+                        "Fix: leave out --greedy to sample, or leave out the sampling option(s)")
+
+
 def _prompt(args) -> str:
     if args.prompt_file is None:
-        return args.prompt
+        return args.prompt or ""
     path = Path(args.prompt_file)
+    if args.prompt is not None:
+        raise UserError(f"--prompt and --prompt-file {path} both give the prompt. Fix: give only one of them")
     if not path.is_file():
         raise UserError(f"--prompt-file {path}: no such file. Fix: give a UTF-8 text file, or --prompt TEXT")
+    fix = "Fix: give a readable UTF-8 text file, or --prompt TEXT"
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise UserError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise UserError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte {err.start}). {fix}") from None
+    except OSError as err:
+        raise UserError(f"--prompt-file {path} cannot be read ({err.strerror or err}). {fix}") from None
 
 
-def _out_path(out: str | None) -> Path | None:
-    """--out, checked before loading and sampling: a file this process can create."""
+def _out_path(out: str | None, overwrite: bool = False) -> Path | None:
+    """--out, checked before loading and sampling: a file this process can create, or replace with --overwrite."""
     from repro.provenance import unwritable_ancestor
 
     if out is None:
@@ -145,6 +164,9 @@ def _out_path(out: str | None) -> Path | None:
         raise UserError(f"--out {path} is a directory: give a file, e.g. --out {path / 'samples.json'}")
     if not path.absolute().parent.is_dir():
         raise UserError(f"--out {path}: {path.absolute().parent} is not a directory. Fix: create it first")
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise UserError(f"--out {path} already exists, and generate would replace it. Fix: give a new file, or "
+                        "add --overwrite to replace it")
     blocked = unwritable_ancestor(path)
     if blocked is not None:
         raise UserError(f"--out {path}: {blocked} is not writable. Fix: give a writable path")
@@ -169,7 +191,7 @@ def _handle(args) -> int:
     from repro.eval.commands import gpt_checkpoint, load_gpt, process_groups
     from repro.provenance import write_atomic
 
-    sampling, prompt, out = _sampling(args), _prompt(args), _out_path(args.out)
+    sampling, prompt, out = _sampling(args), _prompt(args), _out_path(args.out, args.overwrite)
     ckpt = gpt_checkpoint(Path(args.checkpoint), purpose="generation")
     pg = process_groups(args.tp, "generate ...")
     if pg.dp_size > 1:
@@ -201,18 +223,21 @@ def register(subparsers) -> None:
     """Add `repro generate`."""
     parser = subparsers.add_parser("generate", help="sample text from a GPT checkpoint (greedy, top-k, top-p)")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory of a GPT training run")
-    parser.add_argument("--prompt", default="", help="text to continue (default: none, unconditional: from the end-of-document token; a "
+    parser.add_argument("--prompt", default=None, help="text to continue (default: none, unconditional: from the end-of-document token; a "
                              "spelled-out '<|endoftext|>' is text, not that token)")
-    parser.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file instead")
+    parser.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file (not with --prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    parser.add_argument("--greedy", action="store_true", help="always the most probable token")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy [1.0]")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens [0: off]")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass [1: off]")
+    parser.add_argument("--greedy", action="store_true",
+                        help="always the most probable token (not with --temperature, --top-k or --top-p)")
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1234, help="the same seed gives the same text")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch this many ranks)")
     parser.add_argument("--data-dir", default=None, help="data directory with the GPT-2 vocabulary "
                                                          "(default: $REPRO_DATA_DIR or ./data)")
-    parser.add_argument("--out", default=None, help="also write the samples and settings to this JSON file")
+    parser.add_argument("--out", default=None, help="also write the samples and settings to this JSON file "
+                                                    "(an existing file is refused unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.set_defaults(func=_handle)

@@ -82,15 +82,46 @@ def _cut_back(path: Path, size: int | None) -> None:
         pass
 
 
+RECORDS_FIX = "Fix: give the zero_shot.jsonl that `repro eval` wrote, or delete that line"
+
+
 def read_records(path: Path) -> list[EvalRecord]:
     """The records of a JSON-lines file written by `write_json`; a killed write's partial last line is
-    skipped with a warning, any other bad line (not JSON, or not a record: _record_problem) is a
-    TrackingError naming it, all before MLflow is contacted."""
+    skipped with a warning, any other bad line (not JSON, or not a record: _record_problem) and a file
+    that cannot be read or is not UTF-8 are a TrackingError naming it, all before MLflow is contacted."""
     from repro.tracking.run_dir import TrackingError
 
-    lines = path.read_text(encoding="utf-8").split("\n")
+    records, problem, partial = _scan_records(path, "Fix: give the zero_shot.jsonl that `repro eval` wrote")
+    if problem:
+        raise TrackingError(f"{problem}. {RECORDS_FIX}")
+    if partial:
+        warnings.warn(f"{path}: skipped a truncated last line (an append cut short)", stacklevel=2)
+    return records
+
+
+def check_appendable(path: Path, fix: str) -> None:
+    """A TrackingError (naming `fix`) for a `path` that holds anything but evaluation records, which
+    `write_json` would damage by cutting its 'unfinished' last line; nothing is changed. Absent, empty,
+    or records with a killed write's partial last line after them: fine."""
+    from repro.tracking.run_dir import TrackingError
+
+    if not path.is_file():
+        return
+    records, problem, partial = _scan_records(path, fix)
+    if problem is None and partial and not records:
+        problem = f"{path} holds one unfinished line and no evaluation record"
+    if problem:
+        raise TrackingError(f"{path} is not a file of `repro eval` records ({problem}), and appending one would "
+                            f"cut its last line. {fix}")
+
+
+def _scan_records(path: Path, fix: str) -> tuple[list[EvalRecord], str | None, bool]:
+    """(the records of `path`, what its first bad line is or None, whether its last line is an unfinished
+    one that was skipped); a TrackingError naming `fix` for a file that cannot be read or is not UTF-8."""
+    from repro.tracking.run_dir import read_text
+
+    lines = read_text(path, fix).split("\n")
     records = []
-    fix = "Fix: give the zero_shot.jsonl that `repro eval` wrote, or delete that line"
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -98,14 +129,13 @@ def read_records(path: Path) -> list[EvalRecord]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             if number == len(lines):  # no newline after it: an append that was cut short
-                warnings.warn(f"{path}: skipped a truncated last line (an append cut short)", stacklevel=2)
-                continue
-            raise TrackingError(f"{path}:{number} is not an evaluation record ({err}). {fix}") from None
+                return records, None, True
+            return records, f"{path}:{number} is not an evaluation record ({err})", False
         problem = _record_problem(row)
         if problem:
-            raise TrackingError(f"{path}:{number} is not an evaluation record: {problem}. {fix}")
+            return records, f"{path}:{number} is not an evaluation record: {problem}", False
         records.append(EvalRecord(**row))
-    return records
+    return records, None, False
 
 
 def _number(value) -> bool:

@@ -40,12 +40,15 @@ class WikitextData:
 
 
 def _read_utf8(path: Path) -> str:
-    """The file's text; a DataError naming it when it is not UTF-8."""
+    """The file's text; a DataError naming it when it cannot be read or is not UTF-8."""
+    from repro.data.errors import DataError
+
     try:
         return path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise DataError(f"{path} cannot be read ({err.strerror or err}). Fix: give a WikiText file you can read "
+                        "(--file tokens, raw, or the path of WikiText-103's wiki.test.tokens)") from None
     except UnicodeDecodeError as err:
-        from repro.data.errors import DataError
-
         raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}). Fix: convert it "
                         "(e.g. `iconv -f latin1 -t utf-8`), or use WikiText-103's own wiki.test.tokens, "
                         "which is UTF-8") from None

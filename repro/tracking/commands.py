@@ -11,12 +11,14 @@ EVAL_FILE = "zero_shot.jsonl"
 def _sync(args) -> int:
     from repro.cli import UserError
     from repro.tracking.run_dir import TrackingError
+    from repro.tracking.sync import check_store
 
     path = Path(args.path)
     if not path.exists():
         raise UserError(f"{path} does not exist. Fix: give a training run directory or the "
                         f"{EVAL_FILE} that `repro eval` wrote")
     try:
+        check_store()  # a bad MLFLOW_TRACKING_URI is named before anything is read
         if path.is_dir():
             _sync_run_dir(path)
         if path.is_file() or (path / EVAL_FILE).is_file():

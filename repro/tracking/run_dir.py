@@ -29,6 +29,16 @@ def write_bytes(path: Path, data: bytes) -> None:
     write_atomic(path, data)
 
 
+def read_text(path: Path, fix: str) -> str:
+    """A UTF-8 file's text; a TrackingError naming it and `fix` for one that cannot be read or is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise TrackingError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}). {fix}") from None
+    except OSError as err:
+        raise TrackingError(f"{path} cannot be read ({err.strerror or err}). {fix}") from None
+
+
 def recorded_run_id(run_dir: str | Path) -> str | None:
     """The MLflow run id named by `<run_dir>/mlflow_run_id` (written by the logger and by sync)."""
     path = Path(run_dir) / RUN_ID_FILE
@@ -141,7 +151,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    text = read_text(path, "Fix: give the run directory `repro train` wrote (its metrics.jsonl is UTF-8 JSON lines)")
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     rows = []
     for n, line in lines:
         try:
@@ -187,11 +198,11 @@ def _load_json(path: Path, what: str) -> dict:
     if not path.is_file():
         raise TrackingError(f"{path} is missing: it holds the run's {what}. Fix: give the run directory "
                             "written by `repro train` (params.json, tags.json, metrics.jsonl)")
+    fix = "Fix: restore it from the run's artifacts/ or rerun `repro train` in that directory"
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, fix))
     except json.JSONDecodeError as err:
-        raise TrackingError(f"{path} is not valid JSON ({err}). Fix: restore it from the run's "
-                            "artifacts/ or rerun `repro train` in that directory") from None
+        raise TrackingError(f"{path} is not valid JSON ({err}). {fix}") from None
 
 
 def read_run_dir(run_dir: Path) -> tuple[dict, dict, list[dict]]:

@@ -42,6 +42,22 @@ def _tracking_errors(uri: str, run_dir: Path):
                             f"`repro tracking sync {run_dir}` (it does not upload a row twice)") from None
 
 
+def check_store(uri: str | None = None) -> str:
+    """The tracking URI (default: MLFLOW_TRACKING_URI's), checked before any work as `repro report` checks
+    it (repro.analysis.runs): a TrackingError for a plain path, an unknown scheme, or a sqlite file that is
+    not an MLflow store. An absent sqlite file is fine: MLflow creates the store."""
+    from repro.analysis.runs import StoreError, check_sqlite_store, check_uri, store_exists
+
+    uri = uri or default_tracking_uri()
+    try:
+        check_uri(uri)
+        if store_exists(uri):
+            check_sqlite_store(uri)
+    except StoreError as err:
+        raise TrackingError(str(err)) from None
+    return uri
+
+
 def _missing_artifacts(client, run_id: str, run_dir: Path) -> list[Path]:
     """Files and folders of run_dir/artifacts the run lacks, or holds at another size (rewritten)."""
     folder = run_dir / "artifacts"

@@ -69,8 +69,8 @@ def test_sweep_dry_run_before_or_after_the_table(sbatch, capsys, argv):
 
 
 def test_only_the_first_separator_is_ours_and_no_separator_still_names_it(sbatch, capsys):
-    assert main(["slurm", "submit", SCRIPT, "--dry-run", "--", "--set", "a=1", "--", "x"]) == 0
-    assert capsys.readouterr().out.strip().endswith("scale_8b.sh --set a=1 -- x")
+    assert main(["slurm", "submit", SCRIPT, "--dry-run", "--", "--set", "train.train_iters=1", "--", "x"]) == 0
+    assert capsys.readouterr().out.strip().endswith("scale_8b.sh --set train.train_iters=1 -- x")
     with pytest.raises(SystemExit) as exit_:
         main(["slurm", "submit", SCRIPT, "--smoke"])
     assert exit_.value.code == 2 and "go after `--`" in capsys.readouterr().err
@@ -111,14 +111,14 @@ def test_a_stopped_sweep_names_the_rest_with_its_sbatch_options(sbatch, capsys, 
     --sbatch, they were split again: `--sbatch=4:00:00` refused, `b` taken by sbatch for the script)."""
     monkeypatch.setenv("SBATCH_REFUSE", "gpt2_2.5b")
     assert main(["slurm", "sweep", "table2", "--after", "9", "--sbatch=--qos=high -t 4:00:00",
-                 "--sbatch=--comment='a b'", "--", "--set", "a=1"]) == 2
+                 "--sbatch=--comment='a b'", "--", "--set", "train.train_iters=1"]) == 2
     fix = capsys.readouterr().err.split("submit only those: ")[1].split("; ")[-1].strip()
-    assert fix.startswith(f"repro slurm submit {ROOT}/slurm/gpt2_8.3b.sh --sbatch=") and fix.endswith(" -- --set a=1")
+    assert fix.startswith(f"repro slurm submit {ROOT}/slurm/gpt2_8.3b.sh --sbatch=") and fix.endswith(" -- --set train.train_iters=1")
     options = ["--dependency=afterok:9", "--qos=high", "-t", "4:00:00", "--comment=a b"]
-    assert _calls(sbatch)[0] == f"--parsable {' '.join(options)} {ROOT}/slurm/gpt2_355m.sh --set a=1"
+    assert _calls(sbatch)[0] == f"--parsable {' '.join(options)} {ROOT}/slurm/gpt2_355m.sh --set train.train_iters=1"
     assert main(["slurm", *shlex.split(fix)[2:]]) == 0  # pasted: the same options reach sbatch
     printed = capsys.readouterr().out.splitlines()[0]  # the sbatch command, one shell word per argument
-    assert shlex.split(printed) == ["sbatch", "--parsable", *options, f"{ROOT}/slurm/gpt2_8.3b.sh", "--set", "a=1"]
+    assert shlex.split(printed) == ["sbatch", "--parsable", *options, f"{ROOT}/slurm/gpt2_8.3b.sh", "--set", "train.train_iters=1"]
 
 
 def test_a_script_outside_slurm_is_submitted_from_the_repository_root(sbatch, capsys, tmp_path):

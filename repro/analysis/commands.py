@@ -106,6 +106,8 @@ def _report(args) -> int:
     from repro.provenance import make_out_dir
     from repro.tracking.store import project_root
 
+    out = Path(args.out).resolve() if args.out else project_root() / "results"
+    _check_out(out)
     uri = resolve_uri(args.tracking_uri)
     try:
         counts = run_counts(uri)
@@ -114,7 +116,6 @@ def _report(args) -> int:
     if not any(counts.values()):
         raise UserError(empty_store_message(uri, counts))
     print(f"tracking store {uri}: " + ", ".join(f"{k} {v} run(s)" for k, v in counts.items()))
-    out = Path(args.out).resolve() if args.out else project_root() / "results"
     try:
         check_benchmarks(bench_dir())  # before any notebook: a broken file is news, not a half-written report
     except BenchError as err:
@@ -128,6 +129,16 @@ def _report(args) -> int:
         print("\n" + path.read_text())
     print(f"wrote tables and figures to {out}")
     return 0
+
+
+def _check_out(out: Path) -> None:
+    """A UserError, before any notebook runs, for an --out this process cannot write into (a file in
+    the way is make_out_dir's error)."""
+    from repro.cli import UserError
+    from repro.provenance import file_in_the_way, unwritable_ancestor
+
+    if file_in_the_way(out) is None and (blocked := unwritable_ancestor(out / "table")) is not None:
+        raise UserError(f"--out {out}: {blocked} is not writable. Fix: give a writable path, e.g. --out /tmp/report")
 
 
 def _stoppable_report(uri: str, out: Path, names: tuple[str, ...]) -> list[Path]:

@@ -150,6 +150,10 @@ def _inspect(args: argparse.Namespace) -> int:
             cfg = load_config(args.config)
         except (RunConfigError, OSError) as err:
             raise UserError(str(err)) from None
+        if not prefix and not cfg.data.train_prefix:
+            raise UserError(f"{args.config} sets no data.train_prefix: there is no dataset to inspect. Fix: give the "
+                            "dataset PREFIX (`repro data inspect PREFIX --config CONFIG`), or set data.train_prefix "
+                            "in the config")
         if not prefix and not Path(f"{cfg.data.train_prefix}.idx").exists():
             raise UserError(_config_data_missing(args.config, cfg.data.train_prefix))
         prefix = prefix or cfg.data.train_prefix

@@ -203,12 +203,28 @@ def _check_data_dir(data_dir: Path) -> None:
                         "e.g. --data-dir data, or set REPRO_DATA_DIR to one")
 
 
+def _check_destinations(data_dir: Path, entries: list[DataFile]) -> None:
+    """A DataError, before any file is fetched, for a destination taken by a directory (or under a file)."""
+    from repro.provenance import file_in_the_way
+
+    for entry in entries:
+        dest = data_dir / entry.path
+        if dest.is_dir():
+            raise DataError(f"{dest} is a directory where the file {entry.path} goes; nothing was fetched. Fix: "
+                            f"remove it (`rmdir {dest}` if empty) and fetch again")
+        if (blocked := file_in_the_way(dest.parent)) is not None:
+            raise DataError(f"{blocked} is a file where the directory of {entry.path} goes; nothing was fetched. "
+                            f"Fix: remove or move it and fetch again")
+
+
 def fetch(opts: FetchOptions) -> dict[str, str]:
     """Fetch the manifest's files into opts.data_dir; returns {relative path: what was done}."""
     if opts.mirror is not None and not opts.mirror.is_dir():
-        raise DataError(f"{opts.mirror}: the mirror directory does not exist. Fix: set "
+        what = "mirror is a file, not a directory" if opts.mirror.exists() else "mirror directory does not exist"
+        raise DataError(f"{opts.mirror}: the {what}. Fix: set "
                         "REPRO_DATA_MIRROR (or --mirror) to the folder holding wikitext/, "
                         "lambada/ and vocab/, or unset it to download")
     _check_data_dir(opts.data_dir)
     entries = [manifest_entry(p, opts.manifest) for p in opts.only] or list(opts.manifest)
+    _check_destinations(opts.data_dir, entries)
     return {entry.path: _fetch_one(entry, opts) for entry in entries}

@@ -34,8 +34,20 @@ def verify(prefix: str | Path, progress: bool = False) -> list[tuple[str, str]]:
         raise DataError(f"{record_path} not found: nothing records what {base}'s splits should hold. Fix: give "
                         "the --output-prefix of `repro data prepare` (its PREFIX_prepare.json lies beside the splits)")
     try:
-        recorded = json.loads(record_path.read_text())["report"]["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
+        text = record_path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{record_path} cannot be read ({err}). Fix: make it readable (`ls -l {record_path}`)") from None
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        raise DataError(f"{record_path} is not valid JSON ({err}): it is damaged or not prepare's record. Fix: "
+                        "copy it again from the machine that prepared the dataset, or prepare it again") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{record_path} holds a JSON {type(record).__name__}, not the object `repro data prepare` "
+                        "writes. Fix: copy it again from the machine that prepared the dataset, or prepare it again")
+    try:
+        recorded = record["report"]["sha256"]
+    except (KeyError, TypeError):
         raise DataError(f"{record_path} holds no checksums (written by a `repro data prepare` from before they "
                         "were recorded). Fix: prepare the dataset again to record them") from None
     results, bad = [], []

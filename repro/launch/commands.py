@@ -16,101 +16,23 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from repro.launch.checks import (check_data, check_interfaces, check_job_script, check_script_args, init_tracking,
+                                 memory_line, require_interfaces, user_error, validated)
 from repro.launch.scripts import (FROM_TABLE1, NEEDS, PER_JOB, TABLES, ClusterEnvError, check_required, cluster_settings,
                                   slurm_dir, table_scripts)
 
 
-def _user_error(msg: str):
-    from repro.cli import UserError
-
-    return UserError(msg)
-
-
-def _size_family(cfg) -> str:
-    """The family the model's sizes belong to (a BERT size has token types)."""
-    from repro.models.sizes import get_size
-
-    if cfg.model_size:
-        return get_size(cfg.model_size).family
-    return "bert" if cfg.model.num_tokentypes else "gpt"
-
-
-def _init_tracking(cfg) -> str:
-    """Create a fresh sqlite MLflow store once, here, before the ranks start (two at once fail); ask a
-    tracking server once, warning (not failing: training does not need it) when it does not answer."""
-    from repro.tracking.store import default_tracking_uri, probe_tracking_server, tracking_client
-
-    uri = default_tracking_uri()
-    if cfg.tracking.enabled and uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
-        tracking_client(uri).search_experiments()  # (under the store's lock: another job may create it too)
-    if cfg.tracking.enabled and (problem := probe_tracking_server(uri)):
-        print(f"WARNING: {problem}", flush=True)
-    return uri
-
-
 def _check(args) -> int:
     """Validate a training config at the allocation's task count before anything launches."""
-    from repro.train.config import RunConfigError, derive, load_config
-    from repro.parallel.groups import LayoutError
-
-    try:
-        cfg = load_config(args.config, args.set)
-        derived = derive(cfg, args.ntasks)
-    except (RunConfigError, LayoutError, ValueError) as err:
-        raise _user_error(f"{args.config} at {args.ntasks} tasks: {err}") from None
-    if _size_family(cfg) != cfg.family:
-        raise _user_error(f"{args.config} has {_size_family(cfg).upper()} sizes ({cfg.model_size or 'model:'}) but "
-                          f"family={cfg.family}: add `family: {_size_family(cfg)}` to the config "
-                          f"(or pass --set family={_size_family(cfg)})")
+    cfg, derived = validated(args.config, args.set, args.ntasks)
     if args.require_data:
-        _check_data(cfg, args.config)
-    _check_interfaces(cfg)
-    uri = _init_tracking(cfg)
+        check_data(cfg, args.config)
+    check_interfaces(cfg)
+    uri = init_tracking(cfg)
     print(f"config ok: {cfg.name} tp={cfg.parallel.tp} dp={derived.dp} grad_accum={derived.grad_accum_steps} "
           f"on {args.ntasks} tasks; tracking {uri if cfg.tracking.enabled else 'off'}")
     print(memory_line(cfg, derived))
     return 0
-
-
-def _check_data(cfg, config: str) -> None:
-    """The splits the trainer opens are there (PREFIX.idx and .bin, as IndexedDataset asks): without
-    them `repro train` stops only once the allocation has started and every rank has loaded."""
-    from repro.data.prepare_checks import base_prefix
-
-    if not cfg.data.train_prefix:
-        raise _user_error(f"{config}: data.train_prefix is empty: the job has no corpus to train on. Fix: "
-                          "prepare one (`repro data prepare`, or slurm/prepare_data.sh) and pass "
-                          "--set data.train_prefix=PREFIX_train")
-    for key in ("train_prefix", "valid_prefix"):  # an empty valid_prefix: training without evaluation
-        prefix = getattr(cfg.data, key)
-        missing = [f"{prefix}{ext}" for ext in (".idx", ".bin") if prefix and not Path(f"{prefix}{ext}").is_file()]
-        if missing:
-            base = base_prefix(prefix)
-            raise _user_error(
-                f"{config}: data.{key} {prefix} has no {' and no '.join(missing)} (REPRO_DATA_DIR="
-                f"{os.environ.get('REPRO_DATA_DIR', '(unset)')}): the job would stop there after its allocation "
-                f"started. Fix: prepare the corpus with `repro data prepare --input CORPUS --output-prefix {base}` "
-                f"(it writes {base}_train/_valid/_test; slurm/prepare_data.sh on the cluster), or set REPRO_DATA_DIR "
-                "(the paper configs read their data from it) to where it was prepared")
-
-
-def _check_interfaces(cfg) -> None:
-    """The run's backend (gloo on CPU, else NCCL) must find the interface its *_SOCKET_IFNAME names."""
-    from repro.parallel.groups import backend_for
-
-    _require_interfaces(backend_for(cfg.train.device))
-
-
-def _require_interfaces(backend: str) -> str:
-    """This host's name, or a UserError when `backend`'s *_SOCKET_IFNAME names no interface of it."""
-    import socket
-
-    from repro.launch.interfaces import interface_problem, local_interfaces
-
-    host = socket.gethostname()
-    if problem := interface_problem(dict(os.environ), local_interfaces(), backend, host):
-        raise _user_error(problem)
-    return host
 
 
 def _check_network(args) -> int:
@@ -119,7 +41,7 @@ def _check_network(args) -> int:
     from repro.parallel.groups import default_backend
 
     backend = args.backend or default_backend()
-    print(f"socket interfaces ok for {backend} on {_require_interfaces(backend)}")
+    print(f"socket interfaces ok for {backend} on {require_interfaces(backend)}")
     return 0
 
 
@@ -137,41 +59,24 @@ def _check_checkpoint(args) -> int:
     if path.is_file() and path.name != "latest" and args.family == "bert":
         print(f"checkpoint ok: {path} is a file (save_bert writes BERTs only)")
         return 0
+    if path.is_file() and path.name != "latest":
+        raise user_error(f"{path} is a file, not a checkpoint: {NEEDED_FAMILY[args.family]} reads a GPT training "
+                          "run directory. Fix: give the run directory (or its checkpoints/iter_XXXXXXX folder)")
     try:
         family = read_meta(resolve(path)).get("family", "gpt")
     except CheckpointError as err:
         if any((c / name).exists() for c in (path, path / "checkpoints") for name in ("latest", "meta.json")):
-            raise _user_error(str(err)) from None  # a broken pointer or meta.json: the step would stop on it
+            raise user_error(str(err)) from None  # a broken pointer or meta.json: the step would stop on it
         print(f"no checkpoint at {path} yet: the step looks again when it starts")
         return 0
     if family != args.family:
         fix = (f"BERT is evaluated by RACE: `REPRO_BERT_CHECKPOINT={path} sbatch slurm/race_finetune.sh`"
                if family == "bert" else "give a BERT training run directory (experiments/bert/*.yaml) or a "
                "save_bert file")
-        raise _user_error(f"{path} is a {family.upper()} checkpoint; {NEEDED_FAMILY[args.family]} needs a "
+        raise user_error(f"{path} is a {family.upper()} checkpoint; {NEEDED_FAMILY[args.family]} needs a "
                           f"{args.family.upper()}. Fix: {fix}")
     print(f"checkpoint ok: {path} is a {family.upper()} checkpoint")
     return 0
-
-
-def memory_line(cfg, derived) -> str:
-    """`repro plan`'s peak per rank against this node's GPU memory, warning when it would not fit."""
-    import torch
-
-    from repro.perf.plan import HEADROOM_GIB, memory_plan
-
-    if cfg.train.device == "cpu":
-        return f"planned peak memory per rank: {memory_plan(cfg, derived, 'cpu').peak / 2**30:.2f} GiB (CPU)"
-    peak = memory_plan(cfg, derived, "cuda").peak / 2**30  # a GPU run's plan even where none is visible
-    if not torch.cuda.is_available():
-        return (f"planned peak memory per GPU: {peak:.2f} GiB (no GPU visible here, a login node say: "
-                "`repro plan CONFIG --cluster dgx2h|h200` checks the fit)")
-    total = torch.cuda.get_device_properties(0).total_memory / 2**30
-    line = f"planned peak memory per GPU: {peak:.2f} GiB of {total:.1f} GiB ({torch.cuda.get_device_name(0)})"
-    if peak > total - HEADROOM_GIB:
-        line += (f"\nwarning: that leaves less than {HEADROOM_GIB:g} GiB for the CUDA context, NCCL and "
-                 "fragmentation: the job will likely run out of memory. `repro plan CONFIG` lists what to change")
-    return line
 
 
 def sbatch_command(script: Path, extra: list[str], settings: dict[str, str], options: list[str] = ()) -> list[str]:
@@ -190,17 +95,17 @@ def sbatch_options(after: list[str], sbatch: list[str]) -> list[str]:
     OPTIONS` (each shell-split: `--sbatch='--qos=high -t 4:00:00'`), or a UserError naming the fix."""
     bad = [job for job in after if not re.fullmatch(r"\d+(_\d+)?", job)]
     if bad:
-        raise _user_error(f"--after {bad[0]}: give a Slurm job id such as 1234 (or 1234_5 for an array task), "
+        raise user_error(f"--after {bad[0]}: give a Slurm job id such as 1234 (or 1234_5 for an array task), "
                           "as `repro slurm submit` printed it")
     options = [f"--dependency=afterok:{':'.join(after)}"] if after else []
     for given in sbatch:
         try:
             words = shlex.split(given)
         except ValueError as err:
-            raise _user_error(f"--sbatch {given!r}: {err}. Fix: quote each option once, e.g. "
+            raise user_error(f"--sbatch {given!r}: {err}. Fix: quote each option once, e.g. "
                               "--sbatch=--time=4:00:00") from None
         if not words or not words[0].startswith("-"):
-            raise _user_error(f"--sbatch {given!r}: sbatch options start with '-'. Fix: --sbatch=--time=4:00:00 "
+            raise user_error(f"--sbatch {given!r}: sbatch options start with '-'. Fix: --sbatch=--time=4:00:00 "
                               "(with '=': argparse would take a separate `--time` as its own option); the job "
                               "script's arguments go after `--`")
         options += words
@@ -213,19 +118,18 @@ def _settings() -> dict[str, str]:
         settings = cluster_settings()
         check_required(settings)
     except ClusterEnvError as err:
-        raise _user_error(str(err)) from None
+        raise user_error(str(err)) from None
     return settings
 
 
 def submit(script: Path, extra: list[str], dry_run: bool = False, options: list[str] = ()) -> str:
     """Submit one job script from the repository root with sbatch `options`; returns the job id ('' on a
     dry run)."""
-    if not script.exists():
-        raise _user_error(f"{script} does not exist: see `ls slurm/`")
+    check_job_script(script)
     settings = _settings()
     needed = NEEDS.get(script.stem)
     if needed and not settings.get(needed):
-        raise _user_error(f"{script.name} evaluates the checkpoint {needed} names, and it is not set: the job would "
+        raise user_error(f"{script.name} evaluates the checkpoint {needed} names, and it is not set: the job would "
                           f"stop as soon as it starts. Fix: `{needed}=RUNS/<run dir> repro slurm submit slurm/{script.name}` "
                           "(one job per checkpoint)")
     cmd = sbatch_command(script, extra, settings, options)
@@ -233,12 +137,12 @@ def submit(script: Path, extra: list[str], dry_run: bool = False, options: list[
     if dry_run:
         return ""
     if not shutil.which(cmd[0], path=settings.get("PATH", os.defpath)):  # where subprocess looks
-        raise _user_error(f"`{cmd[0]}` is not on PATH: submit from a node of the Slurm cluster (a login node), or "
+        raise user_error(f"`{cmd[0]}` is not on PATH: submit from a node of the Slurm cluster (a login node), or "
                           "load its Slurm module first; `--dry-run` prints the command without it")
     # from the repository root, wherever the script lies: the job's SLURM_SUBMIT_DIR finds slurm/launch.sh
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=slurm_dir().parent, env=settings)
     if out.returncode:
-        raise _user_error(f"sbatch {script.name} failed: {out.stderr.strip()}")
+        raise user_error(f"sbatch {script.name} failed: {out.stderr.strip()}")
     return out.stdout.strip().split(";")[0]
 
 
@@ -252,7 +156,10 @@ def _script_path(name: str) -> Path:
 
 def _submit(args) -> int:
     options = sbatch_options(args.after, args.sbatch)
-    job = submit(_script_path(args.script), args.args, args.dry_run, options)
+    script = _script_path(args.script)
+    check_job_script(script)
+    check_script_args(script, args.args, options)
+    job = submit(script, args.args, args.dry_run, options)
     if job:
         print(f"submitted job {job}")
     return 0
@@ -264,13 +171,15 @@ def _sweep(args) -> int:
     try:
         scripts = table_scripts(args.table)
     except KeyError as err:
-        raise _user_error(str(err.args[0])) from None
+        raise user_error(str(err.args[0])) from None
     shared = [name for name in PER_JOB if os.environ.get(name)]
     if shared and len(scripts) > 1:
-        raise _user_error(f"{', '.join(shared)} is set, and each of the {len(scripts)} jobs of {args.table} would "
+        raise user_error(f"{', '.join(shared)} is set, and each of the {len(scripts)} jobs of {args.table} would "
                           f"take it (one {' and one '.join(PER_JOB[n] for n in shared)} for all). Fix: unset it for "
                           "the sweep, or submit the scripts one by one with `repro slurm submit`")
     options = sbatch_options(args.after, args.sbatch)
+    for script in scripts:  # every job's overrides before the first is queued
+        check_script_args(script, args.args, options)
     submitted: list[tuple[str, Path]] = []
     for number, script in enumerate(scripts):
         try:
@@ -278,7 +187,7 @@ def _sweep(args) -> int:
         except (UserError, OSError, subprocess.SubprocessError) as err:
             if not submitted:
                 raise
-            raise _user_error(_partial_sweep(err, submitted, scripts[number:], args.args, options)) from None
+            raise user_error(_partial_sweep(err, submitted, scripts[number:], args.args, options)) from None
         if job:  # at once: a later failure must not hide a job that is already queued
             print(f"submitted job {job} ({script.name})", flush=True)
             submitted.append((job, script))
@@ -327,7 +236,7 @@ def _has_accounting() -> bool:
 def _slurm(cmd: list[str]) -> subprocess.CompletedProcess:
     """Run a Slurm client command, or a UserError when it is not on PATH."""
     if not shutil.which(cmd[0]):
-        raise _user_error(f"`{cmd[0]}` is not on PATH: run `repro slurm status` on a node of the Slurm cluster "
+        raise user_error(f"`{cmd[0]}` is not on PATH: run `repro slurm status` on a node of the Slurm cluster "
                           "(a login node), or load its Slurm module first")
     return subprocess.run(cmd, capture_output=True, text=True)
 
@@ -349,7 +258,7 @@ def job_record(job_id: str) -> dict[str, str]:
         return scontrol_fields(out.stdout.strip())
     if "Invalid job id specified" in out.stderr:  # finished and purged (MinJobAge)
         return {}
-    raise _user_error(f"scontrol could not report job {job_id}: {out.stderr.strip() or out.stdout.strip()}")
+    raise user_error(f"scontrol could not report job {job_id}: {out.stderr.strip() or out.stdout.strip()}")
 
 
 def sacct_status_command(jobs: list[str]) -> list[str]:
@@ -363,7 +272,7 @@ def _status(args) -> int:
     if not args.jobs:
         out = _slurm(["squeue", "--me", "-o", "%.10i %.20j %.10T %.12M %.6D %R"])
         if out.returncode:
-            raise _user_error(f"squeue failed: {out.stderr.strip()}")
+            raise user_error(f"squeue failed: {out.stderr.strip()}")
         print(out.stdout, end="")
         return 0
     if _has_accounting():

@@ -136,6 +136,40 @@ def gelu_forms(args, override: str | None = None, core: bool = False) -> tuple[s
     return ("tanh" if openai or any(fused) else "erf"), ("tanh" if openai else "erf")
 
 
+def _saved_gelu(family: Family, args, core: bool) -> tuple[str, ...] | None:
+    """The GeLU forms the saved arguments say (the MLP's; a BERT's LM head's too), None where they say none."""
+    said = any(getattr(args, s, None) is not None for s in ("bias_gelu_fusion", "bias_activation_fusion"))
+    if not (said or (not core and getattr(args, "openai_gelu", None) is not None)):
+        return None
+    forms = gelu_forms(args, None, core)
+    return forms if family is BERT else forms[:1]
+
+
+def _check_options(family: Family, args, opts: ImportOptions, core: bool) -> None:
+    """A MegatronFormatError for an option that is not positive, or that contradicts the saved arguments."""
+    for flag, value in (("--num-attention-heads", opts.num_attention_heads), ("--vocab-size", opts.vocab_size),
+                        ("--make-vocab-size-divisible-by", opts.make_vocab_size_divisible_by)):
+        if value is not None and value <= 0:
+            raise MegatronFormatError(f"{flag} {value} is not a positive count. Fix: give a positive number, or "
+                                      "leave it out to read it from the checkpoint")
+    saved_vocab = _saved_vocab_size(family, args)
+    if opts.vocab_size is not None and saved_vocab is not None and opts.vocab_size != saved_vocab:
+        raise MegatronFormatError(f"--vocab-size {opts.vocab_size} differs from the checkpoint's {saved_vocab} (its "
+                                  "saved arguments): drop it")
+    saved = _saved_gelu(family, args, core)
+    if opts.gelu and saved is not None and saved != (opts.gelu,) * len(saved):
+        raise MegatronFormatError(f"--gelu {opts.gelu} differs from the checkpoint's {' and '.join(dict.fromkeys(saved))} "
+                                  "(its saved arguments say it): drop it")
+
+
+def _saved_vocab_size(family: Family, args) -> int | None:
+    """The vocabulary the saved arguments say: their vocab_size, else a GPT's GPT-2 BPE by its tokenizer
+    type; None where they say none (a BERT's WordPiece type may read a vocabulary file of any size)."""
+    if (saved := _arg(args, "vocab_size")) is not None:
+        return saved
+    return GPT2_TOKENS if family is GPT and _arg(args, "tokenizer_type") == "GPT2BPETokenizer" else None
+
+
 def is_core(state: dict) -> bool:
     """Whether a rank file's model state has megatron-core's names (`decoder.`/`encoder.` layers, where
     the legacy models nest theirs under `language_model.`)."""
@@ -204,6 +238,7 @@ def model_config(family: Family, args, state: dict, num_layers: int, tp: int, op
                  core: bool = False) -> ModelConfig:
     """Our config from TP rank 0's (stage-merged) state and the saved arguments, if any (`core`: the
     file has megatron-core's names)."""
+    _check_options(family, args, opts, core)
     saved_heads = _arg(args, "num_attention_heads")
     heads = opts.num_attention_heads or saved_heads
     if heads is None:

@@ -165,6 +165,10 @@ def _plan(args) -> int:
     cluster = _cluster(args.cluster or "h200")
     if args.config is None:
         raise UserError("repro plan: give a training config (e.g. experiments/gpt2/gpt2_8.3b.yaml), or --paper")
+    if Path(args.config).is_dir():
+        example = min(Path(args.config).glob("*.yaml"), default="experiments/scaling/scale_8b.yaml")
+        raise UserError(f"{args.config} is a directory, not a config file. Fix: give one of its .yaml files, "
+                        f"e.g. {example}")
     if not Path(args.config).is_file():
         raise UserError(f"config file {args.config} does not exist: check the path (the paper's configs are "
                         "under experiments/, e.g. experiments/scaling/scale_8b.yaml)")

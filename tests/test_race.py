@@ -146,7 +146,8 @@ def test_cli_bad_file_exits_2_naming_it(tmp_path, vocab_file):
     ("--seq-length", "6", "--seq-length 6 must be at least 8"),  # used to be a ValueError traceback
     ("--max-qa-tokens", "-1", "--max-qa-tokens -1 must be at least 1"),  # used to drop the qa's last token
     ("--batch-size", "0", "--batch-size 0 must be at least 1"),  # used to become the paper's 32 silently
-    ("--lr", "0", "--lr 0.0 must be positive"),  # likewise 2e-5
+    ("--lr", "0", "--lr 0.0 must be a positive, finite number"),  # likewise 2e-5
+    ("--lr", "inf", "--lr inf must be a positive, finite number"),  # trained to NaN, and scored that, exit 0
 ])
 def test_numbers_that_cannot_run_exit_2_naming_the_fix(tmp_path, vocab_file, capsys, option, value, message):
     from repro.cli import main

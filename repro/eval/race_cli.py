@@ -312,8 +312,9 @@ def check_numbers(args) -> None:
     for option, value, least, hint in limits:
         if value is not None and value < least:
             raise UserError(f"{option} {value} must be at least {least}. Fix: {hint}")
-    if args.lr is not None and not args.lr > 0:
-        raise UserError(f"--lr {args.lr} must be positive. Fix: e.g. --lr 2e-5, or leave it out for the paper's")
+    if args.lr is not None and not 0 < args.lr < float("inf"):  # (inf trained to NaN and scored it)
+        raise UserError(f"--lr {args.lr} must be a positive, finite number. Fix: e.g. --lr 2e-5, or leave it out "
+                        "for the paper's")
     check_seeds(args.seeds)
     check_run_dir(Path(args.run_dir))
 

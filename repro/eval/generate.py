@@ -144,13 +144,12 @@ def _prompt(args) -> str:
         raise UserError(f"--prompt and --prompt-file {path} both give the prompt. Fix: give only one of them")
     if not path.is_file():
         raise UserError(f"--prompt-file {path}: no such file. Fix: give a UTF-8 text file, or --prompt TEXT")
-    fix = "Fix: give a readable UTF-8 text file, or --prompt TEXT"
+    from repro.tracking.run_dir import TrackingError, read_text
+
     try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise UserError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte {err.start}). {fix}") from None
-    except OSError as err:
-        raise UserError(f"--prompt-file {path} cannot be read ({err.strerror or err}). {fix}") from None
+        return read_text(path, "Fix: give a readable UTF-8 text file, or --prompt TEXT")
+    except TrackingError as err:
+        raise UserError(f"--prompt-file {err}") from None
 
 
 def _out_path(out: str | None, overwrite: bool = False) -> Path | None:

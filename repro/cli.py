@@ -7,7 +7,6 @@ inside the commands, so `repro --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import errno
 import gc
 import importlib
 import sys
@@ -113,28 +112,19 @@ def _run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the command's own cleanup ran on the way here; no traceback
         return _interrupted()
     except Exception as err:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            print(f"error: {disk_full(err)}", file=sys.stderr)
+        from repro.provenance import error_chain, full_disk_behind
+
+        if (full := full_disk_behind(err)) is not None:  # (also under torch's RuntimeError)
+            print(f"error: {disk_full(full)}", file=sys.stderr)
             return 2
-        if _raised_over_interrupt(err):  # a library's cleanup that failed on the way out (nbclient's)
-            return _interrupted()
+        if any(isinstance(e, KeyboardInterrupt) for e in error_chain(err)):  # a cleanup that failed on the
+            return _interrupted()                                              # way out (nbclient's)
         raise
 
 
 def _interrupted() -> int:
     print("\ninterrupted (Ctrl-C)", file=sys.stderr)
     return 130
-
-
-def _raised_over_interrupt(err: BaseException | None) -> bool:
-    """Whether `err` was raised while a KeyboardInterrupt was being handled (its __context__ chain)."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, KeyboardInterrupt):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def positive_seconds(text: str) -> float:

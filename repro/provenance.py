@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from repro.tracking.store import project_root
@@ -71,17 +72,20 @@ def make_out_dir(out: Path, example: str) -> Path:
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the quota used up
 
 
-def full_disk_behind(err: BaseException | None) -> OSError | None:
-    """The full-disk OSError that `err` is, or was raised over (its __cause__/__context__ chain, up to an
-    error raised `from None`: one that already says what went wrong): torch's zip writer reports a failed
-    write as RuntimeError ("unexpected pos ...") over the OSError."""
+def error_chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err`, then what it was raised over (its __cause__/__context__ chain), up to an error raised
+    `from None`: one that already says what went wrong."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in FULL_DISK:
-            return err
+        yield err
         err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-    return None
+
+
+def full_disk_behind(err: BaseException | None) -> OSError | None:
+    """The full-disk OSError that `err` is, or was raised over: torch's zip writer reports a failed write
+    as RuntimeError ("unexpected pos ...") over the OSError."""
+    return next((e for e in error_chain(err) if isinstance(e, OSError) and e.errno in FULL_DISK), None)
 
 
 def save_torch(obj, path: Path) -> None:

@@ -6,6 +6,7 @@ import argparse
 import itertools
 from pathlib import Path
 
+from repro.data.documents import LAYOUTS
 from repro.data.fetch import DEFAULT_DATA_DIR
 from repro.train.signals import exiting_on_stop_signals
 
@@ -103,9 +104,11 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-bad-records", action="store_true",
                    help="skip JSON lines without text (malformed, no --json-key, not a string), counted "
                         "in the report, instead of stopping at the first")
-    p.add_argument("--layout", choices=("auto", "wikitext", "paragraph", "file"), default="auto",
-                   help="plain text: WikiText articles, blank-line paragraphs, or each whole file (one page "
-                        "per file, as extracted OpenWebText) as documents")
+    p.add_argument("--layout", choices=LAYOUTS, default="auto",
+                   help="plain text: WikiText articles, blank-line paragraphs, each whole file (one page per "
+                        "file, as extracted OpenWebText), or the text between <|endoftext|> markers "
+                        "(TinyStories) as documents; auto: endoftext when the first 200 lines hold the marker, "
+                        "else wikitext when they hold a ' = Title = ' heading, else paragraph")
     p.add_argument("--split", default="949,50,1", help="train,valid,test weights over documents")
     p.add_argument("--split-order", choices=("file", "random"), default="file",
                    help="file: contiguous ranges in file order (Megatron's); random: a seeded random set "

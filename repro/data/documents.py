@@ -14,6 +14,11 @@ What a document is:
   headings but are not (the WikiText test file then has its 60 articles, not 62).
 - Other plain text: paragraphs separated by blank lines are documents.
 - Layout `file`: the whole file is one document (an extracted OpenWebText page per .txt file).
+- Layout `endoftext`: documents end at each "<|endoftext|>", GPT-2's separator in plain-text corpora
+  (TinyStories' .txt, text dumps of GPT-2's data); the marker and the line break right after it are
+  not text, blank lines inside a document are. `auto` picks it when the file's first 200 lines hold
+  the marker, else `wikitext` when they hold a WikiText heading, else `paragraph`; in those, and in
+  JSON lines, a spelled-out marker is text (a web page about language models).
 A gzip file (known by its first bytes, whatever its name) is read as the text it holds
 (`corpus.jsonl.gz` is JSON lines). Other binary files (xz, zstd, bz2, tar) are refused by name.
 Whitespace-only documents are skipped. A UTF-8 byte-order mark that starts a file is dropped (before
@@ -41,7 +46,8 @@ from repro.data.errors import DataError
 _WIKITEXT_TITLE = re.compile(r"^ = (?!=).*(?<!=) = $")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 FORMATS = ("auto", "jsonl", "text")
-LAYOUTS = ("auto", "wikitext", "paragraph", "file")
+LAYOUTS = ("auto", "wikitext", "paragraph", "file", "endoftext")
+ENDOFTEXT = "<|endoftext|>"  # the document separator of GPT-2-style plain-text corpora
 GZIP_MAGIC = b"\x1f\x8b"
 BOM = "\ufeff"  # UTF-8 byte-order mark, dropped from the start of a file
 JSON_SUFFIXES = (".jsonl", ".json")  # also with .gz
@@ -198,18 +204,38 @@ def _paragraph_documents(lines: Iterator[str]) -> Iterator[str]:
             current = []
 
 
+def _endoftext_documents(lines: Iterator[str]) -> Iterator[str]:
+    current: list[str] = []
+    for line in lines:
+        first, *after_markers = line.split(ENDOFTEXT)
+        current.append(first)
+        for piece in after_markers:  # a marker ends the document; the line break after it is not text
+            yield "".join(current)
+            current = [piece.removeprefix("\n")]
+    yield "".join(current)
+
+
+def _detected_layout(head: list[str]) -> str:
+    """The layout `auto` means for a file beginning with the lines `head`."""
+    if any(ENDOFTEXT in line for line in head):
+        return "endoftext"
+    return "wikitext" if any(is_wikitext_title(line) for line in head) else "paragraph"
+
+
+SPLITTERS = {"wikitext": _wikitext_documents, "paragraph": _paragraph_documents, "endoftext": _endoftext_documents}
+
+
 def _text_documents(path: Path, layout: str, on_bytes: Callable[[int], None] | None) -> Iterator[str]:
     handle = _lines(path, on_bytes)
     head = list(itertools.islice(handle, 200))
     if layout == "auto":
-        layout = "wikitext" if any(is_wikitext_title(x) for x in head) else "paragraph"
+        layout = _detected_layout(head)
     lines = itertools.chain(head, handle)
     if layout == "file":
         text = "".join(lines)
         yield from [text] if text.strip() else []
         return
-    split = _wikitext_documents if layout == "wikitext" else _paragraph_documents
-    yield from (doc for doc in split(lines) if doc.strip())
+    yield from (doc for doc in SPLITTERS[layout](lines) if doc.strip())
 
 
 def _first_line(path: Path) -> tuple[int, str]:

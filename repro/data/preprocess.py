@@ -70,7 +70,7 @@ class PrepareOptions:
     workers: int = field(default_factory=available_cpus)  # tokenizing processes; 1: in this one
     input_format: str = "auto"  # auto | jsonl | text
     json_key: str = "text"
-    layout: str = "auto"  # plain text: auto | wikitext | paragraph
+    layout: str = "auto"  # plain text: auto | wikitext | paragraph | file | endoftext
     split: str = "949,50,1"  # train,valid,test weights over documents
     split_order: str = "file"  # file: contiguous ranges in file order (Megatron's); random: seeded draw
     split_seed: int = 1234  # the draw of split_order random

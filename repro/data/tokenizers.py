@@ -5,10 +5,12 @@ the special ids the datasets need (eod, cls, sep, mask, pad; None where a vocabu
 A special token's spelling in the text ("<|endoftext|>", "[SEP]", "[MASK]" in a web page about
 language models) is encoded as ordinary text, as OpenAI's GPT-2 encoder and Google's BERT tokenizer
 (the ones Megatron-LM uses) do: only the datasets place special ids, so a document never gains a
-false end-of-document or [SEP] from its own words.
+false end-of-document or [SEP] from its own words. (A plain-text corpus that separates its documents
+with "<|endoftext|>" is split at the markers by `repro data prepare`'s layout `endoftext`.)
 
     tok = build_tokenizer("gpt2", "data")      # data/vocab/gpt2-vocab.json + gpt2-merges.txt
     tok.encode("hello <|endoftext|>")          # [31373, 1279, 91, 437, 1659, 5239, 91, 29]: text
+    tok.encode("hello <|endoftext|>", special_spellings=True)   # [31373, 220, 50256]: Hugging Face's
     tok.eod                                    # 50256: the id prepare appends to each document
     bert = build_tokenizer("bert", "data")     # data/vocab/bert-large-uncased-vocab.txt
     bert.encode("the")                         # [1996]; no [CLS]/[SEP] added: datasets add them
@@ -67,9 +69,15 @@ class TextTokenizer:
     mask = property(lambda self: self.special.mask, doc="[MASK] id (BERT: 103).")
     pad = property(lambda self: self.special.pad, doc="Padding id (BERT: 0; GPT-2: the eod id).")
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of one text, without any added [CLS]/[SEP]/eod."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_spellings: bool = False) -> list[int]:
+        """Token ids of one text, without any added [CLS]/[SEP]/eod. With `special_spellings`, a special
+        token's spelling is that token, as Hugging Face's tokenizers give it by default (the data
+        mirror's test vector: "hello <|endoftext|>" -> [31373, 220, 50256])."""
+        self.backend.encode_special_tokens = not special_spellings
+        try:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        finally:
+            self.backend.encode_special_tokens = True
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of many texts (the library parallelises over them)."""

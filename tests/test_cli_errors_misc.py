@@ -374,10 +374,13 @@ def test_eval_refuses_a_bert_checkpoint(tmp_path, capsys):
     assert rc == 2 and "is a BERT checkpoint; zero-shot eval needs a GPT" in err and "repro finetune race" in err
 
 
-def test_lambada_ignores_the_wikitext_window_and_wikitext_still_checks_it(tmp_path, capsys):
-    """LAMBADA has no window: --window 16 (under the default stride 32) was refused as a bad stride."""
+def test_lambada_refuses_the_wikitext_window_and_wikitext_still_checks_it(tmp_path, capsys):
+    """LAMBADA has no window: --window 16 is refused as wikitext's option (it once failed as a bad stride,
+    then was ignored), and wikitext checks it against the default stride."""
     run = _gpt_checkpoint(tmp_path / "g5")
-    assert _eval(capsys, run, "--no-mlflow", "--window", "16", "--out", str(tmp_path / "l.jsonl"))[0] == 0
+    rc, _, err = _eval(capsys, run, "--no-mlflow", "--window", "16", "--out", str(tmp_path / "l.jsonl"))
+    assert rc == 2 and "--window applies to `repro eval wikitext` only" in err
+    assert not (tmp_path / "l.jsonl").exists()
     rc, _, err = _cli(capsys, "eval", "wikitext", "--checkpoint", str(run), "--window", "16", "--no-mlflow")
     assert rc == 2 and "--stride 32 must be between 1 and --window 16" in err
 

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from repro.cli import UserError
@@ -202,6 +203,42 @@ def _check_gpt2_vocabulary(ckpt: Path, vocab_size: int) -> None:
 
 POSITIVE_OPTIONS = {"batch_size": "e.g. --batch-size 8", "max_lines": "or leave it out for the whole file",
                     "max_examples": "or leave it out for all 5,153 passages"}
+# The options of `repro eval` (argparse dests): the common ones, then each task's own, which the other
+# task refuses. None or False in the parsed arguments: not given (EvalOptions holds the defaults).
+COMMON_OPTIONS = ("checkpoint", "data_dir", "tp", "batch_size", "out", "no_mlflow")
+TASK_OPTIONS = {"wikitext": ("window", "stride", "file", "max_lines"),
+                "lambada": ("max_examples", "non_strict", "megatron_split")}
+OPTION_FIELDS = {"window": "window", "stride": "stride", "batch_size": "batch_size", "file": "wikitext_file",
+                 "max_lines": "max_lines", "max_examples": "max_examples", "megatron_split": "megatron_split"}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args, dests) -> list[str]:
+    """The options among `dests` given on the command line (a value other than None or False; 0 counts)."""
+    return [dest for dest in dests if getattr(args, dest) is not None and getattr(args, dest) is not False]
+
+
+def _check_task_options(args) -> None:
+    """A UserError for an option of the other task (`eval lambada --window 32`): it would be ignored."""
+    other = next(task for task in TASK_OPTIONS if task != args.task)
+    wrong = [_flag(dest) for dest in _given(args, TASK_OPTIONS[other])]
+    if wrong:
+        names = ", ".join(wrong)
+        raise UserError(f"{names} {'applies' if len(wrong) == 1 else 'apply'} to `repro eval {other}` only, "
+                        f"not {args.task}. Fix: drop {names} from the `repro eval {args.task}` command")
+
+
+def task_arguments(args) -> list[str]:
+    """The given options that apply to args.task (the common ones, then its own), as arguments of
+    `repro eval TASK`: the other task's are left out."""
+    words: list[str] = []
+    for dest in _given(args, COMMON_OPTIONS + TASK_OPTIONS[args.task]):
+        value = getattr(args, dest)
+        words += [_flag(dest)] if value is True else [_flag(dest), str(value)]
+    return words
 
 
 def _check_positive(args) -> None:
@@ -209,26 +246,31 @@ def _check_positive(args) -> None:
     for key, hint in POSITIVE_OPTIONS.items():
         value = getattr(args, key)
         if value is not None and value < 1:
-            option = "--" + key.replace("_", "-")
-            raise UserError(f"{option} {value} must be at least 1. Fix: give a positive number, {hint}")
+            raise UserError(f"{_flag(key)} {value} must be at least 1. Fix: give a positive number, {hint}")
 
 
 def _options(args) -> EvalOptions:
+    """The settings of this evaluation: the given options over EvalOptions' defaults (the paper's)."""
     from repro.data.fetch import data_dir_from_env
 
-    if args.task == "wikitext" and (args.stride < 1 or args.window < args.stride):  # LAMBADA has no window
-        raise UserError(f"--stride {args.stride} must be between 1 and --window {args.window}. Fix: give 1 <= "
-                        "--stride <= --window (the paper's: --window 1024 --stride 32; stride = window: no overlap)")
+    _check_task_options(args)
     _check_positive(args)
-    return EvalOptions(Path(args.data_dir) if args.data_dir else data_dir_from_env(), args.window,
-                       args.stride, args.batch_size, args.file, not args.non_strict, args.megatron_split,
-                       args.max_lines, args.max_examples)
+    given = {OPTION_FIELDS[dest]: getattr(args, dest) for dest in _given(args, OPTION_FIELDS)}
+    opts = EvalOptions(Path(args.data_dir) if args.data_dir else data_dir_from_env(), strict=not args.non_strict,
+                       **given)
+    if args.task == "wikitext" and (opts.stride < 1 or opts.window < opts.stride):  # LAMBADA has no window
+        raise UserError(f"--stride {opts.stride} must be between 1 and --window {opts.window}. Fix: give 1 <= "
+                        "--stride <= --window (the paper's: --window 1024 --stride 32; stride = window: no overlap)")
+    return opts
 
 
 def _handle(args) -> int:
     from repro.data.tokenizers import build_tokenizer
     from repro.train.checkpoint import read_meta, training_provenance
 
+    if args.print_args:  # before any check: a job script asks this of one list for both tasks
+        print(shlex.join(task_arguments(args)))
+        return 0
     opts, ckpt = _options(args), gpt_checkpoint(Path(args.checkpoint))
     _check_tracking(args)
     meta = read_meta(ckpt)
@@ -269,8 +311,14 @@ def _log(record: EvalRecord, out: Path) -> str | None:
         return None
 
 
+def _default(name: str):
+    """EvalOptions' default of `name` (the paper's setting), for --help."""
+    return next(f.default for f in fields(EvalOptions) if f.name == name)
+
+
 def register(subparsers) -> None:
-    """Add `repro eval wikitext|lambada`."""
+    """Add `repro eval wikitext|lambada`. Each task's own options (TASK_OPTIONS) are in its group of
+    --help and refused by the other task; their defaults are None (not given), EvalOptions' apply."""
     parser = subparsers.add_parser("eval", help="zero-shot WikiText-103 perplexity and LAMBADA accuracy")
     parser.add_argument("task", choices=("wikitext", "lambada"))
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory of a training run")
@@ -278,21 +326,30 @@ def register(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel size, the rest of the world is DP [the checkpoint's own TP when the "
                              "ranks are a multiple of it, else the largest that divides the ranks and the heads]")
-    parser.add_argument("--window", type=int, default=1024, help="wikitext window (paper: 1024)")
-    parser.add_argument("--stride", type=int, default=32, help="wikitext stride (paper: 32; = window: no overlap)")
-    parser.add_argument("--file", default="tokens", metavar="tokens|raw|PATH",
-                        help="wikitext: `tokens` = WikiText-2's word-level test file (the paper's T_o, more "
-                             "<unk>), `raw` = the raw text, or the path of WikiText-103's own wiki.test.tokens "
-                             "(the paper's file: T = 270,329 BPE tokens)")
-    parser.add_argument("--max-lines", type=int, default=None,
-                        help="wikitext: only the file's first N lines (T_o and T counted on them; quick checks)")
-    parser.add_argument("--max-examples", type=int, default=None,
-                        help="lambada: only the first N passages (quick checks; the paper scores all 5,153)")
-    parser.add_argument("--non-strict", action="store_true", help="lambada: score the last BPE token only")
-    parser.add_argument("--megatron-split", action="store_true",
-                        help="lambada: last word = text.split()[-1] (Megatron code) instead of the jsonl's")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"sequences per forward pass [{_default('batch_size')}]")
     parser.add_argument("--out", default=None,
                         help="JSON-lines file, appended to (default: zero_shot.jsonl in the training run's directory)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--print-args", action="store_true",
+                        help="print the given options that apply to TASK (the other task's left out), shell-quoted, "
+                             "and exit: for job scripts that hold one list for both tasks (slurm/zeroshot_eval.sh)")
+    wikitext = parser.add_argument_group("wikitext only (refused by lambada)")
+    wikitext.add_argument("--window", type=int, default=None,
+                          help=f"positions per scored window [{_default('window')}, the paper's]")
+    wikitext.add_argument("--stride", type=int, default=None,
+                          help=f"positions the window moves by [{_default('stride')}, the paper's; "
+                               "= window: no overlap]")
+    wikitext.add_argument("--file", default=None, metavar="tokens|raw|PATH",
+                          help=f"[{_default('wikitext_file')}] `tokens` = WikiText-2's word-level test file (the "
+                               "paper's T_o, more <unk>), `raw` = the raw text, or the path of WikiText-103's own "
+                               "wiki.test.tokens (the paper's file: T = 270,329 BPE tokens)")
+    wikitext.add_argument("--max-lines", type=int, default=None,
+                          help="only the file's first N lines (T_o and T counted on them; quick checks)")
+    lambada = parser.add_argument_group("lambada only (refused by wikitext)")
+    lambada.add_argument("--max-examples", type=int, default=None,
+                         help="only the first N passages (quick checks; the paper scores all 5,153)")
+    lambada.add_argument("--non-strict", action="store_true", help="score the last BPE token only")
+    lambada.add_argument("--megatron-split", action="store_true",
+                         help="last word = text.split()[-1] (Megatron code) instead of the jsonl's")
     parser.set_defaults(func=_handle)

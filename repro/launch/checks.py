@@ -43,25 +43,14 @@ def init_tracking(cfg) -> str:
 
 def check_tracking_uri(uri: str) -> None:
     """A UserError for a tracking URI the job could not log into: an unknown scheme, a sqlite file that is
-    not an MLflow store, or a new one whose folder cannot be made (`repro report`'s checks)."""
-    from repro.analysis.runs import StoreError, check_sqlite_store, check_uri
-    from repro.provenance import file_in_the_way, unwritable_ancestor
+    not an MLflow store, or a new one whose folder cannot be made (repro.tracking.sync.check_store)."""
+    from repro.tracking.run_dir import TrackingError
+    from repro.tracking.sync import check_store
 
-    db = Path(uri.removeprefix("sqlite:///").split("?", 1)[0]) if uri.startswith("sqlite:///") else None
     try:
-        check_uri(uri)
-        if db is None or db.exists():
-            check_sqlite_store(uri)
-    except StoreError as err:
+        check_store(uri)
+    except TrackingError as err:
         raise user_error(f"MLFLOW_TRACKING_URI: {err}") from None
-    if db is None or db.exists() or str(db) in ("", ":memory:"):
-        return
-    fix = "Fix: point MLFLOW_TRACKING_URI at sqlite:///PATH/mlflow.db in a writable directory, or http://HOST:PORT"
-    if (blocked := file_in_the_way(db.parent)) is not None:
-        raise user_error(f"tracking URI {uri}: {blocked} is a file, not a directory, so the store cannot be "
-                          f"created. {fix}")
-    if (blocked := unwritable_ancestor(db)) is not None:
-        raise user_error(f"tracking URI {uri}: {blocked} is not writable, so the store cannot be created. {fix}")
 
 
 def validated(config: str, overrides: list[str], ntasks: int | None):

@@ -52,13 +52,13 @@ def _check_checkpoint(args) -> int:
     """The checkpoint an evaluation job reads is of the family its step needs (meta.json's, as `repro
     eval` and `repro finetune race` read it): they refuse another only once the allocation has started.
     A directory with no checkpoint yet passes (a job queued behind its training job's, a sweep's dry run);
-    a save_bert file is a BERT."""
+    a file must be one save_bert wrote (read as `repro finetune race` reads it: memory-mapped, its config
+    and tensor shapes checked)."""
     from repro.train.checkpoint import CheckpointError, read_meta, resolve
 
     path = Path(args.checkpoint)
     if path.is_file() and path.name != "latest" and args.family == "bert":
-        print(f"checkpoint ok: {path} is a file (save_bert writes BERTs only)")
-        return 0
+        return _check_bert_file(path)
     if path.is_file() and path.name != "latest":
         raise user_error(f"{path} is a file, not a checkpoint: {NEEDED_FAMILY[args.family]} reads a GPT training "
                           "run directory. Fix: give the run directory (or its checkpoints/iter_XXXXXXX folder)")
@@ -76,6 +76,19 @@ def _check_checkpoint(args) -> int:
         raise user_error(f"{path} is a {family.upper()} checkpoint; {NEEDED_FAMILY[args.family]} needs a "
                           f"{args.family.upper()}. Fix: {fix}")
     print(f"checkpoint ok: {path} is a {family.upper()} checkpoint")
+    return 0
+
+
+def _check_bert_file(path: Path) -> int:
+    """A UserError unless `path` is a readable save_bert file whose weights fit its own config."""
+    from repro.models.bert_checkpoint import read_bert
+    from repro.train.checkpoint import CheckpointError
+
+    try:
+        cfg, _ = read_bert(path)
+    except CheckpointError as err:
+        raise user_error(str(err)) from None
+    print(f"checkpoint ok: {path} is a save_bert BERT ({cfg.num_layers} layers, hidden {cfg.hidden_size})")
     return 0
 
 

@@ -85,10 +85,13 @@ def log_params(client, run_id: str, params: dict) -> None:
         client.log_batch(run_id, params=rows[i:i + 100])
 
 
-def send_metrics(client, run_id: str, metrics: list, chunk: int = 1000) -> None:
-    """Log Metric rows in batches of at most `chunk` (MLflow's per-request limit)."""
+def send_metrics(client, run_id: str, metrics: list, chunk: int = 1000, progress=None) -> None:
+    """Log Metric rows in batches of at most `chunk` (MLflow's per-request limit); `progress` (a tqdm
+    bar) advances by each batch's values."""
     for i in range(0, len(metrics), chunk):
         client.log_batch(run_id, metrics=metrics[i:i + chunk])
+        if progress is not None:
+            progress.update(len(metrics[i:i + chunk]))
 
 
 def _metric_rows(rows: list[dict]) -> list:
@@ -98,14 +101,16 @@ def _metric_rows(rows: list[dict]) -> list:
             for row in rows for k, v in row.items() if k not in ("step", "time")]
 
 
-def send_missing_metrics(client, run_id: str, rows: list[dict]) -> int:
+def send_missing_metrics(client, run_id: str, rows: list[dict], progress=None) -> int:
     """Log the metric rows (a row = key, step, timestamp) of metrics.jsonl's `rows` the run lacks;
-    how many were sent."""
+    how many were sent. `progress` (a tqdm bar) is given their total and advances as they go."""
     metrics = _metric_rows(rows)
     logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
               for m in client.get_metric_history(run_id, key)}
     new = [m for m in metrics if (m.key, m.step, m.timestamp) not in logged]
-    send_metrics(client, run_id, new)
+    if progress is not None:
+        progress.total = len(new)  # (not reset(): it would draw the bar before its delay)
+    send_metrics(client, run_id, new, progress=progress)
     return len(new)
 
 

@@ -45,7 +45,8 @@ def _tracking_errors(uri: str, run_dir: Path):
 def check_store(uri: str | None = None) -> str:
     """The tracking URI (default: MLFLOW_TRACKING_URI's), checked before any work as `repro report` checks
     it (repro.analysis.runs): a TrackingError for a plain path, an unknown scheme, or a sqlite file that is
-    not an MLflow store. An absent sqlite file is fine: MLflow creates the store."""
+    not an MLflow store. An absent sqlite file is fine where MLflow can create it: one under a file, or in
+    a directory this process cannot write, is refused too (it would fail only after the work)."""
     from repro.analysis.runs import StoreError, check_sqlite_store, check_uri, store_exists
 
     uri = uri or default_tracking_uri()
@@ -55,7 +56,26 @@ def check_store(uri: str | None = None) -> str:
             check_sqlite_store(uri)
     except StoreError as err:
         raise TrackingError(str(err)) from None
+    _check_creatable(uri)
     return uri
+
+
+def _check_creatable(uri: str) -> None:
+    """A TrackingError for a sqlite URI whose absent file could not be created: a file where a folder on
+    its path should be, or an ancestor this process cannot write."""
+    from repro.provenance import file_in_the_way, unwritable_ancestor
+
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    if str(db) in ("", ":memory:") or db.exists():
+        return
+    fix = "Fix: point MLFLOW_TRACKING_URI at sqlite:///PATH/mlflow.db in a writable directory, or http://HOST:PORT"
+    if (blocked := file_in_the_way(db.parent)) is not None:
+        raise TrackingError(f"tracking URI {uri}: {blocked} is a file, not a directory, so the store cannot be "
+                            f"created. {fix}")
+    if (blocked := unwritable_ancestor(db)) is not None:
+        raise TrackingError(f"tracking URI {uri}: {blocked} is not writable, so the store cannot be created. {fix}")
 
 
 def _missing_artifacts(client, run_id: str, run_dir: Path) -> list[Path]:
@@ -68,12 +88,24 @@ def _missing_artifacts(client, run_id: str, run_dir: Path) -> list[Path]:
             if p.name not in held or (p.is_file() and held[p.name] != p.stat().st_size)]
 
 
+PROGRESS_DELAY_S = 1.0  # a sync shorter than this shows no bar (most are: a few rows, or nothing to send)
+
+
+def _metric_progress():
+    """A progress bar on stderr over the metric values an upload sends, shown once it has taken
+    PROGRESS_DELAY_S (120k values take ~10 s to a sqlite store)."""
+    from tqdm import tqdm
+
+    return tqdm(desc="sync metrics", unit=" values", unit_scale=True, delay=PROGRESS_DELAY_S)
+
+
 def _upload(client, run, run_dir: Path, params: dict, tags: dict, rows: list[dict]) -> tuple[int, bool]:
     """Log the params and resume tags, metric rows and artifacts the run lacks: (metric values sent,
     whether anything was)."""
     run_id = run.info.run_id
     new_params = log_param_changes(client, run, params, tags)
-    sent = send_missing_metrics(client, run_id, rows)
+    with _metric_progress() as bar:
+        sent = send_missing_metrics(client, run_id, rows, progress=bar)
     artifacts = _missing_artifacts(client, run_id, run_dir)
     for path in artifacts:
         if path.is_dir():

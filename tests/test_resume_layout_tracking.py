@@ -196,3 +196,19 @@ def test_a_metrics_row_without_its_newline_is_kept_by_the_next_launch(tmp_path):
     logger = RunLogger(run_dir, "exp", "r", {}, {}, use_mlflow=False)
     logger.log_metrics({"loss": 8.0}, 2)
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+def test_ctrl_c_of_a_run_without_a_launcher_ends_its_mlflow_run_killed_not_failed(corpus, tmp_path, store):
+    """`repro train` on one process (or a torchrun rank) takes Ctrl-C as a KeyboardInterrupt wherever it
+    stands: the run was closed FAILED, as a crash is. Now KILLED (as `--nproc`'s forwarded stop and RACE's
+    Ctrl-C end it), exit 130 with one line, and the checkpoint before it is kept."""
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    out = _train(corpus, run_dir, "ctrl-c", stop=("SIGINT", 6), **{"train.save_interval": 4, "tracking.enabled": "true"})
+    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.rstrip().endswith("interrupted (Ctrl-C)"), out.stderr[-2000:]
+    assert (run_dir / "run_status").read_text().strip() == "KILLED"
+    run = MlflowClient(store).get_run((run_dir / "mlflow_run_id").read_text().strip())
+    assert run.info.status == "KILLED"
+    assert (run_dir / "checkpoints" / "latest").exists()

@@ -10,7 +10,7 @@ from typing import Mapping
 from repro.cli import UserError
 from repro.eval.commands import process_groups
 from repro.eval.race import RaceFormatError, check_questions, encode_race, load_race, race_dir_from_env
-from repro.eval.race_finetune import SeedStopped
+from repro.eval.race_finetune import SeedInterrupted, SeedStopped
 from repro.models.bert import BertConfig
 
 EXPERIMENT = "bert"
@@ -365,7 +365,8 @@ def run(args) -> int:
     Each finished seed is saved in RUN_DIR/seeds/, and a run in the same directory with the same
     settings skips it (a requeued Slurm job). A stop signal (TERM, USR1: Slurm's warning before the time
     limit), agreed by all ranks after a step, ends the current seed unfinished: RUN_DIR/stopped_by_signal,
-    exit 0, so slurm/launch.sh requeues the job; the restart redoes that seed from its start."""
+    exit 0, so slurm/launch.sh requeues the job; the restart redoes that seed from its start. Ctrl-C ends
+    the run as a stop does, at once: the MLflow run KILLED (as training's), exit 130 (repro.cli)."""
     from repro.eval.race_finetune import finished_seeds, race_data_text, read_stopped_seed, write_results
     from repro.models.bert_checkpoint import checkpoint_identity
     from repro.train.checkpoint import CheckpointError
@@ -426,11 +427,15 @@ def run(args) -> int:
             chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged)
     except SeedStopped as stopped:
         return _stopped(args, stopped, pg, log, settings)
+    except KeyboardInterrupt as interrupt:  # (repro.cli says so and exits 130)
+        _interrupted(args, interrupt, pg, log, settings)
+        raise
     except BaseException:
         if log:
             log.close("FAILED")
         raise
     if log:
+        log.log_params({"median_seed": str(chosen[1].seed)})  # an identifier: exact, not a float metric
         log.close()
         print(f"results: {write_results(Path(args.run_dir), *chosen)}")
     return 0
@@ -444,30 +449,55 @@ def _pretraining(checkpoint: str | None) -> dict[str, str]:
     return training_provenance(checkpoint) if checkpoint else {}
 
 
+GOES_ON = "finished seeds are in {}, and the same command in the same --run-dir goes on from the next unfinished seed"
+
+
 def _stopped(args, stopped, pg, log, settings: dict) -> int:
     """The agreed stop: the marker slurm/launch.sh requeues on, the seed's step and `settings` (a restart
     with others is refused), the MLflow run KILLED (a restart reopens it)."""
     if pg.rank == 0:
-        from repro.eval.race_finetune import save_stopped_seed
-        from repro.provenance import write_atomic
-        from repro.tracking.run_dir import STOP_MARKER
-
-        print(f"stopping: {stopped} (a stop signal); finished seeds are in {Path(args.run_dir) / 'seeds'}, and "
-              "the same command in the same --run-dir goes on from the next unfinished seed", flush=True)
-        save_stopped_seed(Path(args.run_dir), stopped.seed, stopped.step, settings)
-        write_atomic(Path(args.run_dir) / STOP_MARKER, f"race seed {stopped.seed}".encode())
-        if log:
-            log.close("KILLED")
+        print(f"stopping: {stopped} (a stop signal); {GOES_ON.format(Path(args.run_dir) / 'seeds')}", flush=True)
+        _end_killed(Path(args.run_dir), stopped.seed, stopped.step, log, settings)
     return 0
+
+
+def _interrupted(args, interrupt: KeyboardInterrupt, pg, log, settings: dict) -> None:
+    """Ctrl-C, wherever it landed: the run ended as a stop ends it (as training's Ctrl-C is), not FAILED;
+    the interrupted seed's logged steps noted (SeedInterrupted), so a restart does not log them twice.
+    A second Ctrl-C waits until this is done."""
+    from repro.train.signals import stop_signals_deferred
+
+    if pg.rank != 0:
+        return
+    seed, step = getattr(interrupt, "seed", None), getattr(interrupt, "step", 0)
+    with stop_signals_deferred():
+        _end_killed(Path(args.run_dir), seed, step, log, settings)
+    what = f"seed {seed}" if seed is not None else "the run"
+    print(f"interrupted {what}; {GOES_ON.format(Path(args.run_dir) / 'seeds')}", flush=True)
+
+
+def _end_killed(run_dir: Path, seed: int | None, step: int, log, settings: dict) -> None:
+    """The unfinished seed's last logged step (if any) and `settings` in seeds/stopped.json, the stop
+    marker, the MLflow run (and run_status) KILLED."""
+    from repro.eval.race_finetune import save_stopped_seed
+    from repro.provenance import write_atomic
+    from repro.tracking.run_dir import STOP_MARKER
+
+    if seed is not None and step:
+        save_stopped_seed(run_dir, seed, step, settings)
+    write_atomic(run_dir / STOP_MARKER, (f"race seed {seed}" if seed is not None else "race").encode())
+    if log:
+        log.close("KILLED")
 
 
 def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged=None):
     """Every seed's fine-tuning (the paper's batch/lr of `size`) and accuracies, but those in `done`
     (finished by an earlier run in the run dir); (results, median-dev seed's result) on rank 0. A seed
-    in `logged` (seed: steps) is one a stop interrupted: its steps up to that one are not logged again."""
+    in `logged` (seed: steps) is one a stop or Ctrl-C interrupted: its steps up to that one are not logged again."""
     from repro.eval.race_finetune import options_for, print_report, run_seed, save_seed, stopped_seed_path
 
     logged = logged or {}
+    reached: dict[int, int] = {}  # seed -> its last step this launch logged (where a Ctrl-C leaves it)
 
     def record(metrics: dict, step: int = 0) -> None:
         if log:
@@ -476,6 +506,7 @@ def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, sett
     def record_step(seed: int, metrics: dict, step: int) -> None:
         if step > logged.get(seed, 0):
             record({f"seed{seed}/{k}": v for k, v in metrics.items()}, step)
+            reached[seed] = step
 
     results, scored = [], ("train", "dev", "test") if args.eval_train else ("dev", "test")
     for seed in args.seeds:
@@ -485,15 +516,18 @@ def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, sett
             results.append(done[seed])
             continue
         opts = options_for(size, args.batch_size, args.lr, args.epochs, seed, args.precision)
-        res = run_seed(cfg, state, splits, opts, pg, lambda m, i, s=seed: record_step(s, m, i), device, scored, stop)
-        record({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
-        if pg.rank == 0:
-            save_seed(Path(args.run_dir), res, settings)
-            stopped_seed_path(Path(args.run_dir)).unlink(missing_ok=True)
+        try:
+            res = run_seed(cfg, state, splits, opts, pg, lambda m, i, s=seed: record_step(s, m, i), device, scored,
+                           stop)
+            record({f"seed{seed}/{sp}/acc_{lv}": v for sp, acc in res.accuracy.items() for lv, v in acc.items()})
+            if pg.rank == 0:
+                save_seed(Path(args.run_dir), res, settings)
+                stopped_seed_path(Path(args.run_dir)).unlink(missing_ok=True)
+        except KeyboardInterrupt:
+            raise SeedInterrupted(seed, reached.get(seed, 0)) from None
         results.append(res)
     if pg.rank != 0:
         return None
     chosen = print_report(results)
     record({f"{sp}/acc_{lv}": v for sp, acc in chosen.accuracy.items() for lv, v in acc.items()})
-    record({"median_seed": chosen.seed})
     return results, chosen

@@ -75,6 +75,14 @@ class SeedStopped(Exception):
         self.seed, self.step = seed, step
 
 
+class SeedInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a seed: the seed, and the last step of it that this launch logged (0: none)."""
+
+    def __init__(self, seed: int, step: int) -> None:
+        super().__init__(f"seed {seed} interrupted")
+        self.seed, self.step = seed, step
+
+
 @dataclass
 class FinetuneResult:
     """Accuracies (%) per split and level, and the training losses per step."""

@@ -164,6 +164,20 @@ class RunLogger:
             self._client.log_artifact(self.run_id, str(self._unsent[0]))
             self._unsent.pop(0)
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params known only once the work is done (RACE's median seed): into params.json (what sync
+        uploads) and the MLflow run. One an earlier launch logged with another value keeps it, the new
+        value in the tag resumed_with.KEY, as at a resume (run_dir.resumed_launch)."""
+        params, tags = resumed_launch(self.run_dir, params, {})
+        write_text(self.run_dir / "params.json", json.dumps(params, indent=1, sort_keys=True))
+        write_text(self.run_dir / "tags.json", json.dumps(tags, indent=1))
+        if not self._live():
+            return
+        try:
+            log_param_changes(self._client, self._client.get_run(self.run_id), params, tags)
+        except Exception as err:  # tracking must never stop the work: sync uploads params.json
+            self._pause(err)
+
     def log_artifact(self, path: str | Path) -> None:
         """Copy into run_dir/artifacts (kept for sync) and upload when MLflow is up."""
         path = Path(path)

@@ -313,6 +313,10 @@ def _train_locked(cfg: RunConfig, pg: ProcessGroups, derived, local_rank: int, t
                 if stop.agreed(eng.device) and state.iteration < cfg.train.train_iters:  # the last step finishes
                     return _stop_for_signal(eng, state, final, logger, meta, stop)
             return _finish(eng, state, final, logger, valid, meta)
+        except KeyboardInterrupt:  # Ctrl-C where no launcher turned it into a stop (one process, torchrun):
+            if logger:             # ended by the user, as a stop is, not a failure; the last checkpoint stands
+                logger.close("KILLED")
+            raise
         except BaseException:
             if logger:
                 logger.close("FAILED")

@@ -34,7 +34,7 @@ from repro.models.gpt import ParallelAttention, ParallelMLP, check_seq_length, r
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
 from repro.parallel.layers import VocabParallelEmbedding, mark_tensor_parallel, normal_init
 from repro.parallel.mappings import copy_to_tensor_parallel_region, group_size
-from repro.parallel.random import RNGTracker, checkpoint
+from repro.parallel.random import RNGTracker, checkpoint, tp_region_tracker
 
 IGNORE_INDEX = -100  # mlm_labels value of positions that are not predicted (as the data pipeline)
 
@@ -166,10 +166,11 @@ class BERT(nn.Module):
         tp = group_size(tp_group)
         cfg.validate(tp)
         self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
+        self.region_rng = tp_region_tracker(rng, tp)  # None at TP = 1: no fork, one graph
         self.padded_vocab = cfg.padded_vocab_size(tp)
         generator = torch.Generator().manual_seed(seed)  # shared by all ranks: master-weight init
         self.embeddings = BertEmbeddings(cfg, self.padded_vocab, tp_group, generator, device)
-        self.layers = nn.ModuleList(BertLayer(cfg, tp_group, rng, generator, device)
+        self.layers = nn.ModuleList(BertLayer(cfg, tp_group, self.region_rng, generator, device)
                                     for _ in range(cfg.num_layers))
         if cfg.layernorm_order == "pre":
             self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device)
@@ -187,7 +188,7 @@ class BERT(nn.Module):
         x = self.embeddings(tokens, token_types)
         for layer in self.layers:
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, attn_mask, tracker=self.rng if self.cfg.attention_dropout > 0 else None)
+                x = checkpoint(layer, x, attn_mask, tracker=self.region_rng if self.cfg.attention_dropout > 0 else None)
             else:
                 x = layer(x, attn_mask)
         return self.ln_f(x) if hasattr(self, "ln_f") else x

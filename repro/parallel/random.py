@@ -9,6 +9,12 @@ Two streams of randomness:
 
 `RNGTracker.fork()` swaps the TP-region state into the default generator for the duration of a
 block, so any op (F.dropout, scaled_dot_product_attention) draws from it unchanged.
+
+With one TP rank there is nothing to tell apart: the models fork only at TP > 1
+(`tp_region_tracker`), and at TP = 1 attention dropout draws from the default stream, as hidden
+dropout does. Dynamo cannot trace the fork's get/set_rng_state (each one cuts the compiled graph, two
+cuts a layer), so this keeps the TP = 1 step one graph, activation checkpointing included.
+(Megatron-LM forks at TP = 1 too; the masks differ, their distribution does not.)
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ def seed_default_generators(seed: int, device: torch.device) -> None:
     torch.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
+
+
+def tp_region_tracker(rng: "RNGTracker | None", tp_size: int) -> "RNGTracker | None":
+    """The tracker a model's attention dropout forks into: `rng` at TP > 1, None for one TP rank."""
+    return rng if tp_size > 1 else None
 
 
 class RNGTracker:

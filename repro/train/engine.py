@@ -119,13 +119,14 @@ def compile_scope(cfg: RunConfig, dp_size: int, tp_size: int = 1, torch_version:
     """`train.compile_scope` with auto resolved: per block when gradients are all-reduced over DP, at
     TP > 1 on a torch too old to compile the whole TP step (repro.versions.WHOLE_TP_GRAPH_TORCH), and
     with activation checkpointing and attention dropout: the checkpoint that replays the TP-region RNG
-    tracker runs eagerly (repro.parallel.random.checkpoint), so in one graph the layers inside it would
-    not be compiled at all; per block they are, inside it."""
+    tracker runs eagerly at TP > 1 (repro.parallel.random.checkpoint), so in one graph the layers inside
+    it would not be compiled at all; per block they are, inside it. (At TP = 1 the models do not fork:
+    random.tp_region_tracker.)"""
     scope = cfg.train.compile_scope
     if scope != "auto":
         return scope
     old_for_tp = tp_size > 1 and release(torch_version) < WHOLE_TP_GRAPH_TORCH
-    eager_checkpoints = cfg.model.activation_checkpointing and cfg.model.attention_dropout > 0
+    eager_checkpoints = cfg.model.activation_checkpointing and cfg.model.attention_dropout > 0 and tp_size > 1
     return "blocks" if dp_size > 1 or old_for_tp or eager_checkpoints else "objective"
 
 

@@ -153,7 +153,8 @@ def test_missing_experiments_give_not_run_rows(synthetic_store, tmp_path):
     assert list(zs["model"]) == ["gpt2-355m", "gpt2-2.5b", "gpt2-8.3b", "previous-best"]
     assert list(zs["measured word ppl"][:3]) == [NOT_RUN] * 3
     bt = bert.display(bert.build(uri))
-    assert list(bt["measured total"]) == [NOT_RUN] * 3
+    assert list(bt["model"]) == ["bert-336m", "bert-1.3b", "bert-3.9b", "bert-3.9b-ensemble"]
+    assert list(bt["measured total"]) == [NOT_RUN] * 4
     text = zeroshot.report(uri, tmp_path) + bert.report(uri, tmp_path)
     assert "not run" in text
     assert (tmp_path / "fig6_valid_ppl.png").stat().st_size > 5000

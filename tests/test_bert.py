@@ -141,7 +141,7 @@ def test_fewer_than_two_token_types_is_a_clear_error(types):
 @pytest.mark.parametrize("name", [n for n, s in SIZES.items() if s.family == "bert"])
 def test_bert_sizes_round_to_the_papers(name):
     """Counted on the meta device (vocab 30,522 padded to 30,720, 512 positions, 2 token types,
-    pooler, MLM head; the SOP head's 2h+2): 336.3M, 1.28B, 3.87B."""
+    pooler, MLM head; the SOP head's 2h+2): 336.4M, 1.28B, 3.87B."""
     size = SIZES[name]
     n, paper = count_parameters(size), size.paper_params
     unit, decimals = (1e9, 1) if paper.endswith("B") else (1e6, 0)

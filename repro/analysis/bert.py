@@ -2,7 +2,8 @@
 
 RACE runs (repro/eval/race_cli.py, experiment "bert") carry params task=race, size, the model shape
 (num_layers, hidden_size, num_attention_heads, seq_length), checkpoint, tp, dp and metrics
-`test/acc_{middle,high,total}` (percent, of the seed with the median dev accuracy).
+`test/acc_{middle,high,total}` (percent, of the seed with the median dev accuracy), and with two or more
+seeds `ensemble/test/acc_{middle,high,total}` (their models together: Table 5's 3.9B 5-way ensemble row).
 Fig. 7 runs are trainer runs (`repro train`, or repro/models/bert_ablation.py at CPU size) with the params
 `model.layernorm_order`, `model.num_layers`, `model.hidden_size` and the per-step metric `mlm_loss`;
 runs of the earlier standalone ablation loop (params `layernorm_order`, ..., metric `loss/mlm`) are read too.
@@ -104,14 +105,25 @@ def race_runs(runs: pd.DataFrame) -> list[dict]:
     ranked = race.assign(_seeds=seeds, _off=[bool(o) for o in off], _recipe=off)
     for _, run in ranked.sort_values(["_off", "_seeds"], ascending=[True, False], kind="stable").iterrows():
         size, recipe = _race_model(run), run["_recipe"]
-        out.setdefault(size, {"model": size, "imported": bool(R.get(run, "params.imported_from")),
-                              **{f"race_{lv}": R.get(run, f"metrics.test/acc_{lv}") for lv in LEVELS},
-                              "seeds": R.get(run, "params.seeds", "?"),
-                              "label": _race_label(run) + (f", {recipe}" if recipe else ""),
-                              "provenance": R.provenance(run) + f"; tp={R.get(run, 'params.tp', '?')}"
-                              f" dp={R.get(run, 'params.dp', '?')}; seeds {R.get(run, 'params.seeds', '?')}",
-                              "run_id": run["run_id"], "training_run_id": R.get(run, "tags.training_run_id")})
+        if size in out:
+            continue
+        label = _race_label(run) + (f", {recipe}" if recipe else "")
+        out[size] = _race_row(run, size, "test", label)
+        voters = R.get(run, "metrics.ensemble/seeds")
+        if voters is not None:  # the same run's seeds together: the row beside the paper's ensemble
+            out[f"{size}-ensemble"] = _race_row(run, f"{size}-ensemble", "ensemble/test",
+                                                f"{int(voters)}-way ensemble of its seeds' models, {label}")
     return list(out.values())
+
+
+def _race_row(run, model: str, metrics: str, label: str) -> dict:
+    """A RACE table row of `run`: the accuracies under `metrics`/acc_LEVEL, its label and provenance."""
+    return {"model": model, "imported": bool(R.get(run, "params.imported_from")),
+            **{f"race_{lv}": R.get(run, f"metrics.{metrics}/acc_{lv}") for lv in LEVELS},
+            "seeds": R.get(run, "params.seeds", "?"), "label": label,
+            "provenance": R.provenance(run) + f"; tp={R.get(run, 'params.tp', '?')}"
+            f" dp={R.get(run, 'params.dp', '?')}; seeds {R.get(run, 'params.seeds', '?')}",
+            "run_id": run["run_id"], "training_run_id": R.get(run, "tags.training_run_id")}
 
 
 def _pretraining_mlm(uri: str, row: dict, by_size: dict) -> tuple[float | None, str, str] | None:
@@ -259,7 +271,9 @@ def report(tracking_uri: str, out_dir: str | Path, experiment: str = "bert") -> 
     from repro.eval.race import PAPER_EPOCHS, PAPER_MAX_QA_TOKENS, RACE_TRAIN_QUESTIONS
 
     out_dir = Path(out_dir)
-    notes = ["RACE: test-set accuracy (%) of the run's median seed by dev accuracy. Paper MLM perplexity is on a 3% held-out "
+    notes = ["RACE: test-set accuracy (%) of the run's median seed by dev accuracy; an `-ensemble` row, of the same "
+             "run's seeds' models together (each question's option probabilities averaged over the seeds: the paper "
+             "does not say how its 5 models were combined). Paper MLM perplexity is on a 3% held-out "
              "set; 'not logged' means the run has no MLM validation metric. A RACE row's MLM perplexity is its "
              "pretraining run's (tag training_run_id), with that run's status when not FINISHED.",
              "Rows labelled reduced size / random init are pipeline checks on the hand-written RACE fixture "

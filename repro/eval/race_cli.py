@@ -424,7 +424,7 @@ def run(args) -> int:
                     resume_run_id=recorded_run_id(args.run_dir) if continued else None) if pg.rank == 0 else None
     try:
         with StopSignal(pg.world_group) as stop:
-            chosen = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged)
+            outcome = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged)
     except SeedStopped as stopped:
         return _stopped(args, stopped, pg, log, settings)
     except KeyboardInterrupt as interrupt:  # (repro.cli says so and exits 130)
@@ -435,9 +435,9 @@ def run(args) -> int:
             log.close("FAILED")
         raise
     if log:
-        log.log_params({"median_seed": str(chosen[1].seed)})  # an identifier: exact, not a float metric
+        log.log_params({"median_seed": str(outcome[1].seed)})  # an identifier: exact, not a float metric
         log.close()
-        print(f"results: {write_results(Path(args.run_dir), *chosen)}")
+        print(f"results: {write_results(Path(args.run_dir), *outcome)}")
     return 0
 
 
@@ -492,9 +492,11 @@ def _end_killed(run_dir: Path, seed: int | None, step: int, log, settings: dict)
 
 def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged=None):
     """Every seed's fine-tuning (the paper's batch/lr of `size`) and accuracies, but those in `done`
-    (finished by an earlier run in the run dir); (results, median-dev seed's result) on rank 0. A seed
+    (finished by an earlier run in the run dir); (results, median-dev seed's result, the seeds' ensemble's
+    accuracies) on rank 0. A seed
     in `logged` (seed: steps) is one a stop or Ctrl-C interrupted: its steps up to that one are not logged again."""
-    from repro.eval.race_finetune import options_for, print_report, run_seed, save_seed, stopped_seed_path
+    from repro.eval.race_finetune import (options_for, print_ensemble, print_report, run_seed, save_seed,
+                                         stopped_seed_path)
 
     logged = logged or {}
     reached: dict[int, int] = {}  # seed -> its last step this launch logged (where a Ctrl-C leaves it)
@@ -530,4 +532,8 @@ def _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, sett
         return None
     chosen = print_report(results)
     record({f"{sp}/acc_{lv}": v for sp, acc in chosen.accuracy.items() for lv, v in acc.items()})
-    return results, chosen
+    ensemble = print_ensemble(results, splits)
+    if ensemble:
+        record({"ensemble/seeds": sum(1 for r in results if r.probabilities),
+                **{f"ensemble/{sp}/acc_{lv}": v for sp, acc in ensemble.items() for lv, v in acc.items()}})
+    return results, chosen, ensemble

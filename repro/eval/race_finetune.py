@@ -85,11 +85,13 @@ class SeedInterrupted(KeyboardInterrupt):
 
 @dataclass
 class FinetuneResult:
-    """Accuracies (%) per split and level, and the training losses per step."""
+    """Accuracies (%) per split and level, the training losses per step, and per scored split (dev,
+    test) each question's option probabilities (what an ensemble of the seeds averages)."""
 
     seed: int
     accuracy: dict[str, dict[str, float]] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
+    probabilities: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 def _optimizer(model: nn.Module, opts: FinetuneOptions, steps: int):
@@ -114,15 +116,40 @@ def _device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def evaluate(model: MultipleChoiceBert, data: RaceTensors, batch_size: int = 16) -> dict[str, float]:
-    """Accuracy on middle, high and total (every rank scores the whole split)."""
+def option_probabilities(model: MultipleChoiceBert, data: RaceTensors, batch_size: int = 16) -> torch.Tensor:
+    """Each question's softmax over its options, (questions, options) float32 on the CPU (every rank
+    scores the whole split)."""
     model.eval()
-    preds = []
+    probs = []
     for start in range(0, len(data), batch_size):
         index = torch.arange(start, min(start + batch_size, len(data)))
         tokens, types, mask, _ = _rows(data, index, _device(model))
-        preds.append(model(tokens, types, mask).argmax(-1).cpu())
-    return accuracy_by_level(torch.cat(preds), data.labels, data.levels)
+        probs.append(model(tokens, types, mask).float().softmax(-1).cpu())
+    return torch.cat(probs)
+
+
+def evaluate(model: MultipleChoiceBert, data: RaceTensors, batch_size: int = 16) -> dict[str, float]:
+    """Accuracy on middle, high and total (every rank scores the whole split)."""
+    return accuracy_by_level(option_probabilities(model, data, batch_size).argmax(-1), data.labels, data.levels)
+
+
+ENSEMBLE_SPLITS = ("dev", "test")  # the splits whose option probabilities a seed keeps (not --eval-train's)
+
+
+def ensemble_accuracy(results: list[FinetuneResult], splits: dict[str, RaceTensors]) -> dict[str, dict[str, float]]:
+    """Accuracy per split of the seeds' models together (Table 5's 3.9B "5-way ensemble"): each question's
+    option probabilities averaged over the seeds that kept them, the most probable option chosen. The
+    paper does not say how its five models were combined; averaging probabilities is the usual way.
+    {} with fewer than two such seeds."""
+    voters = [r for r in results if r.probabilities]
+    if len(voters) < 2:
+        return {}
+    out = {}
+    for name in ENSEMBLE_SPLITS:
+        if name in splits and all(name in r.probabilities for r in voters):
+            mean = torch.tensor([r.probabilities[name] for r in voters]).mean(0)
+            out[name] = accuracy_by_level(mean.argmax(-1), splits[name].labels, splits[name].levels)
+    return out
 
 
 def _train_step(model, opt, sched, share, pg: ProcessGroups, clip: float, batch_count: int,
@@ -238,7 +265,10 @@ def run_seed(cfg: BertConfig, state, splits: dict[str, RaceTensors], opts: Finet
     result = FinetuneResult(opts.seed)
     result.losses = finetune(model, splits["train"], opts, pg, log, stop)
     for name in scored:
-        result.accuracy[name] = evaluate(model, splits[name])
+        probs = option_probabilities(model, splits[name])
+        result.accuracy[name] = accuracy_by_level(probs.argmax(-1), splits[name].labels, splits[name].levels)
+        if name in ENSEMBLE_SPLITS:
+            result.probabilities[name] = [[round(p, 6) for p in row] for row in probs.tolist()]
     return result
 
 
@@ -262,6 +292,17 @@ def print_report(results: list[FinetuneResult]) -> FinetuneResult:
     return chosen
 
 
+def print_ensemble(results: list[FinetuneResult], splits: dict[str, RaceTensors]) -> dict[str, dict[str, float]]:
+    """Print and return the seeds' ensemble accuracy per split (ensemble_accuracy; {}: none printed)."""
+    ensemble = ensemble_accuracy(results, splits)
+    if ensemble:
+        voters = sum(1 for r in results if r.probabilities)
+        print(f"RACE accuracy (%), the {voters} seeds' models together (option probabilities averaged):")
+        for split, acc in ensemble.items():
+            print("  " + format_accuracy(split, acc))
+    return ensemble
+
+
 def options_for(size: str, batch_size: int | None, lr: float | None, epochs: int, seed: int,
                 precision: str = "fp32") -> FinetuneOptions:
     """The paper's batch/lr for a named size, overridden where given."""
@@ -283,7 +324,8 @@ def save_seed(run_dir: Path, result: FinetuneResult, settings: dict) -> Path:
 
     path = seed_path(run_dir, result.seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"seed": result.seed, "accuracy": result.accuracy, "losses": result.losses, "settings": settings}
+    record = {"seed": result.seed, "accuracy": result.accuracy, "losses": result.losses, "settings": settings,
+              "probabilities": result.probabilities}
     write_atomic(path, json.dumps(record).encode())
     return path
 
@@ -384,7 +426,7 @@ def finished_seeds(run_dir: Path, seeds: list[int], settings: dict) -> dict[int,
         if changed:
             raise other_settings_error(path, seed, changed, saved=saved, settings=settings)
         _warn_unrecorded(path, seed, sorted(settings.keys() - saved.keys() - set(NOT_COMPARED)))
-        done[seed] = FinetuneResult(seed, record["accuracy"], record["losses"])
+        done[seed] = FinetuneResult(seed, record["accuracy"], record["losses"], record.get("probabilities", {}))
     return done
 
 
@@ -394,14 +436,16 @@ def _warn_unrecorded(path: Path, seed: int, keys: list[str]) -> None:
               "without checking them. Fix: give a new --run-dir to redo it with these inputs", flush=True)
 
 
-def write_results(run_dir: Path, results: list[FinetuneResult], chosen: FinetuneResult) -> Path:
-    """results.json beside the run's metrics.jsonl (written atomically): the median seed, then all."""
+def write_results(run_dir: Path, results: list[FinetuneResult], chosen: FinetuneResult,
+                  ensemble: dict | None = None) -> Path:
+    """results.json beside the run's metrics.jsonl (written atomically): the median seed, the seeds'
+    ensemble (when two or more kept their probabilities), then every seed."""
     from repro.provenance import write_atomic
 
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "results.json"
     seeds = [{"seed": r.seed, "accuracy": r.accuracy, "final_loss": r.losses[-1]} for r in results]
     record = {"median": chosen.accuracy, "median_seed": chosen.seed, "selected_by": "dev total accuracy",
-              "seeds": seeds}
+              **({"ensemble": ensemble} if ensemble else {}), "seeds": seeds}
     write_atomic(path, json.dumps(record, indent=2).encode())
     return path

@@ -44,8 +44,9 @@ class BertConfig(ModelConfig):
     """ModelConfig plus BERT's choices; defaults: the uncased WordPiece vocab, 2 token types."""
 
     vocab_size: int = 30522
-    """BERT uncased WordPiece vocabulary (the paper sizes pad it to a multiple of 1024 = 128 x 8: 30,720,
-    so every rank's slice is a multiple of 128 at any tp up to 8, as GPT-2's 51,200)."""
+    """BERT uncased WordPiece vocabulary. The named sizes pad it to a multiple of 1024 = 128 x 8: 30,720,
+    so every rank's slice is a multiple of 128 at any tp up to 8, as GPT-2's 51,200 (the paper states
+    no BERT padding: this is the repo's choice; the 2020 code's 128 x tp gives 30,592 at tp 1)."""
     num_tokentypes: int = 2
     """Segment A / B embeddings."""
     layernorm_order: str = "pre"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 def _sizes(args) -> int:
+    from dataclasses import replace
+
     from rich.console import Console
     from rich.table import Table
 
@@ -21,6 +23,10 @@ def _sizes(args) -> int:
                       str(size.num_attention_heads), f"{size.vocab_size} ({padded})",
                       f"{n:,} ({format_count(n)})", size.paper_params)
     Console(width=140).print(table)
+    if not args.family or args.family == "gpt":
+        medium = replace(SIZES["gpt2-355m"], make_vocab_size_divisible_by=1)
+        print(f"gpt2-355m: {format_count(count_parameters(medium))} without the vocabulary padding; the paper's "
+              "355M is GPT-2 medium's usual name.")
     return 0
 
 

@@ -59,6 +59,9 @@ def test_the_bert_row_is_fine_tuned_from_the_pretrained_tiny_bert(cpu_results):
     row = next(ln for ln in bert.splitlines() if ln.startswith("| bert-tiny-cpu |"))
     assert "random init" not in row and "MLM val ppl: run" in row and "seeds 1 2 3" in row
     assert float(row.split(" | ")[8].replace(",", "")) > 1.0  # the pretraining run's held-out MLM perplexity
+    assert "| bert-3.9b-ensemble | 93.1 | not run |" in bert
+    together = next(ln for ln in bert.splitlines() if ln.startswith("| bert-tiny-cpu-ensemble |"))
+    assert "3-way ensemble of its seeds' models" in together and "seeds 1 2 3" in together
 
 
 def test_cpu_results_script_refuses_a_store_that_already_holds_runs(tmp_path):

@@ -27,9 +27,12 @@ def test_the_markers_end_documents_and_are_not_text(tmp_path):
 
 
 def test_other_layouts_and_json_lines_keep_a_spelled_out_marker_as_text(tmp_path):
+    """A page that mentions the marker in a sentence is not taken for a corpus of them by `auto`."""
     page = tmp_path / "page.txt"
-    page.write_text("GPT-2 ends a document with <|endoftext|> in its data.\n", encoding="utf-8")
-    assert list(read_documents(page, layout="paragraph")) == [page.read_text()]
+    page.write_text("GPT-2 ends a document with <|endoftext|> in its data.\n\nA second paragraph.\n", encoding="utf-8")
+    assert list(read_documents(page)) == ["GPT-2 ends a document with <|endoftext|> in its data.\n",
+                                          "A second paragraph.\n"]
+    assert list(read_documents(page, layout="paragraph")) == list(read_documents(page))
     assert list(read_documents(page, layout="file")) == [page.read_text()]
     record = tmp_path / "page.jsonl"
     record.write_text('{"text": "a <|endoftext|> b"}\n', encoding="utf-8")
@@ -47,6 +50,7 @@ def test_prepare_writes_one_eod_per_story_and_no_spelled_out_marker(data_dir, gp
     assert int((tokens == gpt2_tokenizer.eod).sum()) == 12  # 4 stories x 3, each ended by one eod
     text = tokens.tolist()
     assert not any(text[i:i + len(MARKER_AS_TEXT)] == MARKER_AS_TEXT for i in range(len(text)))
+    assert "<|endoftext|>" not in gpt2_tokenizer.decode([t for t in text if t != gpt2_tokenizer.eod])  # mid-line too
     assert gpt2_tokenizer.decode(tokens[:tokens.tolist().index(gpt2_tokenizer.eod)]) == \
         "Once upon a time, a cat sat on a mat.\n\nIt was happy.\n"
 

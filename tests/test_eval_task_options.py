@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -86,11 +87,27 @@ def test_eval_with_its_own_and_the_common_options_runs_them(run, tmp_path, task,
 
 def test_print_args_keeps_the_common_options_and_the_tasks_own(tmp_path):
     given = ["--checkpoint", "/runs/a b", "--window", "64", "--max-examples", "3", "--tp", "0", "--non-strict",
-             "--file=raw", "--no-mlflow"]
+             "--file=raw", "--no-mlflow", "--out=-o.jsonl"]
     lines = {task: _repro(tmp_path, "eval", task, *given, "--print-args") for task in ("wikitext", "lambada")}
     assert [d.returncode for d in lines.values()] == [0, 0], [d.stderr for d in lines.values()]
-    assert lines["wikitext"].stdout == "--checkpoint '/runs/a b' --tp 0 --no-mlflow --window 64 --file raw\n"
-    assert lines["lambada"].stdout == "--checkpoint '/runs/a b' --tp 0 --no-mlflow --max-examples 3 --non-strict\n"
+    assert lines["wikitext"].stdout == "'--checkpoint=/runs/a b' --tp=0 --out=-o.jsonl --no-mlflow --window=64 --file=raw\n"
+    assert lines["lambada"].stdout == \
+        "'--checkpoint=/runs/a b' --tp=0 --out=-o.jsonl --no-mlflow --max-examples=3 --non-strict\n"
+    again = _repro(tmp_path, "eval", "lambada", *shlex.split(lines["lambada"].stdout), "--print-args")
+    assert again.stdout == lines["lambada"].stdout, again.stderr  # (a value starting with "-" survives: --out=-o.jsonl)
+
+
+def test_every_eval_option_is_common_or_one_tasks():
+    """--print-args passes on only the options it knows: a new `repro eval` option must be classified."""
+    import argparse
+
+    from repro.eval import commands
+
+    parser = argparse.ArgumentParser()
+    commands.register(parser.add_subparsers())
+    (eval_parser,) = parser._subparsers._group_actions[0].choices.values()
+    dests = {a.dest for a in eval_parser._actions} - {"help", "task", "print_args"}
+    assert dests == set(commands.COMMON_OPTIONS) | {d for own in commands.TASK_OPTIONS.values() for d in own}
 
 
 def _eval_job(tmp_path: Path, *args: str) -> tuple[int, str]:
@@ -130,9 +147,9 @@ def test_smoke_job_gives_each_task_its_own_options_and_the_users_go_to_their_tas
     assert code == 0, log
     steps = _steps(log)
     assert list(steps) == ["wikitext", "lambada"], log
-    common = ["--checkpoint", str(tmp_path / "train"), "--data-dir", str(tmp_path / "data"), "--tp", "2"]
-    assert steps["wikitext"] == [*common, "--window", "64", "--stride", "32", "--file", "tokens", "--max-lines", "40"]
-    assert steps["lambada"] == [*common, "--max-examples", "3"]
+    common = [f"--checkpoint={tmp_path / 'train'}", f"--data-dir={tmp_path / 'data'}", "--tp=2"]
+    assert steps["wikitext"] == [*common, "--window=64", "--stride=32", "--file=tokens", "--max-lines=40"]
+    assert steps["lambada"] == [*common, "--max-examples=3"]
 
 
 def test_job_with_a_misspelt_option_stops_before_either_step(tmp_path):

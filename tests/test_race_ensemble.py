@@ -91,3 +91,23 @@ def test_finetune_race_scores_its_seeds_together_logs_and_tabulates_it(tmp_path,
     assert len(ours) == 1 and "3-way ensemble of its seeds' models" in table.loc[ours[0], "label"]
     assert table.loc[ours[0], "race_total"] == pytest.approx(results["ensemble"]["test"]["total"])
     assert table.loc[ours[0].removesuffix("-ensemble"), "race_total"] == pytest.approx(results["median"]["test"]["total"])
+
+
+def test_seeds_an_earlier_run_finished_without_probabilities_are_named_and_left_out(tmp_path, vocab, capsys):
+    """A run dir whose seed 1 was finished by code that kept no option probabilities: the rerun with seeds
+    1 2 3 reuses seed 1 for the median, leaves it out of the ensemble and says so."""
+    run = tmp_path / "run"
+    argv = ["finetune", "race", "--race-dir", str(FIXTURE), "--vocab", str(vocab), "--model-config", str(TINY_YAML),
+            "--run-dir", str(run), "--batch-size", "5", "--seq-length", "32", "--epochs", "1", "--no-mlflow"]
+    assert main([*argv, "--seeds", "1"]) == 0
+    seed_file = run / "seeds" / "seed_1.json"
+    older = json.loads(seed_file.read_text())
+    del older["probabilities"]
+    seed_file.write_text(json.dumps(older))
+    capsys.readouterr()
+    assert main([*argv, "--seeds", "1", "2", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ensemble: seed 1 (finished by an earlier run that kept no option probabilities) left out" in out, out
+    assert "the 2 seeds' models together" in out, out
+    results = json.loads((run / "results.json").read_text())
+    assert [s["seed"] for s in results["seeds"]] == [1, 2, 3] and "test" in results["ensemble"]

@@ -378,9 +378,9 @@ def test_repro_slurm_sweep_submits_a_table_through_sbatch(slurm_cluster, site, t
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", log
     assert (record["JobName"], record["NumTasks"]) == ("zeroshot_eval", "8")
     task_sh = re.escape(f"step: srun --export=ALL --kill-on-bad-exit=1 --label bash {ROOT}/slurm/task.sh repro eval ")
-    steps = re.findall(task_sh + r"(\w+) --checkpoint (\S+) --data-dir \S+( --file tokens)?$", log, re.M)
+    steps = re.findall(task_sh + r"(\w+) --checkpoint=(\S+) --data-dir=\S+( --file=tokens)?$", log, re.M)
     assert " --tp " not in log  # repro eval picks the checkpoint's own TP
-    assert steps == [("wikitext", str(tmp_path), " --file tokens"), ("lambada", str(tmp_path), "")], log
+    assert steps == [("wikitext", str(tmp_path), " --file=tokens"), ("lambada", str(tmp_path), "")], log
     assert "step exited" not in log and not (site["runs"] / f"zeroshot_eval-{job}" / "zero_shot.jsonl").exists()
 
 

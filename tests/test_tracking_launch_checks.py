@@ -6,6 +6,7 @@ metric upload on a progress bar (stderr)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -99,12 +100,22 @@ def _wrong_shape(path: Path) -> None:
     torch.save(blob, path)
 
 
+def _bad_config(**bad):
+    def write(path: Path) -> None:
+        blob = torch.load(_save_bert(path), weights_only=True)
+        blob["config"].update(bad)
+        torch.save(blob, path)
+    return write
+
+
 @pytest.mark.parametrize("write, words", [
     (lambda p: p.write_text("train the 8B model\n"), "is not a readable torch file"),
     (lambda p: p.write_bytes(b""), "is not a readable torch file"),
     (lambda p: torch.save({"weights": torch.zeros(2)}, p), "holds no save_bert 'config' and 'model'"),
     (_wrong_shape, "its weights do not fit its own config"),
-], ids=["text", "empty", "foreign-torch", "wrong-shape"])
+    (_bad_config(num_layers=0), "its config is not a valid BertConfig (num_layers=0"),  # was a ConfigError traceback
+    (_bad_config(hidden_size="x"), "its config is not a valid BertConfig"),  # was a TypeError traceback
+], ids=["text", "empty", "foreign-torch", "wrong-shape", "zero-layers", "text-width"])
 def test_check_checkpoint_refuses_a_file_that_is_not_a_save_bert_checkpoint(tmp_path, capsys, write, words):
     """Before: `checkpoint ok: ... is a file (save_bert writes BERTs only)`, exit 0, for any file."""
     path = tmp_path / "bert.pt"
@@ -133,10 +144,31 @@ def test_tracking_sync_shows_its_metric_upload_on_a_progress_bar(tmp_path, monke
     run_dir = _run_dir(tmp_path / "run", steps=5)
     result = sync.sync_run(run_dir)
     err = capsys.readouterr().err
-    assert "sync metrics: 100%" in err and "10.0/10.0" in err, err  # 5 steps x (loss, lr), of a known total
+    assert "sync metrics: 100%" in err and "10/10" in err, err  # 5 steps x (loss, lr), of a known total
     assert result.metrics_sent == 10
     assert sorted(m.step for m in MlflowClient(uri).get_metric_history(result.run_id, "loss")) == [1, 2, 3, 4, 5]
     monkeypatch.setattr(sync, "PROGRESS_DELAY_S", 1.0)  # the default: a sync of a few rows shows no bar
     with open(run_dir / "metrics.jsonl", "a") as rows:
         rows.write('{"step": 6, "time": 1733300006.0, "loss": 1.0, "lr": 0.1}\n')
     assert sync.sync_run(run_dir).metrics_sent == 2 and "sync metrics" not in capsys.readouterr().err
+
+
+def test_a_param_logged_while_mlflow_is_paused_reaches_the_run_at_close(tmp_path, monkeypatch):
+    """RACE logs median_seed at its end (RunLogger.log_params). With MLflow paused after a failed request
+    (a locked sqlite store), the param went to params.json only and the run still closed FINISHED without
+    it; now the catch-up that close() (or the next flush after the pause) sends includes it."""
+    from mlflow import MlflowClient
+
+    from repro.tracking.logger import RunLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    log = RunLogger(tmp_path / "run", "bert", "race-x", {"task": "race"}, {})
+    log.log_metrics({"loss": 1.0}, 1)
+    log._pause(RuntimeError("database is locked"))  # what a failed request does: no request for a while
+    log.log_params({"median_seed": "2"})
+    log.close()
+    run = MlflowClient(uri).get_run(log.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"task": "race", "median_seed": "2"}
+    assert json.loads((tmp_path / "run" / "params.json").read_text())["median_seed"] == "2"

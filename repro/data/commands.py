@@ -107,7 +107,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="auto",
                    help="plain text: WikiText articles, blank-line paragraphs, each whole file (one page per "
                         "file, as extracted OpenWebText), or the text between <|endoftext|> markers "
-                        "(TinyStories) as documents; auto: endoftext when the first 200 lines hold the marker, "
+                        "(TinyStories) as documents; auto: endoftext when one of the first 200 lines is the marker alone, "
                         "else wikitext when they hold a ' = Title = ' heading, else paragraph")
     p.add_argument("--split", default="949,50,1", help="train,valid,test weights over documents")
     p.add_argument("--split-order", choices=("file", "random"), default="file",

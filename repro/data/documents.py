@@ -16,9 +16,9 @@ What a document is:
 - Layout `file`: the whole file is one document (an extracted OpenWebText page per .txt file).
 - Layout `endoftext`: documents end at each "<|endoftext|>", GPT-2's separator in plain-text corpora
   (TinyStories' .txt, text dumps of GPT-2's data); the marker and the line break right after it are
-  not text, blank lines inside a document are. `auto` picks it when the file's first 200 lines hold
-  the marker, else `wikitext` when they hold a WikiText heading, else `paragraph`; in those, and in
-  JSON lines, a spelled-out marker is text (a web page about language models).
+  not text, blank lines inside a document are. `auto` picks it when one of the file's first 200 lines
+  is the marker alone, else `wikitext` when they hold a WikiText heading, else `paragraph`; in those,
+  and in JSON lines, a spelled-out marker is text (a web page about language models).
 A gzip file (known by its first bytes, whatever its name) is read as the text it holds
 (`corpus.jsonl.gz` is JSON lines). Other binary files (xz, zstd, bz2, tar) are refused by name.
 Whitespace-only documents are skipped. A UTF-8 byte-order mark that starts a file is dropped (before
@@ -216,8 +216,9 @@ def _endoftext_documents(lines: Iterator[str]) -> Iterator[str]:
 
 
 def _detected_layout(head: list[str]) -> str:
-    """The layout `auto` means for a file beginning with the lines `head`."""
-    if any(ENDOFTEXT in line for line in head):
+    """The layout `auto` means for a file beginning with the lines `head`: endoftext when a line holds the
+    marker alone (a text that only mentions it keeps its paragraphs)."""
+    if any(line.strip() == ENDOFTEXT for line in head):
         return "endoftext"
     return "wikitext" if any(is_wikitext_title(line) for line in head) else "paragraph"
 

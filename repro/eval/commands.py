@@ -237,7 +237,7 @@ def task_arguments(args) -> list[str]:
     words: list[str] = []
     for dest in _given(args, COMMON_OPTIONS + TASK_OPTIONS[args.task]):
         value = getattr(args, dest)
-        words += [_flag(dest)] if value is True else [_flag(dest), str(value)]
+        words.append(_flag(dest) if value is True else f"{_flag(dest)}={value}")  # (= keeps a value like -x.jsonl)
     return words
 
 

@@ -293,8 +293,15 @@ def print_report(results: list[FinetuneResult]) -> FinetuneResult:
 
 
 def print_ensemble(results: list[FinetuneResult], splits: dict[str, RaceTensors]) -> dict[str, dict[str, float]]:
-    """Print and return the seeds' ensemble accuracy per split (ensemble_accuracy; {}: none printed)."""
+    """Print and return the seeds' ensemble accuracy per split (ensemble_accuracy; {}: none), naming the
+    seeds an earlier run finished before their option probabilities were kept (left out)."""
     ensemble = ensemble_accuracy(results, splits)
+    unkept = [r.seed for r in results if not r.probabilities]
+    if unkept and len(results) > 1:
+        which = f"seed{'s' if len(unkept) > 1 else ''} {' '.join(map(str, unkept))}"
+        print(f"ensemble: {which} (finished by an earlier run that kept no option probabilities) "
+              f"{'left out' if ensemble else 'leave fewer than two seeds to combine'}; a new --run-dir fine-tunes "
+              "every seed again", flush=True)
     if ensemble:
         voters = sum(1 for r in results if r.probabilities)
         print(f"RACE accuracy (%), the {voters} seeds' models together (option probabilities averaged):")

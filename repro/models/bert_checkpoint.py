@@ -114,9 +114,9 @@ def _read_file(path: Path) -> tuple[BertConfig, Mapping[str, torch.Tensor]]:
         raise CheckpointError(f"{path} holds no save_bert 'config' and 'model' (found: {keys}). {FILE_FIX}")
     try:
         cfg = BertConfig(**blob["config"])
-    except TypeError as err:
-        raise CheckpointError(f"{path}: its config is not a BertConfig ({err}). {FILE_FIX}") from None
-    misfit = _misfit(cfg, blob["model"])
+        misfit = _misfit(cfg, blob["model"])  # (builds the model its config describes, on the meta device)
+    except (TypeError, ValueError) as err:  # (ConfigError is a ValueError)  # an unknown key, a layer count of 0, a width "x"
+        raise CheckpointError(f"{path}: its config is not a valid BertConfig ({err}). {FILE_FIX}") from None
     if misfit:
         raise CheckpointError(f"{path}: its weights do not fit its own config ({misfit}). {FILE_FIX}")
     return cfg, blob["model"]

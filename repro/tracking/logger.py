@@ -150,14 +150,20 @@ class RunLogger:
         self._pending, self._last_flush = [], time.monotonic()
 
     def _send(self) -> None:
-        """Send the queued rows; after a failed request, the rows of metrics.jsonl and the artifacts the
-        run lacks instead (as `repro tracking sync` would). Ends a pause."""
+        """Send the queued rows; after a failed request, the rows of metrics.jsonl, the params (of
+        log_params) and the artifacts the run lacks instead (as `repro tracking sync` would). Ends a pause."""
         if self._behind:
             send_missing_metrics(self._client, self.run_id, read_metrics(self.run_dir))
+            self._send_param_changes()
             self._send_artifacts()
         else:
             send_metrics(self._client, self.run_id, self._pending)
         self._pending, self._behind, self._paused_until, self._failures = [], False, None, 0
+
+    def _send_param_changes(self) -> None:
+        """params.json and tags.json's resumed_with.KEY tags, where the run lacks them."""
+        params, tags = resumed_launch(self.run_dir, {}, {})
+        log_param_changes(self._client, self._client.get_run(self.run_id), params, tags)
 
     def _send_artifacts(self) -> None:
         while self._unsent:
@@ -171,11 +177,12 @@ class RunLogger:
         params, tags = resumed_launch(self.run_dir, params, {})
         write_text(self.run_dir / "params.json", json.dumps(params, indent=1, sort_keys=True))
         write_text(self.run_dir / "tags.json", json.dumps(tags, indent=1))
-        if not self._live():
+        if not self._live():  # off (sync uploads params.json), or paused: sent with the catch-up (_send)
             return
         try:
-            log_param_changes(self._client, self._client.get_run(self.run_id), params, tags)
-        except Exception as err:  # tracking must never stop the work: sync uploads params.json
+            with quiet_store_errors():
+                self._send_param_changes()
+        except Exception as err:  # tracking must never stop the work
             self._pause(err)
 
     def log_artifact(self, path: str | Path) -> None:

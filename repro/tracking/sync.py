@@ -96,7 +96,7 @@ def _metric_progress():
     PROGRESS_DELAY_S (120k values take ~10 s to a sqlite store)."""
     from tqdm import tqdm
 
-    return tqdm(desc="sync metrics", unit=" values", unit_scale=True, delay=PROGRESS_DELAY_S)
+    return tqdm(desc="sync metrics", unit=" values", delay=PROGRESS_DELAY_S)
 
 
 def _upload(client, run, run_dir: Path, params: dict, tags: dict, rows: list[dict]) -> tuple[int, bool]:

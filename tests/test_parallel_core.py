@@ -321,8 +321,9 @@ def test_compiled_checkpointing_with_a_tracker():
     """torch.compile traces activation checkpointing with a TP-region tracker (it used to fail on the
     checkpoint's context_fn). Without dropout the compiled, checkpointed gradients equal eager ones
     (float32 within 1e-5: the compiler fuses and reorders sums); with dropout it trains finitely.
-    With attention dropout the tracker's checkpoint runs eagerly, replaying the masks (that the
-    gradient is the forward's derivative: tests/test_compile_checkpoint_dropout.py)."""
+    At TP = 1 attention dropout forks no tracker, so the checkpoint is traced with it; at TP > 1 the
+    tracker's checkpoint runs eagerly, replaying the masks (that the gradient is the forward's
+    derivative in both: tests/test_compile_checkpoint_dropout.py)."""
     from dataclasses import replace
 
     from repro.models.gpt import GPT

@@ -84,7 +84,8 @@ def measure(placement: Placement, device: torch.device, sizes=DEFAULT_SIZES, ite
         n = len(lists[0])
         for nbytes in sizes:
             tensor = torch.ones(max(nbytes // element, 1), dtype=dtype, device=device)
-            seconds = torch.tensor(_time_allreduce(tensor, mine, iters, warmup), dtype=torch.float64)
+            # on the ranks' device: NCCL, the GPUs' backend, has no CPU tensors
+            seconds = torch.tensor(_time_allreduce(tensor, mine, iters, warmup), dtype=torch.float64, device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             t, b = float(seconds), tensor.numel() * element
             results.append(CommResult(scope, n, len(lists), b, t, b / t / 1e9, b / t / 1e9 * 2 * (n - 1) / n))

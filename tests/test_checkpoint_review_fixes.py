@@ -189,3 +189,34 @@ def test_a_damaged_file_of_an_imported_copy_names_the_import_that_made_it(tmp_pa
                                                  r"re-run the import-megatron that made it \(from "
                                                  r"/models/megatron_345m\) with a new --out$"):
         rs.load_model_for_eval(ckpt, _single())
+
+
+# ---- a GPU run's RNG states resumed on CPU ------------------------------------------------------------
+
+def test_a_gpu_runs_rng_states_resumed_on_cpu_are_refused_naming_the_fix(tp2_run, corpus, tmp_path, capfd):  # noqa: F811
+    """A checkpoint written on GPUs holds CUDA generator states (16 bytes: seed and Philox offset), the
+    TP-region tracker's among them. Resumed on CPU (train.device auto on a CPU machine), the tracker took
+    that state and the first attention dropout at TP=2 failed with `Expected a CPUGeneratorImplState of
+    size 5056`; now the resume is refused before a step, as a CPU run's states on a GPU already were."""
+    run = Path(shutil.copytree(tp2_run, tmp_path / "run"))
+    saved = run / "checkpoints" / "iter_0000002"
+    cuda_state = torch.zeros(16, dtype=torch.uint8)  # the size of CUDAGeneratorImpl's get_state
+    for rank_file in sorted(saved.glob("rng_rank*.pt")):
+        torch.save({**torch.load(rank_file), "cuda": cuda_state, "tracker": cuda_state}, rank_file)
+    rows = (run / "metrics.jsonl").read_bytes()
+    rc, out = _train(capfd, corpus, run, "--nproc", "2", **{"parallel.tp": 2, "train.train_iters": 4})
+    assert rc == 2, out
+    assert f"error: {saved} was saved by a run on cuda and this run is on cpu" in out, out
+    assert "Fix: resume on the device type it was saved on (train.device: cuda, on a GPU node)" in out, out
+    assert "Traceback" not in out and (run / "metrics.jsonl").read_bytes() == rows
+
+
+def test_a_cuda_default_state_beside_a_cpu_tracker_state_still_resumes_on_cpu():
+    """A CPU run on a GPU node saved the GPU's default state too (before the device was checked): its
+    tracker state is a CPU one, which fits."""
+    from repro.parallel.random import RNGTracker
+    from repro.train.checkpoint import check_rng_device
+
+    tracker = RNGTracker(1, 0, "cpu")
+    state = {"cpu": torch.get_rng_state(), "cuda": torch.zeros(16, dtype=torch.uint8), "tracker": tracker.get_state()}
+    check_rng_device(state, tracker, torch.device("cpu"), Path("iter_0000001"))

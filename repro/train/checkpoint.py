@@ -133,13 +133,27 @@ def rng_state(tracker, device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def restore_rng(state: dict[str, torch.Tensor], tracker, device: torch.device) -> None:
-    """Restore `rng_state`'s states. A CPU run's states in a GPU run are a CheckpointError (the
-    tracker's CPU generator state does not fit a CUDA generator); a CUDA state in a CPU run's
-    checkpoint (saved on a GPU node before the device was checked) is ignored."""
+def check_rng_device(state: dict[str, torch.Tensor], tracker, device: torch.device, path: Path) -> None:
+    """A CheckpointError when checkpoint `path`'s RNG states were saved on another device type: a
+    generator state of one type does not fit the other's (a CPU run's tracker state in a GPU run, or a
+    GPU run's in a CPU run, which would fail at the first attention dropout at TP > 1). A CUDA default
+    state beside a CPU tracker state (a CPU run on a GPU node, saved before the device was checked)
+    passes: restore_rng ignores it."""
     if device.type == "cuda" and "cuda" not in state:
-        raise CheckpointError("the checkpoint's RNG states come from a CPU run, and this run is on cuda: a run "
-                              "resumes on the device type it was saved on (train.device)")
+        saved, fix = "cpu", "train.device: cpu"
+    elif device.type != "cuda" and tracker is not None and "tracker" in state and \
+            state["tracker"].numel() != tracker.get_state().numel():
+        saved, fix = "cuda", "train.device: cuda, on a GPU node"
+    else:
+        return
+    raise CheckpointError(f"{path} was saved by a run on {saved} and this run is on {device.type}: its RNG "
+                          f"states do not fit this device's generators. Fix: resume on the device type it was "
+                          f"saved on ({fix}), or train in a new run_dir")
+
+
+def restore_rng(state: dict[str, torch.Tensor], tracker, device: torch.device) -> None:
+    """Restore `rng_state`'s states (check_rng_device has checked they fit `device`); a CUDA state in
+    a CPU run's checkpoint is ignored."""
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -283,6 +283,7 @@ def load(eng: Engine, path: Path) -> tuple[TrainState, dict]:
     """Restore model, optimizer, schedule, scaler and data position; RNG states go in meta["rng"]."""
     meta = ck.read_meta(path)
     model_state, extra, rng = _read_shards_everywhere(eng, path)
+    ck.check_rng_device(rng, eng.rng, eng.device, path)  # before any state changes, as a damaged file
     if eng.masters is not None:
         eng.masters.load_state_dict(eng.model, model_state)
     else:

@@ -42,12 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def in_srun_task(environ=None) -> bool:
+    """This process is a task of an srun step (Slurm sets SLURM_STEP_ID there). A batch script's own
+    shell also carries SLURM_PROCID=0 and the job's SLURM_NTASKS, but is no rank of a launch: a command
+    it runs directly is one process, which `--nproc` may spawn ranks from."""
+    import os
+
+    env = os.environ if environ is None else environ
+    return "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
+
+
 def _launched_train(argv: list[str] | None) -> bool:
     """This process is a rank of `repro train` under srun or torchrun."""
     import os
 
     words = sys.argv[1:] if argv is None else argv
-    return words[:1] == ["train"] and ("SLURM_PROCID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys())
+    return words[:1] == ["train"] and (in_srun_task() or {"RANK", "WORLD_SIZE"} <= os.environ.keys())
 
 
 def _exit_now(code: int) -> None:

@@ -262,7 +262,7 @@ def test_rank_discovery_prefers_torchrun_then_slurm():
                                     "MASTER_ADDR": "h1", "MASTER_PORT": "1234"})
     assert (torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.master_port) == (3, 4, 1, 1234)
     slurm = discover_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                                 "MASTER_ADDR": "node7"})
+                                 "SLURM_STEP_ID": "0", "MASTER_ADDR": "node7"})
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_addr) == (5, 8, 1, "node7")
     assert torchrun.launched and slurm.launched and not discover_launch_env({"LOCAL_RANK": "1"}).launched
     assert slurm.device() == (torch.device("cuda", 1) if torch.cuda.is_available() else torch.device("cpu"))
@@ -271,14 +271,14 @@ def test_rank_discovery_prefers_torchrun_then_slurm():
 def test_slurm_rendezvous_without_launch_sh_derives_the_port_and_never_guesses_the_master(monkeypatch):
     """Under plain `srun repro ...` (no launch.sh): the port comes from the job id like launch.sh's,
     and a failed `scontrol show hostnames` is an error, not each node electing itself master."""
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "123456", "MASTER_ADDR": "n1"}
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "MASTER_ADDR": "n1"}
     assert discover_launch_env(slurm).master_port == 15000 + 123456 % 15000 < 32768
     assert discover_launch_env({**slurm, "MASTER_PORT": "4242"}).master_port == 4242
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol
     with pytest.raises(RuntimeError, match="MASTER_ADDR is not set.*slurm/launch.sh"):
         discover_launch_env({k: v for k, v in slurm.items() if k != "MASTER_ADDR"})
-    alone = discover_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})  # one task needs no master
+    alone = discover_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"})  # one task: no master
     assert alone.master_addr == "127.0.0.1" and alone.world_size == 1
 
 

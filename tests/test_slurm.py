@@ -21,7 +21,7 @@ import pytest
 
 from data_fixtures import data_dir, data_mirror  # noqa: F401  (pytest fixtures)
 from slurm_cluster import SlurmCluster, activation, job_site, require_slurm, slurm_cluster  # noqa: F401
-from train_fixtures import run_losses
+from train_fixtures import corpus, run_losses, tiny_overrides  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 12  # smoke iterations; ~0.6 s each at TP=2 on a shared 2-core machine
@@ -155,6 +155,43 @@ def test_tasks_get_the_batch_environment_when_the_job_exports_only_its_settings(
     record = slurm_cluster.wait_job(job, timeout=240)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", _job_output(site, job)
     assert [s for s, _ in run_losses(site["runs"] / f"scale_1b-{job}")] == [1, 2]
+
+
+LAUNCH_ENV = ("from repro.parallel.groups import discover_launch_env as d; e = d(); "
+              "print('{where}: launched', e.launched, 'world', e.world_size)")
+
+
+def test_a_batch_script_running_repro_train_nproc_itself_spawns_its_ranks(slurm_cluster, site, corpus, tmp_path):  # noqa: F811
+    """A batch script's own shell carries SLURM_PROCID=0 and the job's SLURM_NTASKS, but is no rank:
+    `repro train --nproc 2` run there (not through srun) spawns its two ranks. Before, it took itself for
+    rank 0 of the job's 2 tasks and waited for a rank 1 that never came (REPRO_DIST_TIMEOUT_S); with
+    one task, it would have trained on one rank and ignored --nproc. srun's tasks are still ranks, and
+    a one-task step (`srun -n1`, as an interactive `srun --pty bash` is) spawns --nproc's ranks too."""
+    run_dir, step_run_dir = tmp_path / "run", tmp_path / "step_run"
+
+    def train(where: Path) -> str:
+        sets = " ".join(f"--set {o}" for o in tiny_overrides(corpus, where, **{
+            "parallel.tp": 2, "train.train_iters": 2, "train.log_interval": 1, "train.eval_iters": 1}))
+        return f"{sys.executable} -m repro.cli train experiments/tiny/gpt_tiny.yaml --nproc 2 {sets}"
+
+    script = tmp_path / "job.sh"
+    script.write_text(f"""#!/bin/bash
+set -euo pipefail
+{sys.executable} -c "{LAUNCH_ENV.format(where='batch shell')}"
+srun {sys.executable} -c "{LAUNCH_ENV.format(where='srun task')}"
+{train(run_dir)}
+srun -n1 {train(step_run_dir)}
+""")
+    env = {**site["env"], "REPRO_DIST_TIMEOUT_S": "30", "OMP_NUM_THREADS": "1"}
+    job = _submit(slurm_cluster, site, str(script), env=env)
+    record = slurm_cluster.wait_job(job, timeout=240)
+    out = _job_output(site, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    assert "batch shell: launched False world 1" in out, out
+    assert out.count("srun task: launched True world 2") == 2, out
+    for where in (run_dir, step_run_dir):
+        assert [s for s, _ in run_losses(where)] == [1, 2], out
+        assert json.loads((where / "final_metrics.json").read_text())["iteration"] == 2
 
 
 def test_missing_cluster_variable_fails_before_launch(slurm_cluster, site):  # noqa: F811

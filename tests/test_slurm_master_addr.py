@@ -59,10 +59,10 @@ def test_first_slurm_host_falls_back_to_the_node_addr(cloud_cluster, monkeypatch
     """Plain `srun repro ...` (no launch.sh, no MASTER_ADDR): the same rule, from the real scontrol."""
     monkeypatch.setenv("SLURM_CONF", str(cloud_cluster.conf))
     monkeypatch.setenv("SLURM_JOB_NODELIST", NAME)
-    assert discover_launch_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}).master_addr == "127.0.0.1"
+    assert discover_launch_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}).master_addr == "127.0.0.1"
     monkeypatch.setenv("SLURM_JOB_NODELIST", "nowhere1")  # no such node: no NodeAddr either
     with pytest.raises(RuntimeError, match="Slurm name nowhere1 does not resolve on .*: export MASTER_ADDR="):
-        discover_launch_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+        discover_launch_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"})
 
 
 FAKE_SCONTROL = """#!/bin/bash

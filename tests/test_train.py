@@ -205,13 +205,15 @@ def _losses_by_step(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 
 
-@pytest.mark.parametrize("launch_env", [{}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}],
+@pytest.mark.parametrize("launch_env", [{}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+                                              "SLURM_STEP_ID": "0"}],
                          ids=["repro-train", "srun"])
 def test_zero_trains_without_local_rank(corpus, tmp_path, launch_env):
     """Plain `repro train` and `srun -n 1 repro train` set no LOCAL_RANK (only torchrun does), which
     DeepSpeed asserts: the trainer sets it from the launch's local rank (SLURM_LOCALID, else 0)."""
     require(importlib.util.find_spec("deepspeed") is not None, "DeepSpeed")
-    launch_vars = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID")
+    launch_vars = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
+                   "SLURM_STEP_ID")
     env = {k: v for k, v in os.environ.items() if k not in launch_vars}
     env.update(launch_env, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     over = tiny_overrides(corpus, tmp_path, **{"train.zero_stage": 1, "train.train_iters": 1, "data.valid_prefix": ""})

@@ -238,18 +238,22 @@ def _slurm_port(env) -> int:
 
 
 def discover_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
-    """Prefer RANK/WORLD_SIZE/LOCAL_RANK (torchrun); fall back to SLURM_PROCID/NTASKS/LOCALID."""
+    """Prefer RANK/WORLD_SIZE/LOCAL_RANK (torchrun); fall back to SLURM_PROCID/NTASKS/LOCALID in a
+    task of an srun step (not in a batch script's own shell: repro.cli.in_srun_task)."""
+    from repro.cli import in_srun_task
+
     env = os.environ if environ is None else environ
+    srun = in_srun_task(env)
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    elif "SLURM_PROCID" in env:
+    elif srun:
         rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1))
         local = int(env.get("SLURM_LOCALID", 0))
     else:
         rank, world, local = 0, 1, 0
-    addr = env.get("MASTER_ADDR") or (_first_slurm_host() if "SLURM_PROCID" in env and world > 1 else "127.0.0.1")
-    port = int(env.get("MASTER_PORT") or (_slurm_port(env) if "SLURM_PROCID" in env else 29500))
-    launched = ("RANK" in env and "WORLD_SIZE" in env) or "SLURM_PROCID" in env
+    addr = env.get("MASTER_ADDR") or (_first_slurm_host() if srun and world > 1 else "127.0.0.1")
+    port = int(env.get("MASTER_PORT") or (_slurm_port(env) if srun else 29500))
+    launched = ("RANK" in env and "WORLD_SIZE" in env) or srun
     return LaunchEnv(rank, world, local, addr, port, launched)
 
 

@@ -74,7 +74,7 @@ def _as_user_error(err: Exception) -> Exception | None:
     return UserError("\n".join([first, *lines[starts[-1] + 1:]]))
 
 
-def _preflight(args, launched: bool) -> None:
+def _preflight(args, spawn: bool) -> None:
     """Refuse bad arguments, config and resume state in this process before spawning ranks."""
     from repro.cli import UserError
     from repro.train.config import derive, load_config
@@ -86,7 +86,7 @@ def _preflight(args, launched: bool) -> None:
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give a positive number of ranks, e.g. --nproc 2 "
                         "(or leave it out under torchrun/srun)")
-    if args.nproc and not launched:
+    if spawn:
         cfg = load_config(args.config, args.set)
         derive(cfg, args.nproc)
         resume_meta(cfg, cfg.parallel.tp, args.nproc)
@@ -98,15 +98,19 @@ def _train(args) -> int:
     from repro.parallel.groups import discover_launch_env
     from repro.train.signals import recording_stop_signals
 
-    launched = discover_launch_env().launched  # torchrun / srun
+    launch = discover_launch_env()
+    # --nproc spawns its ranks unless a launcher (torchrun, srun) started several: a one-task srun step,
+    # as an interactive `srun --pty bash` is, spawns them too
+    spawn = bool(args.nproc) and not (launch.launched and launch.world_size > 1)
+    launched = launch.launched and not spawn
     # this process trains when launched: a stop signal from here on is honoured after the first step
     with recording_stop_signals() if launched else nullcontext():
-        return _launch(args, launched)
+        return _launch(args, launched, spawn)
 
 
-def _launch(args, launched: bool) -> int:
-    _preflight(args, launched)
-    if args.nproc and not launched:
+def _launch(args, launched: bool, spawn: bool) -> int:
+    _preflight(args, spawn)
+    if spawn:
         from repro.parallel.groups import default_backend
         from repro.parallel.spawn import run_ranks
         from repro.train.config import load_config
@@ -237,7 +241,7 @@ def register(sub) -> None:
     p.add_argument("config", nargs="?", default=None, help="YAML config (experiments/...)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. --set train.train_iters=10 (repeatable)")
-    p.add_argument("--nproc", type=int, default=None, help="spawn N local ranks (when not under torchrun/srun)")
+    p.add_argument("--nproc", type=int, default=None, help="spawn N local ranks (unless torchrun/srun started several)")
     p.add_argument("--timeout", type=positive_seconds, default=7200, help="seconds before spawned ranks are killed")
     p.set_defaults(func=_wrap(_train))
     c = sub.add_parser("checkpoint", help="checkpoint tools")

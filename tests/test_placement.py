@@ -63,3 +63,12 @@ def test_a_single_process_reports_its_own_host(monkeypatch):
     placement = gather_placement(None)
     assert placement.hosts == [socket.gethostname()] and placement.local_ranks == [3]
     assert placement.as_dict()["ranks_by_host"] == {socket.gethostname(): [0]}
+
+
+def test_a_plain_srun_task_reports_slurms_local_rank(monkeypatch):
+    """srun without slurm/task.sh sets no LOCAL_RANK: the task's SLURM_LOCALID is its local rank."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "5")
+    assert gather_placement(None).local_ranks == [5]
+    monkeypatch.setenv("LOCAL_RANK", "2")  # torchrun's, where both are set (torchrun inside an srun step)
+    assert gather_placement(None).local_ranks == [2]

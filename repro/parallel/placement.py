@@ -78,9 +78,9 @@ def _span(ranks: list[int]) -> str:
 
 
 def gather_placement(group: dist.ProcessGroup | None) -> Placement:
-    """Every rank's host name and LOCAL_RANK, on every rank (one all_gather_object over `group`, the
-    world; a single process answers for itself)."""
-    mine = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")))
+    """Every rank's host name and local rank (LOCAL_RANK, else Slurm's SLURM_LOCALID: a plain srun task),
+    on every rank (one all_gather_object over `group`, the world; a single process answers for itself)."""
+    mine = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))))
     if group is None:
         gathered = [mine]
     else:

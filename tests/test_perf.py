@@ -105,6 +105,16 @@ def test_throughput_and_mfu_against_the_table():
                                        / (1 + 1024 / 9216 + 51200 / (16 * 40 * 1536)))
 
 
+def test_throughput_counts_the_logits_of_the_vocabulary_padded_for_its_tp_ranks():
+    """GPT-2's 50,257 ids are 50,304 embedding rows at TP = 1 and 50,560 at TP = 5 (a multiple of
+    lcm(128, 5)): the rows the model multiplies, as Megatron-LM's count has them."""
+    cfg = ModelConfig(num_layers=72, hidden_size=3072, num_attention_heads=32, seq_length=1024, vocab_size=50257)
+    one, five = (flops.throughput(cfg, 1024, 1.0, peak_tflops=1.0, tp=tp) for tp in (1, 5))
+    logits = 3 * 2 * 1024 * 3072 / 1e12  # forward and backward of one sequence's logits, per added row
+    assert five["model_tflops_per_device"] - one["model_tflops_per_device"] == pytest.approx((50560 - 50304) * logits)
+    assert five["hfu"] - one["hfu"] == pytest.approx((50560 - 50304) * logits)
+
+
 @pytest.mark.parametrize("name,entry,bf16", [
     ("NVIDIA H200", "H200 SXM", 989.0), ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.0),
     ("NVIDIA H100 PCIe", "H100 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", "A100", 312.0),

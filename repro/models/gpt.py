@@ -114,7 +114,7 @@ class GPT(nn.Module):
         tp = group_size(tp_group)
         cfg.validate_gpt(tp)
         self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
-        region_rng = self.region_rng = tp_region_tracker(rng, tp)  # None at TP = 1: no fork, one graph
+        self.region_rng = tp_region_tracker(rng, tp)  # None at TP = 1: no fork, one graph
         self.padded_vocab = cfg.padded_vocab_size(tp)
         generator = torch.Generator().manual_seed(seed)  # shared by all ranks: master-weight init
         init = normal_init(cfg.init_method_std)
@@ -124,7 +124,7 @@ class GPT(nn.Module):
                                        drawn_rows=cfg.padded_vocab_size(1)),  # same draws at every tp
             wpe=nn.Embedding(cfg.seq_length, cfg.hidden_size, device=device),
             drop=nn.Dropout(cfg.hidden_dropout),
-            h=nn.ModuleList(Block(cfg, tp_group, region_rng, generator, device) for _ in range(cfg.num_layers)),
+            h=nn.ModuleList(Block(cfg, tp_group, self.region_rng, generator, device) for _ in range(cfg.num_layers)),
             ln_f=nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device),
         ))
         if not self.transformer.wpe.weight.is_meta:

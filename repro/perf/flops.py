@@ -94,17 +94,19 @@ def count_flops(model: torch.nn.Module, ids: torch.Tensor | dict, labels: torch.
 
 def throughput(cfg: ModelConfig, batch_tokens: int, seconds: float, world_size: int = 1,
                device_name: str = "cpu", dtype: str = "bf16", recompute: bool = False,
-               peak_tflops: float | None = None, bert: bool = False) -> dict[str, float]:
+               peak_tflops: float | None = None, bert: bool = False, tp: int = 1) -> dict[str, float]:
     """Tokens/s, TFLOP/s per device (model and hardware) and MFU/HFU for one logging interval.
 
     `batch_tokens` is the number of tokens processed by all devices in `seconds` (all ranks of the
     world; with tensor parallelism the same tokens count once per TP group, pass the global count).
+    The logits count the vocabulary as padded for `tp` ranks, the rows the model computes, as
+    Megatron-LM's count does (GPT-2's 50,257 ids: 50,304 rows at TP = 1, 2, 4 or 8, 50,560 at TP = 5).
     """
     from repro.perf.peaks import peak_tflops as lookup_peak
 
-    seqs = batch_tokens / cfg.seq_length
-    model = flops_per_iteration(cfg, 1, recompute=False, bert=bert) * seqs
-    hardware = flops_per_iteration(cfg, 1, recompute=recompute, bert=bert) * seqs
+    seqs, vocab = batch_tokens / cfg.seq_length, cfg.padded_vocab_size(tp)
+    model = flops_per_iteration(cfg, 1, recompute=False, vocab=vocab, bert=bert) * seqs
+    hardware = flops_per_iteration(cfg, 1, recompute=recompute, vocab=vocab, bert=bert) * seqs
     per_dev = 1e12 * seconds * world_size
     peak = peak_tflops if peak_tflops is not None else lookup_peak(device_name, dtype)
     out = {"tokens_per_s": batch_tokens / seconds, "model_tflops_per_device": model / per_dev,

@@ -89,9 +89,10 @@ def send_metrics(client, run_id: str, metrics: list, chunk: int = 1000, progress
     """Log Metric rows in batches of at most `chunk` (MLflow's per-request limit); `progress` (a tqdm
     bar) advances by each batch's values."""
     for i in range(0, len(metrics), chunk):
-        client.log_batch(run_id, metrics=metrics[i:i + chunk])
+        batch = metrics[i:i + chunk]
+        client.log_batch(run_id, metrics=batch)
         if progress is not None:
-            progress.update(len(metrics[i:i + chunk]))
+            progress.update(len(batch))
 
 
 def _metric_rows(rows: list[dict]) -> list:

@@ -194,7 +194,7 @@ class _Interval:
         tokens = cfg.train.global_batch_size * cfg.model.seq_length
         tp = throughput(cfg.model, tokens, seconds, eng.pg.dims.world_size, device_name(eng.device),
                         cfg.precision.precision, cfg.model.activation_checkpointing, peak_tflops=peak,
-                        bert=cfg.family == "bert")
+                        bert=cfg.family == "bert", tp=eng.pg.tp_size)
         self.start, self.steps = time.perf_counter(), 0
         return {**_step_metrics(result, eng), "warmup_interval": float(self.first),
                 "ms_per_iter": 1000 * seconds, "tokens_per_s": tp["tokens_per_s"],

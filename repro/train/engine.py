@@ -152,13 +152,20 @@ def import_deepspeed():
     minute on a fresh machine, and torch guards the build with a lock file that a process killed during
     it leaves behind: every later DeepSpeed run on CPU then waits for that lock forever, silently (seen
     after a killed test and a full disk). Marking the op incompatible makes DeepSpeed skip it, as it does
-    on accelerators that have none (CUDA)."""
+    on accelerators that have none (CUDA). And on a CPU without native fp16 kernels, fp16 allowed (below)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    shm_builder = get_accelerator().get_op_builder("ShareMemCommBuilder")
+    accelerator = get_accelerator()
+    shm_builder = accelerator.get_op_builder("ShareMemCommBuilder")
     if shm_builder is not None:
         deepspeed.ops.__compatible_ops__[shm_builder.NAME] = False
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        # DeepSpeed's CPU accelerator offers fp16 only where oneDNN has native fp16 kernels (AVX512-FP16,
+        # AMX: recent Intel CPUs) and refuses `fp16.enabled` elsewhere ("Type fp16 is not supported on
+        # your device", seen on an AMD EPYC). torch computes fp16 on every CPU, more slowly, and the CPU
+        # runs are the tests' and the demo's: the same fp16 ZeRO recipe runs on any CPU.
+        accelerator.is_fp16_supported = lambda: True
     return deepspeed
 
 

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from repro.tracking.mlflow_run import (clean_metric_name, create_run, end_dead_launch, live_run, log_param_changes,
-                                       log_params, send_metrics, send_missing_metrics)
+                                       log_params, metric_rows, metrics_past_latest, send_metrics)
 from repro.tracking.run_dir import (RUN_ID_FILE, STATUS_FILE, STOP_MARKER, drop_partial_line, logged_metrics,
                                     read_metrics, resumed_launch, set_aside_earlier_launch, write_bytes, write_text)
 from repro.tracking.store import (default_tracking_uri, quiet_http_retries, quiet_store_errors, tracking_client,
@@ -27,6 +27,8 @@ class RunLogger:
     RETRY_SECONDS = 120.0  # no MLflow request for this long after a failed one; doubled after each failed retry
     MAX_RETRY_SECONDS = 960.0  # (a store down for hours stalls a training step for its timeout this rarely)
     CLOSE_RETRY_SECONDS = 60.0  # close() retries this long (plus one request's timeout) for the run's final status
+    MAX_CATCH_UP_VALUES = 200_000  # a resume sends at most this many values the run lacks (~30 s on sqlite); more
+    # (an offline launch's rows) are left to `repro tracking sync`, while the other ranks wait in a collective
 
     def __init__(self, run_dir: str | Path, experiment: str, run_name: str,
                  params: dict[str, str], tags: dict[str, str], use_mlflow: bool = True,
@@ -49,15 +51,14 @@ class RunLogger:
         write_text(self.run_dir / "tags.json", json.dumps(tags, indent=1))
         self.run_id: str | None = None
         self._client = None  # an MlflowClient while MLflow is reachable (no process-global active run)
-        self._pending: list = []  # MLflow Metric rows not yet sent
+        self._pending: list = []  # MLflow Metric rows not yet sent (kept through a pause)
         self._paused_until: float | None = None  # after a failed request: no MLflow until then
         self._failures = 0  # failed requests since MLflow last answered
-        self._behind = False  # a request failed: the run lacks rows of metrics.jsonl until a catch-up
+        self._behind = False  # a request failed: the run may hold the first of _pending already
         self._unsent: list[Path] = []  # artifacts not uploaded yet (MLflow paused or failing)
         self.logged: dict[int, set[str]] = {}
         """step -> metrics an earlier launch logged at it (`resume_at`): a resumed run redoing the
         steps after its checkpoint logs only what they lack (the final evaluation a kill cut short)."""
-        self._lacks_rows = False  # the MLflow run may lack rows of metrics.jsonl (see resume_at)
         if use_mlflow:
             self._start(params, tags, resume_run_id, earlier_run_id)
         self._last_flush = time.monotonic()  # (after _start: MLflow's import and store opening take seconds)
@@ -70,12 +71,10 @@ class RunLogger:
             resumed = live_run(client, resume_run_id, self.run_dir, tags["experiment"])
             if resumed is not None:
                 self.run_id = resumed.info.run_id
-                self._lacks_rows = resumed.info.status == "RUNNING"  # its last launch was killed unclosed
                 client.update_run(self.run_id, status="RUNNING")
                 log_param_changes(client, resumed, params, tags)
             else:
                 self.run_id = create_run(client, self.run_dir, tags).info.run_id
-                self._lacks_rows = True  # any rows metrics.jsonl holds already: an earlier launch's
                 log_params(client, self.run_id, params)
                 end_dead_launch(client, earlier_run_id)
             self._client = client
@@ -85,15 +84,25 @@ class RunLogger:
 
     def resume_at(self, iteration: int) -> None:
         """A launch resumed from its checkpoint at `iteration` redoes the steps after it: only what
-        metrics.jsonl lacks of them is logged (`logged`). MLflow gets the rows its run lacks, as from
-        `repro tracking sync`: those a hard-killed launch still had queued, or an offline one's."""
+        metrics.jsonl lacks of them is logged (`logged`). MLflow gets the rows its run lacks: those a
+        hard-killed launch still had queued, or an offline one's (metrics_past_latest); more than
+        MAX_CATCH_UP_VALUES are left to `repro tracking sync`, with a warning."""
         rows = read_metrics(self.run_dir)
         self.logged = logged_metrics(rows, iteration)
-        if self._lacks_rows and self._live():
-            try:
-                send_missing_metrics(self._client, self.run_id, rows)
-            except Exception as err:
-                self._pause(err)
+        if not self._live():
+            return
+        try:
+            with quiet_store_errors():
+                missing = metrics_past_latest(self._client, self.run_id, metric_rows(rows))
+                if len(missing) > self.MAX_CATCH_UP_VALUES:
+                    warnings.warn(f"MLflow run {self.run_id} lacks {len(missing):,} values of {self.metrics_path} "
+                                  "(logged while MLflow was off or unreachable); sending them now would hold up "
+                                  f"training. Fix: `repro tracking sync {self.run_dir}` uploads them (it adds only "
+                                  "what the run lacks)", stacklevel=2)
+                else:
+                    send_metrics(self._client, self.run_id, missing)
+        except Exception as err:
+            self._pause(err)
 
     def _disable(self, err: Exception) -> None:
         """No run to log into (the store could not create or reopen it): metrics.jsonl only."""
@@ -113,7 +122,7 @@ class RunLogger:
                           f"{pause:.0f} s. Rows go on into {self.metrics_path}; the run gets those it "
                           "lacks once MLflow answers again", stacklevel=3)
         self._paused_until, self._failures = time.monotonic() + pause, self._failures + 1
-        self._pending, self._behind = [], True
+        self._behind = True
 
     def _live(self) -> bool:
         return self._client is not None and (self._paused_until is None or time.monotonic() >= self._paused_until)
@@ -130,13 +139,24 @@ class RunLogger:
         now = time.time()
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "time": now, **clean}) + "\n")
-        if self._live():
+        if self._client is not None:  # queued while MLflow is paused too (sent with the catch-up)
             from mlflow.entities import Metric  # imported only here: a run without MLflow skips its 2 s import
 
             self._pending += [Metric(k, v, int(now * 1000), step) for k, v in clean.items()]
-            if time.monotonic() - self._last_flush > self.FLUSH_SECONDS:
+            if self._live() and time.monotonic() - self._last_flush > self.FLUSH_SECONDS:
                 self.flush()
+            elif len(self._pending) > self.MAX_CATCH_UP_VALUES:
+                self._drop_backlog()
         return True
+
+    def _drop_backlog(self) -> None:
+        """MLflow paused for more values than a catch-up sends: they stay in metrics.jsonl only, for
+        `repro tracking sync` (holding them would grow this process's memory for as long as the store
+        is down); the rows after them still reach the run once the store answers."""
+        warnings.warn(f"MLflow has not answered for {len(self._pending):,} values: they stay in {self.metrics_path} "
+                      f"only. Fix: once the store answers, `repro tracking sync {self.run_dir}` uploads them (it adds "
+                      "only what the run lacks)", stacklevel=3)
+        self._pending = []
 
     def flush(self) -> None:
         """Send the queued metrics to MLflow, after a pause every row it lacks (no-op when tracking is
@@ -147,13 +167,14 @@ class RunLogger:
                     self._send()
             except Exception as err:
                 self._pause(err)
-        self._pending, self._last_flush = [], time.monotonic()
+        self._last_flush = time.monotonic()
 
     def _send(self) -> None:
-        """Send the queued rows; after a failed request, the rows of metrics.jsonl, the params (of
-        log_params) and the artifacts the run lacks instead (as `repro tracking sync` would). Ends a pause."""
+        """Send the queued rows; after a failed request, those of them the run lacks (a failed request
+        may have reached the store: metrics_past_latest), and the params (of log_params) and artifacts
+        it lacks. Ends a pause."""
         if self._behind:
-            send_missing_metrics(self._client, self.run_id, read_metrics(self.run_dir))
+            send_metrics(self._client, self.run_id, metrics_past_latest(self._client, self.run_id, self._pending))
             self._send_param_changes()
             self._send_artifacts()
         else:

@@ -494,6 +494,55 @@ def test_a_save_is_on_disk_before_latest_names_it_and_clears_what_kills_left(tmp
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "latest"]
 
 
+def _fake_save(root: Path, iteration: int, keep: int) -> None:
+    from repro.parallel.groups import ProcessGroups
+
+    pg = ProcessGroups.single()
+    tmp = ck.begin_save(root, iteration, pg)
+    (tmp / "meta.json").write_text('{"tp": 1}')
+    ck.finish_save(root, iteration, pg, keep=keep)
+
+
+def test_keep_checkpoints_removes_all_but_the_newest_once_a_save_is_complete(tmp_path):
+    root = tmp_path / "checkpoints"
+    for iteration in range(1, 6):
+        _fake_save(root, iteration, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000005", "latest"]
+    _fake_save(root, 6, keep=0)  # 0: keep every one
+    _fake_save(root, 7, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000007", "latest"]
+
+
+def test_keep_checkpoints_leaves_those_past_the_checkpoint_latest_was_pointed_back_to(tmp_path):
+    """`echo iter_0000002 > latest` (back before a divergence), then saves at 3 and 4 with keep 1: the
+    abandoned 5 and 6 stay (counted out; saves at 5 and 6 would replace them), 2 and 3 go."""
+    root = tmp_path / "checkpoints"
+    for iteration in (2, 5, 6):
+        _fake_save(root, iteration, keep=0)
+    (root / "latest").write_text("iter_0000002")
+    for iteration in (3, 4):
+        _fake_save(root, iteration, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000005", "iter_0000006", "latest"]
+    assert ck.latest_checkpoint(root) == root / "iter_0000004"
+
+
+def test_a_run_keeping_two_checkpoints_resumes_from_the_newest(corpus, tmp_path):
+    from repro.parallel.groups import ProcessGroups
+    from repro.train.config import load_config
+    from repro.train.loop import train
+
+    def launch(iters: int) -> dict:
+        over = tiny_overrides(corpus, tmp_path, **{"train.train_iters": iters, "train.save_interval": 1,
+                                                   "train.keep_checkpoints": 2, "train.eval_iters": 1})
+        return train(load_config(TINY, over), ProcessGroups.single())
+
+    assert launch(4)["iteration"] == 4
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", "iter_0000004", "latest"]
+    assert launch(6)["iteration"] == 6
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000005", "iter_0000006", "latest"]
+
+
 def test_a_checkpoint_of_a_newer_format_is_refused_naming_the_fix(tmp_path):
     (tmp_path / "meta.json").write_text('{"tp": 1, "format": 2}')
     with pytest.raises(ck.CheckpointError, match="format 2 is newer than this checkout reads.*git pull"):

@@ -68,8 +68,9 @@ def begin_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
     return tmp
 
 
-def finish_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
-    """Rename the finished temporary directory into place, then point `latest` at it.
+def finish_save(root: Path, iteration: int, pg: ProcessGroups, keep: int = 0) -> Path:
+    """Rename the finished temporary directory into place, then point `latest` at it; with `keep`,
+    remove all but the `keep` newest checkpoints (prune_checkpoints).
 
     An older copy of the same iteration (which `latest` may name) is renamed aside, not deleted,
     until the new one is in place and `latest` rewritten: a kill at any point leaves a complete copy
@@ -88,8 +89,27 @@ def finish_save(root: Path, iteration: int, pg: ProcessGroups) -> Path:
         _fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
         remove_unfinished(root)
+        prune_checkpoints(root, keep, final)
     _barrier(pg)
     return final
+
+
+def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
+    """With keep > 0, remove the complete checkpoints under `root` before `newest` (the one `latest`
+    names now) but the keep - 1 latest of them; returns what was removed. Those past `newest` (left by
+    a launch whose `latest` was pointed back to an earlier one) are not counted nor removed. Each is
+    renamed to iter_*.old first, so a kill while it is deleted leaves no partial checkpoint a resume or
+    eval could take (the next save's remove_unfinished finishes the job)."""
+    if keep <= 0:
+        return []
+    at = int(newest.name[5:])
+    before = [p for p in _complete_iterations(root) if int(p.name[5:]) < at]
+    older = before[:max(len(before) - (keep - 1), 0)]
+    for path in older:
+        aside = path.with_name(f"{path.name}.old")
+        os.replace(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    return older
 
 
 def _fsync_dir(path: Path) -> None:

@@ -106,6 +106,10 @@ class TrainConfig:
     log_interval: int = 10
     save_interval: int = 0
     """Save a checkpoint every N iterations (0: only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the N newest checkpoints, removing older ones once a save is complete (0: keep all, as
+    Megatron-LM does). An 8.3B checkpoint with its Adam state is ~100 GB: every 1,000 of 300k
+    iterations, all of them would need ~30 TB."""
     eval_interval: int = 0
     """Held-out loss every N iterations (0: only at the end)."""
     exit_duration_minutes: float = 0.0
@@ -344,6 +348,7 @@ def _check_counts(cfg: RunConfig, world_size: int) -> None:
             raise RunConfigError(f"{key}={value} must be a positive integer: set {key} >= 1 "
                                  f"(e.g. --set {key}=1)")
     for key, value in {"train.save_interval": t.save_interval, "train.eval_interval": t.eval_interval,
+                       "train.keep_checkpoints": t.keep_checkpoints,
                        "optim.lr_warmup_iters": o.lr_warmup_iters,
                        "train.exit_duration_minutes": t.exit_duration_minutes}.items():
         if value < 0:
@@ -472,7 +477,7 @@ def to_yaml(cfg: RunConfig) -> str:
 # run also stretches the schedule; set optim.lr_decay_iters to keep it. data.* are locations: the
 # files must hold the same data (the position in it is the checkpoint's consumed_samples; the training split's
 # size is checked at resume: repro.train.engine_state.check_same_train_data).
-RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval",
+RESUME_SAFE = ("name", "run_dir", "train.train_iters", "train.log_interval", "train.save_interval", "train.keep_checkpoints",
                "train.eval_interval", "train.eval_iters", "train.exit_duration_minutes", "train.compile",
                "train.compile_scope", "train.zero_overlap_comm", "optim.flat_step", "optim.override_schedule",
                "model.activation_checkpointing",

@@ -119,7 +119,7 @@ def _save(eng: Engine, state: TrainState, run_id: str | None, root: Path) -> Pat
                 "model": eng.cfg.model.__dict__, "config_yaml": to_yaml(eng.cfg), "git_sha": git_sha(),
                 "mlflow_run_id": run_id, "train_data": state.train_data}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    final = ck.finish_save(root, state.iteration, pg)
+    final = ck.finish_save(root, state.iteration, pg, keep=eng.cfg.train.keep_checkpoints)
     state.saved_at = state.iteration
     return final
 

@@ -142,3 +142,57 @@ def test_a_long_pause_keeps_no_unbounded_backlog(tmp_path, store, monkeypatch): 
         logger.close()
     assert _steps(store, logger.run_id) == [7]
     assert sync_run(run_dir).metrics_sent == 6 and _steps(store, logger.run_id) == list(range(1, 8))
+
+
+def _failing_sends(monkeypatch):
+    monkeypatch.setattr(L, "send_metrics", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("database is locked")))
+
+
+def test_a_failed_catch_up_at_resume_is_done_again_after_the_pause(tmp_path, store, monkeypatch):  # noqa: F811
+    """The resume's catch-up request fails (a locked store): the rows the killed launch had queued are
+    sent once MLflow answers again, though this launch's later rows reach the run first."""
+    run_dir = tmp_path / "run"
+    first = RunLogger(run_dir, EXPERIMENT, "r", {}, {})
+    _log(first, range(1, 51))
+    first.flush()
+    _log(first, range(51, 56))  # queued when the process is killed
+    second = RunLogger(run_dir, EXPERIMENT, "r", {}, {}, resume_run_id=first.run_id)
+    real = L.send_metrics
+    _failing_sends(monkeypatch)
+    with pytest.warns(UserWarning, match="database is locked"):
+        second.resume_at(55)
+    monkeypatch.setattr(L, "send_metrics", real)
+    _log(second, range(56, 61))
+    second._paused_until = 0.0
+    second.close()
+    assert _values(store, first.run_id) == [(s, 10.0 - s) for s in range(1, 61)]
+
+
+@pytest.mark.parametrize("then", ["a failed request", "a kill with rows queued"])
+def test_a_launch_whose_clock_is_behind_the_last_ones_loses_no_row(tmp_path, store, monkeypatch, then):  # noqa: F811
+    """Launch 1's node clock runs 60 s ahead of launch 2's: launch 2's later steps carry earlier times.
+    The catch-up after a failed request, or the next launch's after a kill, still sends them (the store
+    orders a metric's values by step first)."""
+    run_dir, real_time, real_send = tmp_path / "run", L.time.time, L.send_metrics
+    monkeypatch.setattr(L.time, "time", lambda: real_time() + 60)
+    first = RunLogger(run_dir, EXPERIMENT, "r", {}, {})
+    _log(first, range(1, 51))
+    first.flush()  # then killed
+    monkeypatch.setattr(L.time, "time", real_time)
+    second = RunLogger(run_dir, EXPERIMENT, "r", {}, {}, resume_run_id=first.run_id)
+    second.resume_at(50)
+    if then == "a failed request":
+        _failing_sends(monkeypatch)
+        _log(second, range(51, 56))
+        with pytest.warns(UserWarning, match="database is locked"):
+            second.flush()
+        monkeypatch.setattr(L, "send_metrics", real_send)
+        _log(second, range(56, 61))
+        second._paused_until = 0.0
+        second.close()
+    else:
+        _log(second, range(51, 61))  # queued when the process is killed
+        third = RunLogger(run_dir, EXPERIMENT, "r", {}, {}, resume_run_id=first.run_id)
+        third.resume_at(60)
+        third.close()
+    assert _values(store, first.run_id) == [(s, 10.0 - s) for s in range(1, 61)]

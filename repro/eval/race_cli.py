@@ -422,6 +422,8 @@ def run(args) -> int:
     log = RunLogger(args.run_dir, EXPERIMENT, f"race-{size}", params, tags,
                     use_mlflow=not args.no_mlflow, starts_over=not continued,
                     resume_run_id=recorded_run_id(args.run_dir) if continued else None) if pg.rank == 0 else None
+    if log and continued:  # rows an earlier launch could not send (killed with rows queued, or offline)
+        log.catch_up()
     try:
         with StopSignal(pg.world_group) as stop:
             outcome = _fine_tune_seeds(args, size, cfg, state, splits, pg, device, log, done, settings, stop, logged)

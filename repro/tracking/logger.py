@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from repro.tracking.mlflow_run import (clean_metric_name, create_run, end_dead_launch, live_run, log_param_changes,
-                                       log_params, metric_rows, metrics_past_latest, send_metrics)
+                                       log_params, metrics_past_latest, rows_past_latest, send_metrics)
 from repro.tracking.run_dir import (RUN_ID_FILE, STATUS_FILE, STOP_MARKER, drop_partial_line, logged_metrics,
                                     read_metrics, resumed_launch, set_aside_earlier_launch, write_bytes, write_text)
 from repro.tracking.store import (default_tracking_uri, quiet_http_retries, quiet_store_errors, tracking_client,
@@ -55,6 +55,7 @@ class RunLogger:
         self._paused_until: float | None = None  # after a failed request: no MLflow until then
         self._failures = 0  # failed requests since MLflow last answered
         self._behind = False  # a request failed: the run may hold the first of _pending already
+        self._reread = False  # a catch-up from metrics.jsonl failed: the next one reads it again
         self._unsent: list[Path] = []  # artifacts not uploaded yet (MLflow paused or failing)
         self.logged: dict[int, set[str]] = {}
         """step -> metrics an earlier launch logged at it (`resume_at`): a resumed run redoing the
@@ -84,25 +85,36 @@ class RunLogger:
 
     def resume_at(self, iteration: int) -> None:
         """A launch resumed from its checkpoint at `iteration` redoes the steps after it: only what
-        metrics.jsonl lacks of them is logged (`logged`). MLflow gets the rows its run lacks: those a
-        hard-killed launch still had queued, or an offline one's (metrics_past_latest); more than
-        MAX_CATCH_UP_VALUES are left to `repro tracking sync`, with a warning."""
+        metrics.jsonl lacks of them is logged (`logged`). MLflow gets the rows its run lacks (catch_up)."""
         rows = read_metrics(self.run_dir)
         self.logged = logged_metrics(rows, iteration)
+        self.catch_up(rows)
+
+    def catch_up(self, rows: list[dict] | None = None) -> None:
+        """Send the rows of metrics.jsonl (or `rows`, read from it) the MLflow run lacks: those a
+        hard-killed launch still had queued, or an offline one's (rows_past_latest). More than
+        MAX_CATCH_UP_VALUES are left to `repro tracking sync`, with a warning; a failed request pauses
+        MLflow, and the catch-up after the pause reads metrics.jsonl again."""
         if not self._live():
+            self._reread = self._client is not None
             return
         try:
             with quiet_store_errors():
-                missing = metrics_past_latest(self._client, self.run_id, metric_rows(rows))
-                if len(missing) > self.MAX_CATCH_UP_VALUES:
-                    warnings.warn(f"MLflow run {self.run_id} lacks {len(missing):,} values of {self.metrics_path} "
-                                  "(logged while MLflow was off or unreachable); sending them now would hold up "
-                                  f"training. Fix: `repro tracking sync {self.run_dir}` uploads them (it adds only "
-                                  "what the run lacks)", stacklevel=2)
-                else:
-                    send_metrics(self._client, self.run_id, missing)
+                self._send_rows_of_file(read_metrics(self.run_dir) if rows is None else rows)
         except Exception as err:
+            self._reread = True
             self._pause(err)
+
+    def _send_rows_of_file(self, rows: list[dict]) -> None:
+        missing = rows_past_latest(self._client, self.run_id, rows)
+        if len(missing) > self.MAX_CATCH_UP_VALUES:
+            warnings.warn(f"MLflow run {self.run_id} lacks {len(missing):,} values of {self.metrics_path} (logged "
+                          "while MLflow was off or unreachable); sending them now would hold up training. Fix: "
+                          f"`repro tracking sync {self.run_dir}` uploads them (it adds only what the run lacks)",
+                          stacklevel=4)
+        else:
+            send_metrics(self._client, self.run_id, missing)
+        self._reread = False
 
     def _disable(self, err: Exception) -> None:
         """No run to log into (the store could not create or reopen it): metrics.jsonl only."""
@@ -171,9 +183,13 @@ class RunLogger:
 
     def _send(self) -> None:
         """Send the queued rows; after a failed request, those of them the run lacks (a failed request
-        may have reached the store: metrics_past_latest), and the params (of log_params) and artifacts
-        it lacks. Ends a pause."""
-        if self._behind:
+        may have reached the store: metrics_past_latest), or of metrics.jsonl after a failed catch_up,
+        and the params (of log_params) and artifacts it lacks. Ends a pause."""
+        if self._behind and self._reread:  # metrics.jsonl holds the queued rows too
+            self._send_rows_of_file(read_metrics(self.run_dir))
+            self._send_param_changes()
+            self._send_artifacts()
+        elif self._behind:
             send_metrics(self._client, self.run_id, metrics_past_latest(self._client, self.run_id, self._pending))
             self._send_param_changes()
             self._send_artifacts()

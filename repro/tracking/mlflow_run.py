@@ -95,30 +95,58 @@ def send_metrics(client, run_id: str, metrics: list, chunk: int = 1000, progress
             progress.update(len(batch))
 
 
-def metric_rows(rows: list[dict]) -> list:
-    """metrics.jsonl's rows as MLflow Metric rows (a row = key, step, timestamp)."""
+def _metric_rows(rows: list[dict]) -> list:
     from mlflow.entities import Metric
 
     return [Metric(clean_metric_name(k), float(v), int(row["time"] * 1000), row["step"])
             for row in rows for k, v in row.items() if k not in ("step", "time")]
 
 
+def latest_values(client, run_id: str) -> dict[str, tuple[int, int]]:
+    """Each metric's (step, timestamp) of the run's latest value, the store's order (step first): one
+    request, whatever the run's length."""
+    return {m.key: (m.step, m.timestamp) for m in client.get_run(run_id).data.to_proto().metrics}
+
+
+def _past(latest: dict[str, tuple[int, int]], key: str, step: int, timestamp: int) -> bool:
+    """Whether a row (key, step, timestamp) comes after its key's latest value in the run, as steps go
+    or as time goes (a launch on a node whose clock is behind an earlier one's logs later steps at
+    earlier times; a redone step after a schedule change, an earlier step at a later time)."""
+    last = latest.get(key)
+    return last is None or (step, timestamp) > last or timestamp > last[1]
+
+
 def metrics_past_latest(client, run_id: str, metrics: list) -> list:
     """The Metric rows of `metrics` (in the order logged) that the run lacks, found with one request
-    (the run's latest value of each key), not by downloading each key's whole history, which grows
-    with the run (12M values for BERT's 1.5M iterations). A launch sends its rows in order, so the run
-    holds a prefix of them: a row logged after its key's latest value in the run is missing; one at
-    or before it is there (e.g. a batch the store took before its reply failed). A SQL store also
-    drops a row sent twice (key, step, time and value equal), as when an earlier launch's values lie
-    past this one's rows (a schedule change's set-aside rows)."""
-    latest = {m.key: (m.timestamp, m.step) for m in client.get_run(run_id).data.to_proto().metrics}
-    return [m for m in metrics if m.key not in latest or (m.timestamp, m.step) > latest[m.key]]
+    (latest_values), not by downloading each key's whole history, which grows with the run (12M values
+    for BERT's 1.5M iterations). A launch sends its rows in order, so the run holds a prefix of them:
+    a row after its key's latest value (_past) is missing; one before it is there (e.g. a batch the
+    store took before its reply failed). A row sent although it is there is dropped by a SQL store (the
+    same key, step, time and value), as rows past another launch's latest value may be."""
+    latest = latest_values(client, run_id)
+    return [m for m in metrics if _past(latest, m.key, m.step, m.timestamp)]
+
+
+def rows_past_latest(client, run_id: str, rows: list[dict]) -> list:
+    """metrics_past_latest for metrics.jsonl's rows, building Metric rows only for the values the run
+    lacks (a resume reads millions of rows, nearly all in the run already)."""
+    from mlflow.entities import Metric
+
+    latest = latest_values(client, run_id)
+    missing = []
+    for row in rows:
+        step, timestamp = row["step"], int(row["time"] * 1000)
+        for key, value in row.items():
+            name = clean_metric_name(key) if key not in ("step", "time") else None
+            if name and _past(latest, name, step, timestamp):
+                missing.append(Metric(name, float(value), timestamp, step))
+    return missing
 
 
 def send_missing_metrics(client, run_id: str, rows: list[dict], progress=None) -> int:
     """Log the metric rows (a row = key, step, timestamp) of metrics.jsonl's `rows` the run lacks;
     how many were sent. `progress` (a tqdm bar) is given their total and advances as they go."""
-    metrics = metric_rows(rows)
+    metrics = _metric_rows(rows)
     logged = {(m.key, m.step, m.timestamp) for key in {m.key for m in metrics}
               for m in client.get_metric_history(run_id, key)}
     new = [m for m in metrics if (m.key, m.step, m.timestamp) not in logged]

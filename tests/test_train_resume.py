@@ -526,6 +526,17 @@ def test_keep_checkpoints_leaves_those_past_the_checkpoint_latest_was_pointed_ba
     assert ck.latest_checkpoint(root) == root / "iter_0000004"
 
 
+def test_a_checkpoint_keep_checkpoints_cannot_remove_stays_with_a_warning(tmp_path):
+    """The save is complete when pruning starts: a checkpoint that cannot be removed (here a stray file
+    where it would be set aside) is left with a warning, never a failed run after a good save."""
+    root = tmp_path / "checkpoints"
+    _fake_save(root, 1, keep=0)
+    (root / "iter_0000001.old").write_text("not a directory")
+    with pytest.warns(UserWarning, match=r"keep_checkpoints=1: could not remove .*iter_0000001 .*it stays"):
+        _fake_save(root, 2, keep=1)
+    assert ck.latest_checkpoint(root) == root / "iter_0000002" and (root / "iter_0000001" / "meta.json").is_file()
+
+
 def test_a_run_keeping_two_checkpoints_resumes_from_the_newest(corpus, tmp_path):
     from repro.parallel.groups import ProcessGroups
     from repro.train.config import load_config

@@ -96,7 +96,9 @@ def finish_save(root: Path, iteration: int, pg: ProcessGroups, keep: int = 0) ->
 
 def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
     """With keep > 0, remove the complete checkpoints under `root` before `newest` (the one `latest`
-    names now) but the keep - 1 latest of them; returns what was removed. Those past `newest` (left by
+    names now) but the keep - 1 latest of them; returns what was removed (one that cannot be is left,
+    with a warning). An eval or fine-tune reading a removed one fails: point those at `latest`, or keep
+    more. Those past `newest` (left by
     a launch whose `latest` was pointed back to an earlier one) are not counted nor removed. Each is
     renamed to iter_*.old first, so a kill while it is deleted leaves no partial checkpoint a resume or
     eval could take (the next save's remove_unfinished finishes the job)."""
@@ -104,12 +106,18 @@ def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
         return []
     at = int(newest.name[5:])
     before = [p for p in _complete_iterations(root) if int(p.name[5:]) < at]
-    older = before[:max(len(before) - (keep - 1), 0)]
-    for path in older:
+    removed = []
+    for path in before[:max(len(before) - (keep - 1), 0)]:
         aside = path.with_name(f"{path.name}.old")
-        os.replace(path, aside)
+        try:
+            shutil.rmtree(aside, ignore_errors=True)  # (one a kill, or an open file on NFS, left)
+            os.replace(path, aside)
+        except OSError as err:  # the save is complete: a checkpoint left over never fails the run
+            warnings.warn(f"train.keep_checkpoints={keep}: could not remove {path} ({err}); it stays", stacklevel=2)
+            continue
         shutil.rmtree(aside, ignore_errors=True)
-    return older
+        removed.append(path)
+    return removed
 
 
 def _fsync_dir(path: Path) -> None:

@@ -109,7 +109,7 @@ class TrainConfig:
     keep_checkpoints: int = 0
     """Keep only the N newest checkpoints, removing older ones once a save is complete (0: keep all, as
     Megatron-LM does). An 8.3B checkpoint with its Adam state is ~100 GB: every 1,000 of 300k
-    iterations, all of them would need ~30 TB."""
+    iterations, all of them would need ~30 TB. A job still reading a removed one (an eval) fails."""
     eval_interval: int = 0
     """Held-out loss every N iterations (0: only at the end)."""
     exit_duration_minutes: float = 0.0

@@ -52,12 +52,27 @@ def in_srun_task(environ=None) -> bool:
     return "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
 
 
+def srun_world_size(env) -> int:
+    """The task count of this srun step: SLURM_STEP_NUM_TASKS (SLURM_NTASKS is the allocation's in a
+    shell started with `srun --preserve-env`, as salloc's interactive step may be)."""
+    return int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+
+
 def _launched_train(argv: list[str] | None) -> bool:
-    """This process is a rank of `repro train` under srun or torchrun."""
+    """This process is a rank of `repro train` under srun or torchrun (not a one-rank launch whose
+    `--nproc` spawns the ranks: repro.train.commands)."""
     import os
 
     words = sys.argv[1:] if argv is None else argv
-    return words[:1] == ["train"] and (in_srun_task() or {"RANK", "WORLD_SIZE"} <= os.environ.keys())
+    if words[:1] != ["train"]:
+        return False
+    try:
+        world = (int(os.environ["WORLD_SIZE"]) if {"RANK", "WORLD_SIZE"} <= os.environ.keys() else
+                 srun_world_size(os.environ) if in_srun_task() else 0)
+    except ValueError:
+        return True  # (init_distributed names the bad value)
+    spawns = world == 1 and any(w == "--nproc" or w.startswith("--nproc=") for w in words)
+    return world > 0 and not spawns
 
 
 def _exit_now(code: int) -> None:

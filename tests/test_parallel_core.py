@@ -268,6 +268,27 @@ def test_rank_discovery_prefers_torchrun_then_slurm():
     assert slurm.device() == (torch.device("cuda", 1) if torch.cuda.is_available() else torch.device("cpu"))
 
 
+def test_a_one_task_step_is_a_world_of_one_and_its_nproc_spawns(monkeypatch):
+    """`srun --preserve-env` (salloc's interactive step) keeps the allocation's SLURM_NTASKS: the step's
+    own task count is the world. A `repro train --nproc N` started as the one rank of such a step (or of
+    torchrun) spawns its ranks, so it does not take stop signals as a rank would (they were recorded and
+    never acted on while the spawned ranks trained on)."""
+    from repro.cli import _launched_train
+
+    step = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_ID": "0"}
+    assert discover_launch_env(step).world_size == 1
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    for key, value in step.items():
+        monkeypatch.setenv(key, value)
+    assert not _launched_train(["train", "cfg.yaml", "--nproc", "2"])
+    assert _launched_train(["train", "cfg.yaml"])
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")  # a rank of a two-task step: --nproc is not for it
+    assert _launched_train(["train", "cfg.yaml", "--nproc=2"])
+    monkeypatch.delenv("SLURM_STEP_ID")  # a batch script's own shell
+    assert not _launched_train(["train", "cfg.yaml"])
+
+
 def test_slurm_rendezvous_without_launch_sh_derives_the_port_and_never_guesses_the_master(monkeypatch):
     """Under plain `srun repro ...` (no launch.sh): the port comes from the job id like launch.sh's,
     and a failed `scontrol show hostnames` is an error, not each node electing itself master."""

@@ -179,6 +179,7 @@ def test_a_batch_script_running_repro_train_nproc_itself_spawns_its_ranks(slurm_
 set -euo pipefail
 {sys.executable} -c "{LAUNCH_ENV.format(where='batch shell')}"
 srun {sys.executable} -c "{LAUNCH_ENV.format(where='srun task')}"
+srun -n1 --preserve-env {sys.executable} -c "{LAUNCH_ENV.format(where='preserve-env step')}"
 {train(run_dir)}
 srun -n1 {train(step_run_dir)}
 """)
@@ -189,6 +190,7 @@ srun -n1 {train(step_run_dir)}
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
     assert "batch shell: launched False world 1" in out, out
     assert out.count("srun task: launched True world 2") == 2, out
+    assert "preserve-env step: launched True world 1" in out, out  # SLURM_NTASKS is still the job's 2 there
     for where in (run_dir, step_run_dir):
         assert [s for s, _ in run_losses(where)] == [1, 2], out
         assert json.loads((where / "final_metrics.json").read_text())["iteration"] == 2

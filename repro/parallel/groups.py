@@ -238,16 +238,16 @@ def _slurm_port(env) -> int:
 
 
 def discover_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
-    """Prefer RANK/WORLD_SIZE/LOCAL_RANK (torchrun); fall back to SLURM_PROCID/NTASKS/LOCALID in a
-    task of an srun step (not in a batch script's own shell: repro.cli.in_srun_task)."""
-    from repro.cli import in_srun_task
+    """Prefer RANK/WORLD_SIZE/LOCAL_RANK (torchrun); fall back to SLURM_PROCID, the step's task count
+    and SLURM_LOCALID in a task of an srun step (not in a batch script's own shell: repro.cli.in_srun_task)."""
+    from repro.cli import in_srun_task, srun_world_size
 
     env = os.environ if environ is None else environ
     srun = in_srun_task(env)
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
     elif srun:
-        rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1))
+        rank, world = int(env["SLURM_PROCID"]), srun_world_size(env)
         local = int(env.get("SLURM_LOCALID", 0))
     else:
         rank, world, local = 0, 1, 0

@@ -185,12 +185,11 @@ class RunLogger:
         """Send the queued rows; after a failed request, those of them the run lacks (a failed request
         may have reached the store: metrics_past_latest), or of metrics.jsonl after a failed catch_up,
         and the params (of log_params) and artifacts it lacks. Ends a pause."""
-        if self._behind and self._reread:  # metrics.jsonl holds the queued rows too
-            self._send_rows_of_file(read_metrics(self.run_dir))
-            self._send_param_changes()
-            self._send_artifacts()
-        elif self._behind:
-            send_metrics(self._client, self.run_id, metrics_past_latest(self._client, self.run_id, self._pending))
+        if self._behind:
+            if self._reread:  # metrics.jsonl holds the queued rows too
+                self._send_rows_of_file(read_metrics(self.run_dir))
+            else:
+                send_metrics(self._client, self.run_id, metrics_past_latest(self._client, self.run_id, self._pending))
             self._send_param_changes()
             self._send_artifacts()
         else:

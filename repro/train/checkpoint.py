@@ -97,11 +97,11 @@ def finish_save(root: Path, iteration: int, pg: ProcessGroups, keep: int = 0) ->
 def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
     """With keep > 0, remove the complete checkpoints under `root` before `newest` (the one `latest`
     names now) but the keep - 1 latest of them; returns what was removed (one that cannot be is left,
-    with a warning). An eval or fine-tune reading a removed one fails: point those at `latest`, or keep
-    more. Those past `newest` (left by
-    a launch whose `latest` was pointed back to an earlier one) are not counted nor removed. Each is
-    renamed to iter_*.old first, so a kill while it is deleted leaves no partial checkpoint a resume or
-    eval could take (the next save's remove_unfinished finishes the job)."""
+    with a warning). Those past `newest` (left by a launch whose `latest` was pointed back to an
+    earlier one) are not counted nor removed. Each is renamed to iter_*.old first, so a kill while it
+    is deleted leaves no partial checkpoint a resume or eval could take (the next save's
+    remove_unfinished finishes the job). An eval or fine-tune still reading a removed one fails: point
+    those at `latest`, or keep more."""
     if keep <= 0:
         return []
     at = int(newest.name[5:])

@@ -3,6 +3,7 @@ a full disk while saving, preparing or evaluating, a half-swapped dataset, a kil
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -121,7 +122,27 @@ def test_ranks_of_a_forwarding_launch_take_stop_signals_from_their_first_line():
     from before it joins its group: a stop forwarded in the first seconds killed ranks still starting
     ("ended without a result (exit code -15)"). Without forwarding, ranks keep the default handlers."""
     assert run_ranks(_stop_handlers, 2, timeout=60, forward_signals=True) == [(True, True)] * 2
-    assert run_ranks(_stop_handlers, 2, timeout=60) == [(False, False)] * 2
+    with _sigint(signal.default_int_handler):
+        assert run_ranks(_stop_handlers, 2, timeout=60) == [(False, False)] * 2
+
+
+@contextlib.contextmanager
+def _sigint(handler):
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ranks_ignore_sigint_as_their_launcher_does_at_each_launch():
+    """A job started in the background of a script ignores SIGINT (the tests under `nohup ... &`): its
+    ranks ignore it too, and a later launch that does not ignore it gets ranks that do not, whichever
+    the fork server saw at the first launch (one test failed in such a run: ranks ignored SIGINT)."""
+    with _sigint(signal.SIG_IGN):
+        assert run_ranks(_stop_handlers, 2, timeout=60) == [(True, False)] * 2
+    with _sigint(signal.default_int_handler):
+        assert run_ranks(_stop_handlers, 2, timeout=60) == [(False, False)] * 2
 
 
 def test_the_ranks_die_with_a_sigkilled_launcher(corpus, tmp_path):
@@ -405,12 +426,13 @@ def test_a_ctrl_c_while_a_dataset_or_report_is_published_waits_for_the_last_rena
     from repro.train.signals import stop_signals_deferred
 
     renamed = []
-    with pytest.raises(KeyboardInterrupt):
-        with stop_signals_deferred():
-            signal.raise_signal(signal.SIGINT)
-            renamed.append("the last one")
+    with _sigint(signal.default_int_handler):  # (a suite started in the background ignores SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            with stop_signals_deferred():
+                signal.raise_signal(signal.SIGINT)
+                renamed.append("the last one")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert renamed == ["the last one"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def _interrupted(_args):

@@ -4,9 +4,10 @@ Used by the tests, `repro train --nproc N` and `repro selftest --nproc N`. The f
 importable (defined at module level); its return value must be picklable (plain numbers, lists, dicts).
 
 gloo ranks fork from a fork server (multiprocessing's forkserver) that imported torch at the first
-launch; each launch hands them the caller's environment variables, stdout and stderr, and fresh NumPy
-entropy. What they still take from the first launch: ignored signals, the signal mask, resource
-limits and umask (none of which repro changes). NCCL ranks are spawned afresh.
+launch; each launch hands them the caller's environment variables, stdout and stderr, whether it
+ignores SIGINT, and fresh NumPy entropy. What they still take from the first launch: other ignored
+signals, the signal mask, resource limits and umask (none of which repro changes). NCCL ranks are
+spawned afresh.
 """
 
 from __future__ import annotations
@@ -56,28 +57,34 @@ def check_gpu_count(world_size: int, backend: str, visible: int | None = None) -
 
 
 class _CallerContext:
-    """What a forked rank takes from its caller at each launch: the environment variables and where
-    stdout and stderr go (a pytest capture, a redirect). Ranks forked from the fork server would
-    otherwise keep the server's, from the first launch. (Spawned ranks inherit both already.)"""
+    """What a forked rank takes from its caller at each launch: the environment variables, where
+    stdout and stderr go (a pytest capture, a redirect) and whether SIGINT is ignored (a job started
+    in the background of a script ignores it). Ranks forked from the fork server would otherwise keep
+    the server's, from the first launch. (Spawned ranks inherit them already.)"""
 
-    def __init__(self, environ: dict[str, str], fds: dict[int, Any]) -> None:
-        self.environ, self.fds = environ, fds
+    def __init__(self, environ: dict[str, str], fds: dict[int, Any], sigint_ignored: bool = False) -> None:
+        self.environ, self.fds, self.sigint_ignored = environ, fds, sigint_ignored
 
     @classmethod
     def here(cls) -> "_CallerContext":
         """The caller's context; call it before opening the rank's queue, so that a closed stdout or
         stderr is seen closed, not as the number the queue's pipe took."""
-        return cls(dict(os.environ), {fd: fd for fd in (1, 2) if _is_open(fd)})
+        return cls(dict(os.environ), {fd: fd for fd in (1, 2) if _is_open(fd)},
+                   signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
 
     def __reduce__(self):  # pickled while the rank starts: the caller's descriptors are sent with it
-        return _CallerContext._received, (self.environ, {fd: reduction.DupFd(fd) for fd in self.fds})
+        return _CallerContext._received, (self.environ, {fd: reduction.DupFd(fd) for fd in self.fds},
+                                          self.sigint_ignored)
 
     @staticmethod
-    def _received(environ: dict[str, str], dups: dict) -> "_CallerContext":
-        return _CallerContext(environ, {fd: dup.detach() for fd, dup in dups.items()})
+    def _received(environ: dict[str, str], dups: dict, sigint_ignored: bool) -> "_CallerContext":
+        return _CallerContext(environ, {fd: dup.detach() for fd, dup in dups.items()}, sigint_ignored)
 
-    def adopt(self) -> None:
-        """In the rank: take the caller's environment and output descriptors."""
+    def adopt(self, own_sigint: bool = False) -> None:
+        """In the rank: take the caller's environment, output descriptors and SIGINT handling (unless
+        the rank handles SIGINT itself: `own_sigint`)."""
+        if not own_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN if self.sigint_ignored else signal.default_int_handler)
         os.environ.clear()
         os.environ.update(self.environ)
         for fd, received in self.fds.items():
@@ -120,7 +127,7 @@ def _entry(rank, world_size, port, store, backend, fn, args, results, caller: _C
         _leave_stops_to_the_launcher()
     _die_with(launcher)
     if caller is not None:
-        caller.adopt()
+        caller.adopt(own_sigint=forwarded)
         _reseed_numpy()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

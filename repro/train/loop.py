@@ -272,8 +272,9 @@ def _train_locked(cfg: RunConfig, pg: ProcessGroups, derived, local_rank: int, t
     # SIGTERM/SIGUSR1 from here on (Slurm warns before a time limit; setup may be under way): a signal
     # during setup or loading is honoured after the first step
     with StopSignal(pg.world_group, 60 * cfg.train.exit_duration_minutes) as stop:
-        data_size = train_data_size(cfg.data.train_prefix)  # (its index read once: ~16 s at 1.5B sentences)
+        data_size = None  # (a resume reads the index once for both: ~16 s at 1.5B sentences)
         if latest is not None:  # before the engine is built, the checkpoint read, or a cache written
+            data_size = train_data_size(cfg.data.train_prefix)
             check_same_train_data(saved, data_size, cfg.data.train_prefix, latest)
         eng = build_engine(cfg, derived, pg, local_rank)
         state, meta = TrainState(), {}
@@ -290,7 +291,7 @@ def _train_locked(cfg: RunConfig, pg: ProcessGroups, derived, local_rank: int, t
             _say_if_the_code_changed(meta, latest, pg.rank)
         placement = pg.placement or gather_placement(pg.world_group)
         train_data = build_dataset(cfg, cfg.data.train_prefix, write_cache=pg.rank == 0)
-        state.train_data = data_size
+        state.train_data = data_size or train_data_size(cfg.data.train_prefix)
         loader = iter(data_loader(cfg, pg, train_data, state.consumed_samples, eng.device.type))
         valid = _valid_loader(cfg, pg, eng.device.type)
         replaced = _set_aside_if_redone_differently(cfg, meta, state.iteration) if meta and pg.rank == 0 else None

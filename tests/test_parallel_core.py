@@ -7,7 +7,7 @@ import torch
 
 from repro.models.config import ConfigError, ModelConfig
 from repro.parallel import checks
-from repro.parallel.groups import LayoutError, ParallelDims, ProcessGroups, discover_launch_env
+from repro.parallel.groups import LayoutError, ParallelDims, ProcessGroups, discover_launch_env, spawns_ranks
 from repro.parallel.layers import pad_vocab_size
 from repro.parallel.spawn import run_ranks
 
@@ -277,6 +277,9 @@ def test_a_one_task_step_is_a_world_of_one_and_its_nproc_spawns(monkeypatch):
 
     step = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_ID": "0"}
     assert discover_launch_env(step).world_size == 1
+    two_tasks = discover_launch_env({**step, "SLURM_STEP_NUM_TASKS": "2"})
+    assert spawns_ranks(discover_launch_env(step), 2) and spawns_ranks(discover_launch_env({}), 2)
+    assert not spawns_ranks(two_tasks, 2) and not spawns_ranks(discover_launch_env(step), None)
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(var, raising=False)
     for key, value in step.items():

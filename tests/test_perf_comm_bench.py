@@ -34,7 +34,17 @@ def test_cluster_fields_follow_the_ring_model():
                                                   "node_net_gbps": 8 * 33.55, "alpha_inter_s": 20e-6})
 
 
-def test_comm_bench_on_local_ranks_writes_its_report(tmp_path, capsys):
+ONE_TASK_STEP = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}
+
+
+@pytest.mark.parametrize("slurm_env", [{}, ONE_TASK_STEP], ids=["plain", "one-task-srun-step"])
+def test_comm_bench_on_local_ranks_writes_its_report(tmp_path, capsys, monkeypatch, slurm_env):
+    """--nproc's ranks, also from the one task of an srun step (an interactive `srun --pty bash`):
+    before, such a step measured itself alone."""
+    for key in ("RANK", "WORLD_SIZE", *ONE_TASK_STEP):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in slurm_env.items():
+        monkeypatch.setenv(key, value)
     assert main(["comm-bench", "--nproc", "2", "--out", str(tmp_path), "--sizes", "8,64K", "--iters", "3"]) == 0
     report = json.loads((tmp_path / "comm_bench.json").read_text())
     rows = report["results"]

@@ -35,9 +35,15 @@ def test_gpt_sizes_round_to_the_papers(name):
 
 
 def test_selftest_cli_passes_on_two_ranks():
+    """Run as the one task of an srun step (an interactive `srun --pty bash`): --nproc still spawns its
+    ranks; before, the step checked itself alone and said so in a one-rank table."""
+    launchers = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    env = {**{k: v for k, v in os.environ.items() if k not in launchers},
+           "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}
     out = subprocess.run([sys.executable, "-m", "repro.cli", "selftest", "--nproc", "2"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "repro selftest: 2 ranks" in out.stdout
     assert "31/31 checks passed" in out.stdout
     assert "FAIL" not in out.stdout
 

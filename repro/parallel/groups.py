@@ -257,6 +257,12 @@ def discover_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(rank, world, local, addr, port, launched)
 
 
+def spawns_ranks(launch: LaunchEnv, nproc: int | None) -> bool:
+    """`--nproc N` spawns N local ranks unless a launcher (torchrun, srun) started several: a one-task
+    srun step, as an interactive `srun --pty bash` is, spawns them too."""
+    return nproc is not None and not (launch.launched and launch.world_size > 1)
+
+
 def default_backend() -> str:
     """NCCL when CUDA is available, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"

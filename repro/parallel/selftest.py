@@ -13,6 +13,9 @@ import sys
 
 import torch
 
+DEFAULT_NPROC = 2
+"""Local ranks `repro selftest` spawns without --nproc, outside a launch of several ranks."""
+
 
 def layouts_for(world_size: int, max_tp: int = 8) -> list[tuple[int, int]]:
     """Every (tp, dp) with tp * dp == world_size and tp <= max_tp, serial first."""
@@ -75,11 +78,12 @@ def _run(args) -> int:
 
     from repro.parallel.spawn import check_gpu_count, run_ranks
 
-    from repro.parallel.groups import default_backend, discover_launch_env
+    from repro.parallel.groups import default_backend, discover_launch_env, spawns_ranks
 
     backend = default_backend()
     _refuse_forced_tf32(backend)
-    if discover_launch_env().launched:  # by torchrun / srun
+    launch = discover_launch_env()
+    if launch.launched and not spawns_ranks(launch, args.nproc):  # the ranks of torchrun / srun
         from repro.parallel.groups import init_distributed
 
         torch.set_num_threads(1)
@@ -95,13 +99,13 @@ def _run(args) -> int:
     else:
         from repro.cli import UserError
 
-        if args.nproc < 1:
-            raise UserError(f"--nproc {args.nproc}: spawn at least one rank. Fix: e.g. --nproc 2")
+        world = DEFAULT_NPROC if args.nproc is None else args.nproc
+        if world < 1:
+            raise UserError(f"--nproc {world}: spawn at least one rank. Fix: e.g. --nproc 2")
         try:
-            check_gpu_count(args.nproc, backend)
+            check_gpu_count(world, backend)
         except ValueError as err:
             raise UserError(str(err)) from None
-        world = args.nproc
         rows = merge(run_ranks(rank_main, world, world, timeout=args.timeout, backend=backend))
     print_table(rows, f"repro selftest: {world} ranks, {backend}, torch {torch.__version__}")
     failed = [r["name"] for r in rows if not r["passed"]]
@@ -111,7 +115,8 @@ def _run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("selftest", help="check that every TP/DP layout reproduces the serial model")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun/srun)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"local ranks to spawn (default {DEFAULT_NPROC}; not under torchrun/srun with several ranks)")
     from repro.cli import positive_seconds
 
     p.add_argument("--timeout", type=positive_seconds, default=600, help="seconds before a hung check is killed")

@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_scaling)
     c = sub.add_parser("comm-bench", help="all-reduce bandwidth and latency inside and across nodes (for --cluster FILE)")
     c.add_argument("--out", type=Path, default=Path("results/bench/comm"))
-    c.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun/srun)")
+    c.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to spawn (default 2; not under torchrun/srun with several ranks)")
     c.add_argument("--sizes", default="8,1M,16M,64M", help="message sizes in bytes, comma-separated (K, M suffixes)")
     c.add_argument("--iters", type=int, default=10, help="timed all-reduces per size (their median is kept)")
     c.set_defaults(func=_comm_bench)
@@ -80,7 +81,7 @@ def parse_sizes(text: str) -> list[int]:
 
 def _comm_bench(args) -> int:
     from repro.cli import UserError
-    from repro.parallel.groups import default_backend, discover_launch_env, init_distributed
+    from repro.parallel.groups import default_backend, discover_launch_env, init_distributed, spawns_ranks
     from repro.parallel.spawn import check_gpu_count, run_ranks
     from repro.perf.comm_bench import rank_main, write_report
     from repro.provenance import make_out_dir
@@ -89,19 +90,21 @@ def _comm_bench(args) -> int:
     if args.iters < 1:
         raise UserError(f"--iters {args.iters}: time at least one all-reduce. Fix: e.g. --iters 10")
     make_out_dir(args.out, "results/bench/comm")
-    if discover_launch_env().launched:  # by torchrun / srun
+    launch = discover_launch_env()
+    if launch.launched and not spawns_ranks(launch, args.nproc):  # the ranks of torchrun / srun
         pg = init_distributed(tp=1)
         report = rank_main(sizes, args.iters, warmup=3)
         if pg.rank != 0:
             return 0
     else:
-        if args.nproc < 2:
-            raise UserError(f"--nproc {args.nproc}: an all-reduce needs at least 2 ranks. Fix: --nproc 2")
+        nproc = 2 if args.nproc is None else args.nproc
+        if nproc < 2:
+            raise UserError(f"--nproc {nproc}: an all-reduce needs at least 2 ranks. Fix: --nproc 2")
         try:
-            check_gpu_count(args.nproc, default_backend())
+            check_gpu_count(nproc, default_backend())
         except ValueError as err:
             raise UserError(str(err)) from None
-        report = run_ranks(rank_main, args.nproc, sizes, args.iters, 3, backend=default_backend())[0]
+        report = run_ranks(rank_main, nproc, sizes, args.iters, 3, backend=default_backend())[0]
     print(write_report(report, args.out))
     return 0
 

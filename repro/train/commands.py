@@ -95,13 +95,11 @@ def _preflight(args, spawn: bool) -> None:
 def _train(args) -> int:
     from contextlib import nullcontext
 
-    from repro.parallel.groups import discover_launch_env
+    from repro.parallel.groups import discover_launch_env, spawns_ranks
     from repro.train.signals import recording_stop_signals
 
     launch = discover_launch_env()
-    # --nproc spawns its ranks unless a launcher (torchrun, srun) started several: a one-task srun step,
-    # as an interactive `srun --pty bash` is, spawns them too
-    spawn = bool(args.nproc) and not (launch.launched and launch.world_size > 1)
+    spawn = spawns_ranks(launch, args.nproc)
     launched = launch.launched and not spawn
     # this process trains when launched: a stop signal from here on is honoured after the first step
     with recording_stop_signals() if launched else nullcontext():

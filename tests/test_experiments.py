@@ -76,3 +76,12 @@ def test_a_size_named_by_set_outranks_the_files_own_architecture():
         ("gpt2-355m", 24, 1024, 16)
     assert load_config(tiny, ["model_size=gpt2-355m", "model.num_layers=3"]).model.num_layers == 3
     assert load_config(tiny).model.num_layers == 2
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "experiments")))
+def test_a_long_run_keeps_a_bounded_number_of_checkpoints(path):
+    """A paper run saving every 1,000 of 300k iterations would keep 300 checkpoints (~30 TB at 8.3B with
+    Adam state): a config that writes more than 10 keeps only the newest few (train.keep_checkpoints)."""
+    train = load_config(path).train
+    saves = train.train_iters // train.save_interval if train.save_interval else 0
+    assert saves <= 10 or 0 < train.keep_checkpoints <= 5, (saves, train.keep_checkpoints)

@@ -155,9 +155,12 @@ def test_fp16_paper_scale_comes_down_from_2_pow_32(corpus, tmp_path):
     """From the paper's 2^32 the scale halves at the `hysteresis`-th overflow and at every one after
     it, until steps succeed."""
     eng, batches = tiny_engine(corpus, tmp_path, **{"precision.precision": "fp16"})
-    results = [train_step(eng, batches()) for _ in range(50)]
+    results = [train_step(eng, batches())]
+    while results[-1].skipped and len(results) < 50:  # fp16 on CPU is slow: stop at the first success
+        results.append(train_step(eng, batches()))
     assert results[0].skipped and eng.scaler.scale < 2.0**32
-    assert not results[-1].skipped and math.isfinite(results[-1].loss)
+    assert not results[-1].skipped and math.isfinite(results[-1].loss), len(results)
+    print(f"first successful step: {len(results)}, scale 2^{math.log2(eng.scaler.scale):g}")
 
 
 def _skipped_iters(run_dir: Path) -> dict[int, float]:

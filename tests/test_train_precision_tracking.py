@@ -160,7 +160,6 @@ def test_fp16_paper_scale_comes_down_from_2_pow_32(corpus, tmp_path):
         results.append(train_step(eng, batches()))
     assert results[0].skipped and eng.scaler.scale < 2.0**32
     assert not results[-1].skipped and math.isfinite(results[-1].loss), len(results)
-    print(f"first successful step: {len(results)}, scale 2^{math.log2(eng.scaler.scale):g}")
 
 
 def _skipped_iters(run_dir: Path) -> dict[int, float]:

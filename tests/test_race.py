@@ -428,18 +428,25 @@ def test_mixed_precision_fine_tuning_learns_and_agrees_over_ranks(vocab_file, pr
     (bf16 rounding; later the memorising trajectories part), and the loss halves. fp16 starts at
     Megatron's 2^32 loss scale and skips its first overflowing steps (many of these 40, a negligible
     share of RACE's ~8k), so it ends higher but still learns; at DP=2 every rank skips the same steps and gets the
-    same scale and accuracies (the serial run's overflow steps may differ: rounding differs by layout)."""
+    same scale and accuracies (the serial run's overflow steps may differ: rounding differs by layout). "Learns":
+    the last 5 steps' mean loss under 3/4 of the first."""
     fp32, _, _ = _precision_rank(str(vocab_file), 1, "fp32")
     half, scale, _ = _precision_rank(str(vocab_file), 1, precision)
     assert len(half) == len(fp32) == 40
     if precision == "bf16":
         assert half[-1] < 0.5 * half[0] and max(abs(a - b) for a, b in zip(half[:5], fp32[:5])) < 0.02, (half, fp32)
     else:
-        assert 2.0**8 < scale < 2.0**32 and half[-1] < 0.75 * half[0], (scale, half)
+        assert 2.0**8 < scale < 2.0**32 and _last_five(half) < 0.75 * half[0], (scale, half)
         ranks = run_ranks(_precision_rank, 2, str(vocab_file), 1, precision, timeout=300)
         assert ranks[0] == ranks[1]  # the same steps skipped, the same scale, the same accuracies
         losses, dp_scale, _ = ranks[0]
-        assert 2.0**8 < dp_scale < 2.0**32 and losses[-1] < 0.75 * losses[0], (dp_scale, losses)
+        assert 2.0**8 < dp_scale < 2.0**32 and _last_five(losses) < 0.75 * losses[0], (dp_scale, losses)
+
+
+def _last_five(losses: list[float]) -> float:
+    """The mean loss of the last 5 steps: one step's loss on its 10 questions swings by ~0.3 nats here
+    (a change in rounding order alone moved the last one from 0.90 to 1.04), five steps' mean by less."""
+    return sum(losses[-5:]) / 5
 
 
 def test_tp_defaults_to_the_smallest_degree_that_fits_the_gpu():

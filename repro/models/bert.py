@@ -32,6 +32,7 @@ from torch import nn
 from repro.models.config import GELU_FORMS, ConfigError, ModelConfig
 from repro.models.gpt import ParallelAttention, ParallelMLP, check_seq_length, real_vocab_columns
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
+from repro.parallel.half_gemm import linear
 from repro.parallel.layers import VocabParallelEmbedding, mark_tensor_parallel, normal_init
 from repro.parallel.mappings import copy_to_tensor_parallel_region, group_size
 from repro.parallel.random import RNGTracker, checkpoint, tp_region_tracker
@@ -150,7 +151,7 @@ class MaskedLMHead(nn.Module):
     def forward(self, x: torch.Tensor, word_weight: torch.Tensor) -> torch.Tensor:
         x = self.ln(F.gelu(self.dense(x), approximate=self.approximate))  # (b, s, h)
         x = copy_to_tensor_parallel_region(x, self.tp_group)  # f
-        return F.linear(x, word_weight, self.bias)  # (b, s, V/tp)
+        return linear(x, word_weight, self.bias)  # (b, s, V/tp)
 
 
 class BERT(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 
 from repro.models.config import GELU_FORMS, ModelConfig
 from repro.parallel.cross_entropy import vocab_parallel_cross_entropy
+from repro.parallel.half_gemm import linear
 from repro.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -160,7 +161,7 @@ class GPT(nn.Module):
         """The tied output layer on hidden states (..., h): this rank's vocab slice of the logits
         (..., V/tp), padded columns at -inf. Evaluation applies it to the scored positions only."""
         x = copy_to_tensor_parallel_region(hidden, self.tp_group)  # f
-        logits = F.linear(x, self.transformer.wte.weight)
+        logits = linear(x, self.transformer.wte.weight)
         if self.num_real_local < logits.shape[-1]:  # padded vocab columns: never predicted
             if torch.compiler.is_compiling():  # a mask the compiler folds into the loss's reads of the logits
                 return logits.masked_fill(_padded_columns(logits, self.num_real_local), float("-inf"))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from repro.parallel.half_gemm import linear
 from repro.parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -157,7 +158,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -180,7 +181,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = reduce_from_tensor_parallel_region_(F.linear(x, self.weight), self.tp_group)
+        y = reduce_from_tensor_parallel_region_(linear(x, self.weight), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 

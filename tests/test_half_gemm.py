@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from repro.parallel.half_gemm import CPU_NATIVE_HALF_GEMM, HALF_DTYPES, fp32_gemm_dtype, linear
+from repro.parallel.half_gemm import CPU_NATIVE_HALF_GEMM, HALF_DTYPES, fp32_gemm_dtype, linear, native_half_gemm
 
 
 
@@ -92,8 +92,20 @@ def test_float32_mixed_dtypes_and_native_kernels_go_to_f_linear_unchanged():
         torch.testing.assert_close(linear(x32, w32), F.linear(x32, w32), rtol=0, atol=0)
         with pytest.raises(RuntimeError, match="dtype"):  # F.linear's own error for bf16 x with fp32 w
             linear(x32.bfloat16(), w32)
-    for dtype in CPU_NATIVE_HALF_GEMM:
-        assert fp32_gemm_dtype(x32.to(dtype), w32.to(dtype), None) is None
+    with torch.backends.mkldnn.flags(enabled=True):
+        for dtype in CPU_NATIVE_HALF_GEMM:
+            assert fp32_gemm_dtype(x32.to(dtype), w32.to(dtype), None) is None
+
+
+def test_native_half_gemm_turns_the_fp32_path_off_for_its_extent():
+    """For memory measurements that stand for a GPU's (repro.perf.plan_check)."""
+    x, w, b, _ = _inputs(torch.float16)
+    with no_native_half_kernels():
+        with native_half_gemm():
+            assert fp32_gemm_dtype(x, w, b) is None
+            assert type(linear(x, w, b).grad_fn).__name__ == "ViewBackward0"  # F.linear: addmm, then a view to 3-D
+        assert type(linear(x, w, b).grad_fn).__name__ == "_HalfLinearInFp32Backward"
+        assert fp32_gemm_dtype(x, w, b) == torch.float16
 
 
 def test_a_compiled_graph_keeps_the_native_half_linear():

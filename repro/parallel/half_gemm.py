@@ -12,9 +12,16 @@ way (inputs rounded to the autocast dtype first, as autocast would).
 
 Compiled graphs keep the native half GEMM: they are the graphs a GPU runs, and the ones
 repro.perf.compiled_buffers reads; GPUs and CPUs with native kernels never take the fp32 path.
+Within `native_half_gemm()` neither does eager code: the fp32 path's temporaries (an fp32 copy of
+the logits, of the weight) are the CPU's own, so a memory measurement meant to stand for a GPU's
+(repro.perf.plan_check) runs without them.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +48,19 @@ def cpu_native_half_gemm_dtypes() -> frozenset[torch.dtype]:
 CPU_NATIVE_HALF_GEMM = cpu_native_half_gemm_dtypes()
 """Fixed by the hardware at import; read (not changed) by `linear`, which also honours
 `torch.backends.mkldnn.flags(enabled=False)` (PyTorch's GEMMs then skip oneDNN: no native half kernels)."""
+
+
+_NATIVE_ONLY = contextvars.ContextVar("repro_native_half_gemm", default=False)
+
+
+@contextlib.contextmanager
+def native_half_gemm() -> Iterator[None]:
+    """Within: `linear` is F.linear on every CPU (the allocations a GPU makes; slow without kernels)."""
+    token = _NATIVE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _NATIVE_ONLY.reset(token)
 
 
 class _HalfLinearInFp32(torch.autograd.Function):
@@ -72,9 +92,10 @@ class _HalfLinearInFp32(torch.autograd.Function):
 
 def fp32_gemm_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype | None:
     """The half dtype whose GEMM `linear` computes in fp32 here, or None where F.linear runs as is:
-    on CPU, outside compiled graphs, for a half dtype this CPU has no native kernels for, and only
-    where F.linear itself would compute in that dtype (autocast's, or that of all three inputs)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    on CPU, outside compiled graphs and `native_half_gemm()`, for a half dtype this CPU has no native
+    kernels for, and only where F.linear itself would compute in that dtype (autocast's, or that of
+    all three inputs)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or _NATIVE_ONLY.get():
         return None
     if torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")

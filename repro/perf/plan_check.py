@@ -64,6 +64,7 @@ def _micro_batches(cfg, accum: int) -> list:
 def measured_and_planned(extra: dict, accum: int = 1, world: int = 1, family: str = "gpt") -> tuple[int, int]:
     """(measured peak, planned peak) in bytes on this rank: engine build and two training steps."""
     from repro.parallel.groups import ParallelDims, ProcessGroups, build_process_groups
+    from repro.parallel.half_gemm import native_half_gemm
     from repro.perf.activations import peak_bytes_during
     from repro.perf.plan import memory_plan
     from repro.train.config import derive, load_config
@@ -81,7 +82,8 @@ def measured_and_planned(extra: dict, accum: int = 1, world: int = 1, family: st
         for _ in range(2):
             train_step(eng, batches)
 
-    _, peak = peak_bytes_during(run)
+    with native_half_gemm():  # a GPU's allocations, not the fp32 copies of a CPU without half kernels
+        _, peak = peak_bytes_during(run)
     return peak, memory_plan(cfg, derived, "cpu").peak
 
 
